@@ -1,0 +1,75 @@
+"""``physis-rollout``: the sequential reference rollout of a model over the synthetic scene.
+
+Prints a live per-chunk table and optionally writes JSON with a sha256 per chunk
+(over its float32 bytes) and one over the whole output, so two runs, or a
+reference and a server, can be compared exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+
+import numpy as np
+
+from physis_ros.cli.common import fail, set_threads, write_json
+from physis_ros.config import ConfigError
+from physis_ros.model import build_model, load_model_config
+from physis_ros.observations import SyntheticScene
+from physis_ros.reference import reference_rollout
+
+
+def chunk_bytes(output) -> bytes:
+    return np.ascontiguousarray(output.numpy(), dtype=np.float32).tobytes()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="physis-rollout", description=__doc__)
+    parser.add_argument("--model", default="tiny-wam", help="preset name or model YAML path")
+    parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument("--streams", type=int, default=1, help="number of streams (robots), round robin")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--json", help="write per-chunk hashes and timings here")
+    parser.add_argument("--live", action="store_true", help="print a table row per chunk as it is produced")
+    args = parser.parse_args(argv)
+    if args.chunks < 1 or args.streams < 1:
+        fail("--chunks and --streams must be >= 1")
+    set_threads(args.threads)
+    try:
+        config = load_model_config(args.model)
+        model = build_model(config, device=args.device)
+    except (ConfigError, ValueError, RuntimeError) as exc:
+        fail(str(exc))
+    streams = [f"robot{i}" for i in range(args.streams)]
+    scene = SyntheticScene(config.observation_shapes)
+    total = hashlib.sha256()
+    rows = []
+    if args.live:
+        print(f"{config.name}: {config.kind}, {config.blocks} blocks x {config.steps} steps, "
+              f"{config.tokens_per_chunk} tokens/chunk, output {list(config.output_shape)}, device {args.device}")
+        print(f"{'stream':>8} {'chunk':>6} {'ms':>8} {'chunks/s':>9} {'|x|max':>8}  sha256")
+    start = time.perf_counter()
+    for n, r in enumerate(reference_rollout(model, scene.observation, streams, args.chunks, args.seed), 1):
+        data = chunk_bytes(r.output)
+        digest = hashlib.sha256(data).hexdigest()
+        total.update(data)
+        rows.append({"stream": r.stream, "index": r.index, "sha256": digest, "ms": round(r.ms, 3)})
+        if args.live:
+            rate = n / (time.perf_counter() - start)
+            print(f"{r.stream:>8} {r.index:>6} {r.ms:>8.2f} {rate:>9.1f} {r.output.abs().max().item():>8.3f}"
+                  f"  {digest[:16]}", flush=True)
+    ms = np.array([r["ms"] for r in rows])
+    print(f"{len(rows)} chunks: ms p50 {np.percentile(ms, 50):.2f}, p99 {np.percentile(ms, 99):.2f}; "
+          f"output sha256 {total.hexdigest()}")
+    if args.json:
+        write_json(args.json, {"model": config.name, "seed": args.seed, "device": args.device,
+                               "streams": streams, "chunks": rows, "output_sha256": total.hexdigest()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Stage-local noisy KV cache: one persistent table per hosted block.
+
+A table holds, for each *slot* (one (stream, step) pair), the keys and values
+that earlier chunks wrote at that block and step: an optional *sink* chunk (the
+stream's first chunk, kept for good) followed by a rolling window of the last
+``window`` chunks, oldest first. A slot's storage never moves once allocated;
+tasks name their slot and the table gathers from it (no re-layout per task).
+
+Keys stay in chronological order (the window is shifted, not a ring buffer) so
+that attention reduces over keys in one fixed order: the sequential reference
+and every distributed execution then produce bit-identical fp32 results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVTable:
+    """Keys/values of one block for ``slots`` (stream, step) slots."""
+
+    def __init__(self, slots: int, tokens_per_chunk: int, window: int, sink: bool,
+                 heads: int, head_dim: int, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        if window < 1:
+            raise ValueError(f"window must be >= 1 chunk, got {window}")
+        self.tokens_per_chunk = tokens_per_chunk
+        self.window = window
+        self.sink = sink
+        self.capacity = (window + int(sink)) * tokens_per_chunk
+        shape = (slots, self.capacity, heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = [0] * slots
+        self.chunks_written = [0] * slots
+
+    @property
+    def slots(self) -> int:
+        return len(self.length)
+
+    def slot_bytes(self) -> int:
+        return 2 * self.k[0].numel() * self.k.element_size()
+
+    def reset(self, slot: int) -> None:
+        """Forget a slot's history (a new stream takes it, or a stream restarts)."""
+        self.length[slot] = 0
+        self.chunks_written[slot] = 0
+
+    def cached(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the keys and values cached in a slot, oldest first: [n, heads, head_dim]."""
+        n = self.length[slot]
+        return self.k[slot, :n], self.v[slot, :n]
+
+    def append(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append one chunk's keys/values ([T, heads, head_dim]); drop the oldest window chunk if full."""
+        t = self.tokens_per_chunk
+        if k.shape[0] != t:
+            raise ValueError(f"expected {t} tokens per chunk, got {k.shape[0]}")
+        n = self.length[slot]
+        if n + t <= self.capacity:
+            self.k[slot, n:n + t] = k
+            self.v[slot, n:n + t] = v
+            self.length[slot] = n + t
+        else:
+            start = t if self.sink else 0  # the sink chunk never leaves
+            self.k[slot, start:-t] = self.k[slot, start + t:].clone()
+            self.v[slot, start:-t] = self.v[slot, start + t:].clone()
+            self.k[slot, -t:] = k
+            self.v[slot, -t:] = v
+        self.chunks_written[slot] += 1
+
+
+@dataclass
+class KVBatch:
+    """The slots one batched block call reads and appends to: sample i uses ``slots[i]``."""
+
+    table: KVTable
+    slots: list[int]
+
+    def attend_inputs(self, k: torch.Tensor, v: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Keys/values to attend to: each sample's cache followed by its own tokens.
+
+        ``k``/``v``: [B, T, heads, head_dim]. Returns keys, values of shape
+        [B, L, heads, head_dim] and a boolean mask [B, L] (True = attend), or
+        None when no padding was needed (always the case for B == 1).
+        """
+        if len(self.slots) != k.shape[0]:
+            raise ValueError(f"{len(self.slots)} slots for a batch of {k.shape[0]}")
+        cached = [self.table.cached(s) for s in self.slots]
+        lengths = [ck.shape[0] for ck, _ in cached]
+        if len(set(lengths)) == 1:
+            if lengths[0] == 0:
+                return k, v, None
+            ks = torch.cat([torch.stack([ck for ck, _ in cached]), k], dim=1)
+            vs = torch.cat([torch.stack([cv for _, cv in cached]), v], dim=1)
+            return ks, vs, None
+        longest = max(lengths)
+        b, t = k.shape[:2]
+        keys = k.new_zeros((b, longest + t, *k.shape[2:]))
+        vals = v.new_zeros((b, longest + t, *v.shape[2:]))
+        mask = torch.zeros((b, longest + t), dtype=torch.bool, device=k.device)
+        for i, ((ck, cv), n) in enumerate(zip(cached, lengths)):
+            keys[i, :n] = ck
+            vals[i, :n] = cv
+            keys[i, n:n + t] = k[i]
+            vals[i, n:n + t] = v[i]
+            mask[i, :n + t] = True
+        return keys, vals, mask
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        for i, slot in enumerate(self.slots):
+            self.table.append(slot, k[i], v[i])

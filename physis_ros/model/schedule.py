@@ -1,0 +1,31 @@
+"""Flow-matching timestep schedule and its Euler update."""
+
+from __future__ import annotations
+
+import torch
+
+
+class FlowMatchingSchedule:
+    """Timesteps ``t_K > ... > t_0 = 0`` (index ``k`` = denoising step) and ``x <- x + (t_{k-1} - t_k) v``.
+
+    ``shift`` warps the uniform grid as in SD3 / Wan (``t' = s t / (1 + (s - 1) t)``);
+    ``shift = 1`` is the plain uniform grid.
+    """
+
+    def __init__(self, steps: int, shift: float = 1.0):
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        self.steps = steps
+        u = torch.linspace(0.0, 1.0, steps + 1, dtype=torch.float64)
+        t = shift * u / (1.0 + (shift - 1.0) * u)
+        self.t = t.to(torch.float32)  # self.t[k] is t_k; t[0] == 0, t[K] == 1
+
+    def timestep(self, k: torch.Tensor) -> torch.Tensor:
+        """Per-sample timesteps for step indices ``k`` ([B] integers in 1..K)."""
+        return self.t[k.cpu()].to(k.device)
+
+    def update(self, x: torch.Tensor, v: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """One Euler step from ``t_k`` to ``t_{k-1}``, per sample."""
+        kc = k.cpu()
+        dt = (self.t[kc - 1] - self.t[kc]).to(device=x.device, dtype=x.dtype)
+        return x + dt.view(-1, *([1] * (x.dim() - 1))) * v

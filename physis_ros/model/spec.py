@@ -1,0 +1,126 @@
+"""Model configuration (what ``config/models/*.yaml`` holds) and the shape metadata a model exposes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from physis_ros.config import ConfigError, bounded
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class WAMIO:
+    """World-action model I/O: RGB image + joint state in, action chunk [horizon, dof] out."""
+
+    image_size: int = field(default=32, metadata=bounded(ge=4))
+    image_channels: int = field(default=3, metadata=bounded(choices=(1, 3)))
+    patch: int = field(default=8, metadata=bounded(ge=1))
+    state_dim: int = field(default=7, metadata=bounded(ge=1))
+    horizon: int = field(default=16, metadata=bounded(ge=1))
+    dof: int = field(default=7, metadata=bounded(ge=1))
+
+    def validate(self) -> None:
+        if self.image_size % self.patch:
+            raise ConfigError("wam.patch", f"{self.patch} must divide image_size {self.image_size}")
+
+
+@dataclass(frozen=True)
+class ACWMIO:
+    """Action-conditioned world model I/O: action chunk + state in, latent frames [F, C, h, w] out."""
+
+    action_horizon: int = field(default=16, metadata=bounded(ge=1))
+    action_dim: int = field(default=7, metadata=bounded(ge=1))
+    state_dim: int = field(default=7, metadata=bounded(ge=1))
+    frames: int = field(default=2, metadata=bounded(ge=1))
+    latent_channels: int = field(default=4, metadata=bounded(ge=1))
+    latent_height: int = field(default=8, metadata=bounded(ge=1))
+    latent_width: int = field(default=8, metadata=bounded(ge=1))
+    patch: int = field(default=2, metadata=bounded(ge=1))
+
+    def validate(self) -> None:
+        for side in ("latent_height", "latent_width"):
+            if getattr(self, side) % self.patch:
+                raise ConfigError("acwm.patch", f"{self.patch} must divide {side} {getattr(self, side)}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A servable DiT: trunk shape, denoising schedule, KV window and the I/O head."""
+
+    name: str
+    kind: str = field(metadata=bounded(choices=("wam", "acwm")))
+    hidden: int = field(metadata=bounded(ge=8))
+    heads: int = field(metadata=bounded(ge=1))
+    blocks: int = field(metadata=bounded(ge=1))
+    steps: int = field(metadata=bounded(ge=1))
+    ffn: int = field(default=0, metadata=bounded(ge=0))  # 0 means 4 * hidden
+    window: int = field(default=2, metadata=bounded(ge=1))
+    sink: bool = False
+    timestep_shift: float = field(default=1.0, metadata=bounded(gt=0.0))
+    dtype: str = field(default="float32", metadata=bounded(choices=DTYPES))
+    init_seed: int = 0
+    description: str = ""
+    wam: WAMIO | None = None
+    acwm: ACWMIO | None = None
+
+    def validate(self) -> None:
+        if self.hidden % self.heads:
+            raise ConfigError("heads", f"{self.heads} must divide hidden {self.hidden}")
+        if self.kind == "wam" and self.wam is None:
+            raise ConfigError("wam", "kind 'wam' needs a 'wam:' section")
+        if self.kind == "acwm" and self.acwm is None:
+            raise ConfigError("acwm", "kind 'acwm' needs an 'acwm:' section")
+        other = "acwm" if self.kind == "wam" else "wam"
+        if getattr(self, other) is not None:
+            raise ConfigError(other, f"a '{other}:' section does not belong to kind '{self.kind}'")
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def num_stages(self) -> int:
+        return self.steps * self.blocks
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        if self.wam is not None:
+            io = self.wam
+            return (io.image_size // io.patch) ** 2 + 1 + io.horizon
+        io = self.acwm
+        assert io is not None
+        per_frame = (io.latent_height // io.patch) * (io.latent_width // io.patch)
+        return io.action_horizon + 1 + io.frames * per_frame
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        if self.wam is not None:
+            return (self.wam.horizon, self.wam.dof)
+        io = self.acwm
+        assert io is not None
+        return (io.frames, io.latent_channels, io.latent_height, io.latent_width)
+
+    @property
+    def observation_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Named observation tensors one chunk consumes (float32, unbatched)."""
+        if self.wam is not None:
+            io = self.wam
+            return {"image": (io.image_channels, io.image_size, io.image_size), "state": (io.state_dim,)}
+        io = self.acwm
+        assert io is not None
+        return {"actions": (io.action_horizon, io.action_dim), "state": (io.state_dim,)}
+
+    def block_params(self) -> int:
+        """Parameters of one transformer block (attention, MLP, adaLN modulation)."""
+        d, f = self.hidden, self.ffn_dim
+        return (4 * d * d + 4 * d) + (2 * d * f + f + d) + (6 * d * d + 6 * d)
+
+    def kv_slot_bytes(self) -> int:
+        """Bytes of one (stream, step) KV slot of one block."""
+        itemsize = 4 if self.dtype == "float32" else 2
+        return 2 * (self.window + int(self.sink)) * self.tokens_per_chunk * self.hidden * itemsize

@@ -1,0 +1,67 @@
+"""Running one stage ``(k, b)`` of any servable model, for one task or a batch of tasks.
+
+A task's travelling state is a dict of tensors with a leading batch dimension:
+``obs/<name>`` (before the chunk's first stage), ``cond`` (condition tokens),
+``x`` (the noisy chunk) and ``h`` (hidden state, between blocks of one step).
+Only this state moves between workers; KV caches stay with their stage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from physis_ros.model.interface import ServableModel
+from physis_ros.model.kv import KVBatch
+
+OBS_PREFIX = "obs/"
+
+
+def chunk_input(obs: dict[str, torch.Tensor], noise: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The state that enters stage ``(K, 0)``: batched observation tensors and the initial noise."""
+    state = {OBS_PREFIX + name: value for name, value in obs.items()}
+    state["x"] = noise
+    return state
+
+
+def _encode_pending(model: ServableModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if "cond" in state:
+        return state
+    obs = {k[len(OBS_PREFIX):]: v for k, v in state.items() if k.startswith(OBS_PREFIX)}
+    return {"cond": model.encode(obs), "x": state["x"]}
+
+
+def stack_states(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    if len(states) == 1:
+        return states[0]
+    return {key: torch.cat([s[key] for s in states], dim=0) for key in states[0]}
+
+
+def split_state(state: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+    if n == 1:
+        return [state]
+    return [{key: value[i:i + 1] for key, value in state.items()} for i in range(n)]
+
+
+@torch.no_grad()
+def run_stage(model: ServableModel, b: int, steps: list[int], states: list[dict[str, torch.Tensor]],
+              kv: KVBatch) -> list[dict[str, torch.Tensor]]:
+    """Run block ``b`` for tasks at denoising steps ``steps`` (one per task, any mix of steps).
+
+    Each task's state has batch size 1; ``kv.slots[i]`` is task i's slot.
+    With one task this performs exactly the operations of the sequential
+    reference loop, so results are bit-identical to it.
+    """
+    last = model.config.blocks - 1
+    if b == 0:
+        states = [_encode_pending(model, s) for s in states]
+    state = stack_states(states)
+    k = torch.tensor(steps, dtype=torch.long, device=state["x"].device)
+    t = model.schedule.timestep(k)
+    h = model.embed(state["cond"], state["x"], t) if b == 0 else state["h"]
+    h = model.block(b, h, t, kv)
+    if b == last:
+        x = model.schedule.update(state["x"], model.head(h, t), k)
+        out = {"cond": state["cond"], "x": x}
+    else:
+        out = {"cond": state["cond"], "x": state["x"], "h": h}
+    return split_state(out, len(states))

@@ -1,0 +1,74 @@
+"""The sequential reference rollout: the plain loop of DESIGN.md section 2.
+
+Every distributed execution is checked against this. It is written directly
+against the model interface (no stage machinery), one stream at a time, so it
+is the simplest statement of what the server must compute.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from physis_ros.model.interface import ServableModel
+from physis_ros.model.kv import KVBatch, KVTable
+
+ObservationSource = Callable[[str, int], dict[str, np.ndarray]]
+
+
+@dataclass
+class ReferenceChunk:
+    stream: str
+    index: int
+    output: torch.Tensor  # [*output_shape], float32 on CPU
+    ms: float
+
+
+class ReferenceRollout:
+    """Stateful reference for one or more streams: call :meth:`step` once per chunk and stream."""
+
+    def __init__(self, model: ServableModel, seed: int = 0):
+        self.model = model
+        self.seed = seed
+        self._tables: dict[str, list[KVTable]] = {}
+        self._next_chunk: dict[str, int] = {}
+
+    def _stream_tables(self, stream: str) -> list[KVTable]:
+        if stream not in self._tables:
+            # One slot per step: slot k-1 holds what earlier chunks wrote at step k.
+            self._tables[stream] = [self.model.new_kv_table(b, self.model.config.steps)
+                                    for b in range(self.model.config.blocks)]
+            self._next_chunk[stream] = 0
+        return self._tables[stream]
+
+    @torch.no_grad()
+    def step(self, stream: str, obs: dict[str, np.ndarray]) -> ReferenceChunk:
+        model, cfg = self.model, self.model.config
+        tables = self._stream_tables(stream)
+        c = self._next_chunk[stream]
+        start = time.perf_counter()
+        x = model.noise(self.seed, stream, c)
+        cond = model.encode(model.observation_tensors(obs))
+        for k in range(cfg.steps, 0, -1):
+            ks = torch.tensor([k], dtype=torch.long, device=x.device)
+            t = model.schedule.timestep(ks)
+            h = model.embed(cond, x, t)
+            for b in range(cfg.blocks):
+                h = model.block(b, h, t, KVBatch(tables[b], [k - 1]))
+            x = model.schedule.update(x, model.head(h, t), ks)
+        ms = (time.perf_counter() - start) * 1e3
+        self._next_chunk[stream] = c + 1
+        return ReferenceChunk(stream, c, x[0].float().cpu(), ms)
+
+
+def reference_rollout(model: ServableModel, source: ObservationSource, streams: list[str], chunks: int,
+                      seed: int = 0) -> Iterator[ReferenceChunk]:
+    """Chunks 0..chunks-1 of every stream (round robin), each from ``source(stream, chunk)``."""
+    ref = ReferenceRollout(model, seed)
+    for c in range(chunks):
+        for s in streams:
+            yield ref.step(s, source(s, c))

@@ -1,0 +1,1 @@
+"""Stage pipelining runtime: wire format, worker processes, engine, placement plans."""

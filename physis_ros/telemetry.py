@@ -1,0 +1,102 @@
+"""Per-chunk telemetry records and their aggregates (DESIGN.md section 6).
+
+The same records feed the ROS topics, the benchmark JSON and the plots. Times
+are in seconds on one clock (the engine's), durations in milliseconds. Stage
+compute and queue times are durations measured inside each worker, so they
+are valid across hosts whose clocks differ; ``hop_ms`` compares send and
+receive instants and is only filled where the processes share a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class ChunkRecord:
+    stream: str
+    chunk: int
+    obs_stamp: float                 # s, stamp of the observation the chunk used
+    enqueue: float                   # s, chunk entered the pipeline
+    emit: float                      # s, chunk left the pipeline
+    interval_ms: float               # since this stream's previous emit (nan for the first chunk)
+    stage_ms: list[float]            # compute per stage, pipeline order
+    queue_ms: float                  # total wait in worker ready queues
+    hops_ms: list[float]             # worker-to-worker (and engine) transfer times, same-host only
+    batch_sizes: list[int]
+    worker_compute_ms: dict[str, float] = field(default_factory=dict)
+    deadline_miss: bool = False
+
+    @property
+    def latency_ms(self) -> float:
+        return (self.emit - self.obs_stamp) * 1e3
+
+    @property
+    def obs_age_ms(self) -> float:
+        return (self.enqueue - self.obs_stamp) * 1e3
+
+    @property
+    def pipeline_ms(self) -> float:
+        return (self.emit - self.enqueue) * 1e3
+
+    @property
+    def transport_ms(self) -> float:
+        """Time in flight that was neither compute nor queueing: wire, copies, engine overhead."""
+        return max(0.0, self.pipeline_ms - sum(self.stage_ms) - self.queue_ms)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(latency_ms=self.latency_ms, obs_age_ms=self.obs_age_ms, transport_ms=self.transport_ms,
+                 stage_ms_min=min(self.stage_ms, default=0.0), stage_ms_max=max(self.stage_ms, default=0.0),
+                 stage_ms_sum=sum(self.stage_ms))
+        return d
+
+
+def percentile(values, q: float) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def summarize(records: list[ChunkRecord], skip: int = 0) -> dict:
+    """Steady-state statistics over ``records[skip:]`` (skip the pipeline's fill phase)."""
+    rs = records[skip:]
+    intervals = [r.interval_ms for r in rs if not math.isnan(r.interval_ms)]
+    span = rs[-1].emit - rs[0].emit if len(rs) > 1 else float("nan")
+    return {
+        "chunks": len(rs),
+        "interval_ms_p50": percentile(intervals, 50),
+        "interval_ms_p99": percentile(intervals, 99),
+        "interval_ms_jitter": float(np.std(intervals)) if intervals else float("nan"),
+        "latency_ms_p50": percentile([r.latency_ms for r in rs], 50),
+        "latency_ms_p99": percentile([r.latency_ms for r in rs], 99),
+        "obs_age_ms_p50": percentile([r.obs_age_ms for r in rs], 50),
+        "chunks_per_s": (len(rs) - 1) / span if span and span > 0 else float("nan"),
+        "hop_ms_p50": percentile([h for r in rs for h in r.hops_ms], 50),
+        "deadline_misses": sum(r.deadline_miss for r in rs),
+    }
+
+
+class RollingStats:
+    """Aggregates over the last ``window`` chunks of one stream, for live tables and /diagnostics."""
+
+    def __init__(self, window: int = 200):
+        self.records: deque[ChunkRecord] = deque(maxlen=window)
+        self.total = 0
+        self.deadline_misses = 0
+
+    def add(self, record: ChunkRecord) -> None:
+        self.records.append(record)
+        self.total += 1
+        self.deadline_misses += record.deadline_miss
+
+    def summary(self) -> dict:
+        if not self.records:
+            return {"chunks": 0}
+        out = summarize(list(self.records))
+        out["total"] = self.total
+        out["deadline_misses_total"] = self.deadline_misses
+        return out

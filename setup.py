@@ -1,0 +1,67 @@
+"""pip packaging of physis_ros.
+
+The Python dependencies that are not ROS are listed here.  torch and the ROS 2
+wheels (rclpy, message packages, rosidl build tools) are pinned in
+requirements.txt and installed by `make setup`, which also generates the
+message code (physis_ros/msg, see tools/build_msgs.sh).  A colcon build uses
+CMakeLists.txt instead and ignores this file.
+"""
+
+from glob import glob
+import os
+
+from setuptools import find_packages, setup
+
+PACKAGE = "physis_ros"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _files(pattern):
+    return sorted(
+        os.path.relpath(p, HERE)
+        for p in glob(os.path.join(HERE, pattern))
+        if os.path.isfile(p) and not os.path.basename(p).startswith(".")
+    )
+
+
+def _data_files():
+    share = os.path.join("share", PACKAGE)
+    entries = [
+        ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
+        (share, ["package.xml"]),
+        (os.path.join(share, "launch"), _files("launch/*")),
+        (os.path.join(share, "config"), _files("config/*.yaml")),
+        (os.path.join(share, "config", "models"), _files("config/models/*.yaml")),
+    ]
+    return [(dest, files) for dest, files in entries if files]
+
+
+setup(
+    name=PACKAGE,
+    version="0.1.0",
+    description="Physis ROS 2 integration: chunked action streaming for robot policies",
+    license="Apache-2.0",
+    maintainer="Physis Team",
+    maintainer_email="physis-team@physis-robotics.org",
+    python_requires=">=3.10",
+    packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]),
+    # Generated message code (physis_ros/msg, type support extension modules)
+    # is included when present so that a regular (non-editable) wheel works
+    # too, provided tools/build_msgs.sh ran first.
+    package_data={PACKAGE: ["*.so"], f"{PACKAGE}.msg": ["*.py"]},
+    include_package_data=False,
+    data_files=_data_files(),
+    install_requires=[
+        "numpy",
+        "pyzmq",
+        "msgpack",
+        "pyyaml",
+        "safetensors",
+    ],
+    zip_safe=False,
+    entry_points={
+        "console_scripts": [
+            "physis-rollout=physis_ros.cli.rollout:main",
+        ],
+    },
+)
