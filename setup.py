@@ -62,6 +62,8 @@ setup(
     entry_points={
         "console_scripts": [
             "physis-rollout=physis_ros.cli.rollout:main",
+            "physis-worker=physis_ros.runtime.worker:main",
+            "physis-bench=physis_ros.cli.bench:main",
         ],
     },
 )

@@ -94,13 +94,16 @@ class _WorkerProc:
 
 class Engine:
     def __init__(self, model: ModelConfig, config: EngineConfig, plan: Plan | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 block_profile: dict[int, dict[str, dict[str, float]]] | None = None):
+        """``block_profile``: per worker index, {block: {batch size: ms}} seeding adaptive batching."""
         self.model = model
+        self.block_profile = block_profile
         self.config = config
         self.plan = plan or make_plan(config.plan, model.steps, model.blocks, config.workers)
         self.clock = clock
         self.max_bytes = config.max_message_mb * 1024 * 1024
-        self.in_flight_limit = config.max_in_flight or (len(self.plan.segments()) + 1)
+        self.in_flight_limit = config.max_in_flight or self.default_in_flight()
         self.ctx = zmq.asyncio.Context()
         self.workers: dict[str, _WorkerProc] = {}
         self.streams: dict[str, _Stream] = {}
@@ -113,6 +116,20 @@ class Engine:
         self._ipc_dir: tempfile.TemporaryDirectory | None = None
         self._first_push: zmq.asyncio.Socket | None = None
         self._started = False
+
+    def default_in_flight(self) -> int:
+        """Enough chunks to keep every worker busy: one each, or, with batching, as many as the
+        steps it hosts of one block (those chunks then move through its blocks in lockstep), plus one
+        so the first worker never waits for the engine's round trip."""
+        if self.config.batching == "off":
+            return len(self.plan.workers_used) + 1
+        total = 0
+        for w in self.plan.workers_used:
+            per_block: dict[int, int] = {}
+            for _, b in self.plan.stages_of(w):
+                per_block[b] = per_block.get(b, 0) + 1
+            total += min(max(per_block.values()), self.config.max_batch)
+        return total + 1
 
     # ---- life cycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -173,6 +190,8 @@ class Engine:
         loads = [self.request(name, "load", {
             "model": model_map, "stages": [list(s) for s in self.plan.stages_of(w.index)],
             "threads": self.config.threads_per_worker, "max_streams": self.config.max_streams,
+            "batching": self.config.batching, "max_batch": self.config.max_batch, "policy": self.config.policy,
+            "profile": (self.block_profile or {}).get(w.index),
             "checkpoint": self.config.checkpoint}, timeout=self.config.start_timeout_s)
             for name, w in self.workers.items()]
         await asyncio.gather(*loads)
@@ -343,8 +362,10 @@ class Engine:
             s.entered[c] = (obs.stamp, enqueue)
             tensors = {f"obs/{k}": torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)).unsqueeze(0)
                        for k, v in obs.data.items()}
+            order = time.perf_counter()
+            slo_s = (s.slo_interval_ms or 1000.0) / 1e3
             msg = wire.Message("task", s.name, c, self.plan.first_stage, tensors,
-                               {"seed": self.config.seed, "sent": time.perf_counter()})
+                               {"seed": self.config.seed, "sent": order, "order": order, "deadline": order + slo_s})
             await self._first_push.send_multipart(wire.encode(msg), copy=False)
 
     async def _output_loop(self) -> None:

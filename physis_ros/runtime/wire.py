@@ -79,7 +79,7 @@ def _as_frame(t: torch.Tensor) -> tuple[str, memoryview]:
     t = t.contiguous()
     if name == "bfloat16":
         t = t.view(torch.uint16) if hasattr(torch, "uint16") else t.view(torch.int16)
-    return name, memoryview(t.numpy()).cast("B")
+    return name, memoryview(t.numpy().reshape(-1).view(np.uint8))
 
 
 def encode(msg: Message) -> list[Any]:

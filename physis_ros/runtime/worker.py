@@ -22,7 +22,6 @@ import logging
 import os
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from physis_ros.model.spec import ModelConfig
 from physis_ros.model.stages import OBS_PREFIX, chunk_input, run_stage
 from physis_ros.runtime import wire
 from physis_ros.runtime.plans import Stage, next_stage
+from physis_ros.runtime.scheduler import BatchScheduler
 
 log = logging.getLogger("physis.worker")
 HEARTBEAT_S = 0.2
@@ -50,6 +50,15 @@ class Task:
     state: dict[str, torch.Tensor]
     ts: dict
     received: float = field(default_factory=time.perf_counter)
+
+    @property
+    def order(self) -> float:
+        """When the chunk entered the pipeline (engine clock): oldest chunk first."""
+        return float(self.ts.get("order", 0.0))
+
+    @property
+    def deadline(self) -> float:
+        return float(self.ts.get("deadline", self.order + 1.0))
 
 
 class SlotMap:
@@ -109,9 +118,10 @@ class Worker:
         self.slots: SlotMap | None = None
         self.hosted: set[Stage] = set()
         self.route: dict[Stage, str] = {}  # next stage's data address, or the engine's for the last stage
-        self.ready: deque[Task] = deque()
+        self.ready: list[Task] = []
+        self.scheduler: BatchScheduler | None = None
         self.running = True
-        self.stats = {"tasks": 0, "stages": 0, "bad_messages": 0, "errors": 0, "compute_ms": 0.0}
+        self.stats = {"tasks": 0, "stages": 0, "batches": 0, "bad_messages": 0, "errors": 0, "compute_ms": 0.0}
 
     # ---- sockets -------------------------------------------------------------------------
     def _push(self, address: str) -> zmq.Socket:
@@ -156,6 +166,8 @@ class Worker:
         max_streams = int(body.get("max_streams", 8))
         self.slots = SlotMap(max_streams, steps_of_block)
         self.tables = {b: self.model.new_kv_table(b, max_streams * len(steps)) for b, steps in steps_of_block.items()}
+        self.scheduler = BatchScheduler(policy=body.get("policy", "oldest"), batching=body.get("batching", "off"),
+                                        max_batch=int(body.get("max_batch", 4)), profile=body.get("profile"))
         kv_bytes = sum(t.k.numel() * t.k.element_size() * 2 for t in self.tables.values())
         return {"blocks": blocks, "kv_bytes": kv_bytes}
 
@@ -179,7 +191,7 @@ class Worker:
 
     def cmd_stop_stream(self, body: dict) -> dict:
         self.slots.remove(body["stream"])
-        self.ready = deque(t for t in self.ready if t.stream != body["stream"])
+        self.ready = [t for t in self.ready if t.stream != body["stream"]]
         return {}
 
     def cmd_stats(self, body: dict) -> dict:
@@ -207,44 +219,67 @@ class Worker:
         ts = msg.ts
         if "sent" in ts:
             ts.setdefault("hops", []).append((time.perf_counter() - ts.pop("sent")) * 1e3)
-        self.ready.append(Task(msg.stream, msg.chunk, msg.stage, msg.tensors, ts))
-
-    def run_task(self, task: Task) -> None:
-        """Run the task's stage and every following stage hosted here, then send it on."""
-        model = self.model
-        queue_ms = (time.perf_counter() - task.received) * 1e3
-        trace = task.ts.setdefault("trace", [])
-        state, stage = task.state, task.stage
+        model, state = self.model, msg.tensors
         if "x" not in state:  # the chunk's first stage: observation in, noise made here
             obs = {k[len(OBS_PREFIX):]: v.to(device=model.device, dtype=model.dtype)
                    for k, v in state.items() if k.startswith(OBS_PREFIX)}
-            state = chunk_input(obs, model.noise(int(task.ts["seed"]), task.stream, task.chunk))
+            state = chunk_input(obs, model.noise(int(ts.get("seed", 0)), msg.stream, msg.chunk))
         else:
             state = {k: v.to(model.device) for k, v in state.items()}
-        while True:
-            k, b = stage
-            start = time.perf_counter()
-            slot = self.slots.slot(task.stream, b, k)
-            state = run_stage(model, b, [k], [state], KVBatch(self.tables[b], [slot]))[0]
-            if state["x"].device.type == "cuda":
-                torch.cuda.synchronize(state["x"].device)
-            compute_ms = (time.perf_counter() - start) * 1e3
-            trace.append([k, b, self.id, round(queue_ms, 4), round(compute_ms, 4), 1])
-            queue_ms = 0.0
-            self.stats["stages"] += 1
-            self.stats["compute_ms"] += compute_ms
-            nxt = next_stage(stage, model.config.steps, model.config.blocks)
-            if nxt is None or nxt not in self.hosted:
-                break
-            stage = nxt
+        self.ready.append(Task(msg.stream, msg.chunk, msg.stage, state, ts))
+
+    def run_next(self) -> None:
+        """Run one stage for the task the policy picks, batched with same-block tasks if that pays."""
+        model = self.model
+        batch = self.scheduler.pick(self.ready, self._slot_key)
+        for t in batch:
+            self.ready.remove(t)
+        b = batch[0].stage[1]
+        slots = [self.slots.slot(t.stream, b, t.stage[0]) for t in batch]
+        start = time.perf_counter()
+        try:
+            states = run_stage(model, b, [t.stage[0] for t in batch], [t.state for t in batch],
+                               KVBatch(self.tables[b], slots))
+            if states[0]["x"].device.type == "cuda":
+                torch.cuda.synchronize(states[0]["x"].device)
+        except Exception as exc:  # a failing task must not take the worker down
+            self.stats["errors"] += 1
+            log.exception("stage %s of %d task(s) failed", batch[0].stage, len(batch))
+            for t in batch:
+                self._send_ctrl("error", {"error": f"task failed: {exc}", "stream": t.stream, "chunk": t.chunk})
+            return
+        end = time.perf_counter()
+        batch_ms = (end - start) * 1e3
+        self.scheduler.observe(b, len(batch), batch_ms)
+        self.stats["stages"] += len(batch)
+        self.stats["batches"] += 1
+        self.stats["compute_ms"] += batch_ms
+        share = batch_ms / len(batch)  # each chunk is charged its share of the batched forward
+        for t, state in zip(batch, states):
+            t.ts.setdefault("trace", []).append(
+                [t.stage[0], b, self.id, round((start - t.received) * 1e3, 4), round(share, 4), len(batch)])
+            t.state = state
+            self._forward(t, end)
+
+    def _forward(self, task: Task, now: float) -> None:
+        """Queue the task's next stage here, or send it to the next worker or the engine."""
+        cfg = self.model.config
+        nxt = next_stage(task.stage, cfg.steps, cfg.blocks)
+        if nxt is not None and nxt in self.hosted:
+            task.stage, task.received = nxt, now
+            self.ready.append(task)
+            return
         self.stats["tasks"] += 1
         task.ts["sent"] = time.perf_counter()
         if nxt is None:
-            out = wire.Message("output", task.stream, task.chunk, None, {"x": state["x"]}, task.ts,
+            out = wire.Message("output", task.stream, task.chunk, None, {"x": task.state["x"]}, task.ts,
                                {"worker": self.id})
         else:
-            out = wire.Message("task", task.stream, task.chunk, nxt, state, task.ts)
-        self._push(self.route[stage]).send_multipart(wire.encode(out), copy=False)
+            out = wire.Message("task", task.stream, task.chunk, nxt, task.state, task.ts)
+        self._push(self.route[task.stage]).send_multipart(wire.encode(out), copy=False)
+
+    def _slot_key(self, task: Task) -> tuple[str, int, int]:
+        return (task.stream, task.stage[0], task.stage[1])
 
     # ---- main loop ---------------------------------------------------------------------------
     def serve(self) -> None:
@@ -267,14 +302,7 @@ class Worker:
                             break
                         self.accept_task(frames)
                 if self.ready:
-                    task = self.ready.popleft()
-                    try:
-                        self.run_task(task)
-                    except Exception as exc:  # a failing task must not take the worker down
-                        self.stats["errors"] += 1
-                        log.exception("task %s/%d at stage %s failed", task.stream, task.chunk, task.stage)
-                        self._send_ctrl("error", {"error": f"task failed: {exc}", "stream": task.stream,
-                                                  "chunk": task.chunk})
+                    self.run_next()
                 now = time.monotonic()
                 if now >= next_beat:
                     self._send_ctrl("heartbeat", {"stats": self.stats, "queue": len(self.ready)})

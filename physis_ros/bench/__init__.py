@@ -1,0 +1,1 @@
+"""Benchmarks behind ``physis-bench``; each writes JSON (and a plot where one helps)."""

@@ -1,0 +1,167 @@
+"""The engine and real worker processes: equivalence to the reference, batching, faults, shutdown."""
+
+import asyncio
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+import uvloop
+import zmq
+
+from physis_ros.config import EngineConfig
+from physis_ros.model import build_model, load_model_config
+from physis_ros.observations import SyntheticScene
+from physis_ros.reference import reference_rollout
+from physis_ros.runtime.engine import Engine, EngineError, Observation
+from physis_ros.runtime.offline import run_chunks
+
+STREAMS = ["robot0", "robot1"]
+_reference_cache: dict = {}
+
+
+def reference(model_name: str, chunks: int):
+    key = (model_name, chunks)
+    if key not in _reference_cache:
+        cfg = load_model_config(model_name)
+        scene = SyntheticScene(cfg.observation_shapes)
+        _reference_cache[key] = {(r.stream, r.index): r.output.numpy()
+                                 for r in reference_rollout(build_model(cfg), scene.observation, STREAMS, chunks)}
+    return _reference_cache[key]
+
+
+def run(model_name, chunks, **engine):
+    cfg = load_model_config(model_name)
+    scene = SyntheticScene(cfg.observation_shapes)
+    return run_chunks(cfg, EngineConfig(**engine), STREAMS, chunks, scene.observation)
+
+
+CASES = [("sequential", 1)] + [(p, w) for p in ("step", "block", "stage") for w in (2, 3, 4)]
+
+
+@pytest.mark.parametrize("model_name", ["tiny-wam", "tiny-acwm"])
+@pytest.mark.parametrize("plan, workers", CASES)
+def test_pipeline_is_bit_identical_to_reference(model_name, plan, workers):
+    chunks = 3 * load_model_config(model_name).window + 1  # past the KV window
+    out = run(model_name, chunks, plan=plan, workers=workers)
+    ref = reference(model_name, chunks)
+    for s in STREAMS:
+        assert [o.chunk for o in out[s]] == list(range(chunks))
+        for o in out[s]:
+            assert np.array_equal(o.output, ref[(s, o.chunk)]), (s, o.chunk)
+            assert len(o.record.stage_ms) == 32 and all(b == 1 for b in o.record.batch_sizes)
+
+
+@pytest.mark.parametrize("batching, plan, workers", [("on", "sequential", 1), ("adaptive", "stage", 2)])
+def test_batched_pipeline_matches_reference_within_tolerance(batching, plan, workers):
+    chunks = 12
+    out = run("tiny-wam", chunks, plan=plan, workers=workers, batching=batching)
+    ref = reference("tiny-wam", chunks)
+    batched = 0
+    for s in STREAMS:
+        for o in out[s]:
+            want = ref[(s, o.chunk)]
+            assert np.abs(o.output - want).max() <= 1e-5 * np.abs(want).max()
+            batched += sum(b > 1 for b in o.record.batch_sizes)
+    assert batched > 0  # batching did happen
+
+
+def test_telemetry_records_are_complete():
+    out = run("tiny-wam", 6, plan="stage", workers=2)
+    recs = [o.record for o in out["robot0"]]
+    assert np.isnan(recs[0].interval_ms) and all(r.interval_ms > 0 for r in recs[1:])
+    for r in recs:
+        assert r.emit >= r.enqueue >= r.obs_stamp
+        assert r.latency_ms >= sum(r.stage_ms) * 0.5
+        assert set(r.worker_compute_ms) == {"w0", "w1"}
+        assert len(r.hops_ms) == 3  # engine -> w0 -> w1 -> engine
+
+
+async def _engine_with_stream(cfg, engine_cfg, chunks=None):
+    scene = SyntheticScene(cfg.observation_shapes)
+    engine = Engine(cfg, engine_cfg)
+    await engine.start()
+    got = []
+    await engine.add_stream("robot0", lambda c: Observation(scene.observation("robot0", c), engine.clock()),
+                            got.append, chunks=chunks)
+    return engine, got
+
+
+def test_malformed_message_is_dropped_and_worker_keeps_serving():
+    cfg = load_model_config("tiny-wam")
+
+    async def main():
+        engine, got = await _engine_with_stream(cfg, EngineConfig(workers=2, plan="stage"), chunks=8)
+        try:
+            ctx = zmq.Context.instance()
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(engine.workers["w1"].data_addr)
+            for frames in ([b"\x00garbage"], [b"\x81\xa1v\x01"], []):
+                if frames:
+                    sock.send_multipart(frames)
+            sock.close(linger=1000)
+            await engine.wait_stream("robot0")
+            stats = await engine.request("w1", "stats", {})
+            return got, stats, list(engine.errors)
+        finally:
+            await engine.stop()
+
+    got, stats, errors = uvloop.run(main())
+    assert [o.chunk for o in got] == list(range(8))
+    assert stats["bad_messages"] == 2
+    assert any("malformed data message" in e for e in errors)
+
+
+def test_shutdown_leaves_no_processes_or_ipc_files():
+    cfg = load_model_config("tiny-wam")
+
+    async def main():
+        engine, got = await _engine_with_stream(cfg, EngineConfig(workers=2, plan="stage", transport="ipc"))
+        while len(got) < 3:
+            await asyncio.sleep(0.01)
+        pids = [w.proc.pid for w in engine.workers.values()]
+        ipc_dir = engine._ipc_dir.name
+        assert any(os.scandir(ipc_dir))
+        await engine.stop()
+        return pids, ipc_dir
+
+    pids, ipc_dir = uvloop.run(main())
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not os.path.exists(ipc_dir)
+
+
+def test_killed_worker_is_reported_by_name_without_hanging():
+    cfg = load_model_config("tiny-wam")
+
+    async def main():
+        engine, got = await _engine_with_stream(cfg, EngineConfig(workers=2, plan="stage"), chunks=10_000)
+        try:
+            while len(got) < 2:
+                await asyncio.sleep(0.01)
+            victim = engine.workers["w1"].proc
+            os.kill(victim.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            with pytest.raises(EngineError, match=rf"worker w1 \(pid {victim.pid}\) exited with code -9"):
+                await asyncio.wait_for(engine.wait_stream("robot0"), timeout=10)
+            return time.monotonic() - killed
+        finally:
+            await engine.stop()
+
+    assert uvloop.run(main()) < 5.0
+
+
+def test_worker_that_cannot_load_is_named():
+    cfg = load_model_config("tiny-wam")
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA to provoke a load failure")
+
+    async def main():
+        engine = Engine(cfg, EngineConfig(workers=1, plan="sequential", devices=["cuda:0"]))
+        await engine.start()
+
+    with pytest.raises(EngineError, match="worker w0: load failed"):
+        uvloop.run(main())
