@@ -64,6 +64,9 @@ setup(
             "physis-rollout=physis_ros.cli.rollout:main",
             "physis-worker=physis_ros.runtime.worker:main",
             "physis-bench=physis_ros.cli.bench:main",
+            "physis-profile=physis_ros.cli.profile:main",
+            "physis-bag=physis_ros.cli.bag:main",
+            "physis-report=physis_ros.cli.report:main",
         ],
     },
 )

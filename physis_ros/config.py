@@ -191,7 +191,10 @@ class EngineConfig:
     """How the engine runs a model: workers, placement plan, transport, limits."""
 
     workers: int = dataclasses.field(default=2, metadata=bounded(ge=1, le=64))
-    plan: str = dataclasses.field(default="stage", metadata=bounded(choices=("sequential", "step", "block", "stage")))
+    # "auto": the cost-model planner picks the plan from `profile` (measured at start if not given).
+    plan: str = dataclasses.field(default="stage",
+                                  metadata=bounded(choices=("sequential", "step", "block", "stage", "auto")))
+    profile: str | None = None  # physis-profile JSON: seeds adaptive batching and the planner
     devices: list[str] = dataclasses.field(default_factory=lambda: ["cpu"])  # one per worker, or one for all
     transport: str = dataclasses.field(default="tcp", metadata=bounded(choices=("tcp", "ipc")))
     bind_host: str = "127.0.0.1"

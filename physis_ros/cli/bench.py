@@ -12,6 +12,8 @@ import sys
 
 SUBCOMMANDS = {
     "pipeline": "stage pipeline vs the sequential/step/block baselines",
+    "timeshare": "time-sharing: batching off vs on vs adaptive, planner prediction",
+    "ros": "ROS layer: emit -> subscriber delay and lost chunks through the real node",
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import math
 import os
@@ -33,7 +34,9 @@ import zmq.asyncio
 from physis_ros.config import EngineConfig, to_mapping
 from physis_ros.model.spec import ModelConfig
 from physis_ros.runtime import wire
+from physis_ros.runtime.planner import choose_plan
 from physis_ros.runtime.plans import Plan, make_plan
+from physis_ros.runtime.profiler import Profile, measure_profile
 from physis_ros.telemetry import ChunkRecord
 
 log = logging.getLogger("physis.engine")
@@ -94,13 +97,25 @@ class _WorkerProc:
 
 class Engine:
     def __init__(self, model: ModelConfig, config: EngineConfig, plan: Plan | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 block_profile: dict[int, dict[str, dict[str, float]]] | None = None):
-        """``block_profile``: per worker index, {block: {batch size: ms}} seeding adaptive batching."""
+                 clock: Callable[[], float] = time.monotonic, profile: Profile | None = None):
+        """``profile`` (or ``config.profile``, a physis-profile JSON) seeds the workers' adaptive
+        batching and lets plan ``auto`` choose the partition."""
         self.model = model
-        self.block_profile = block_profile
         self.config = config
+        if profile is None and config.profile:
+            profile = Profile.from_json(json.loads(Path(config.profile).read_text()))
+        self.profile = profile
+        self.prediction = None
+        if plan is None and config.plan == "auto":
+            if self.profile is None:
+                log.info("plan 'auto' without a profile: measuring %s on %s", model.name, config.device_of(0))
+                self.profile = measure_profile(model, config.device_of(0))
+            self.prediction = choose_plan(model.steps, model.blocks, config.workers, self.profile,
+                                          config.batching, config.max_batch)
+            plan = self.prediction.plan
         self.plan = plan or make_plan(config.plan, model.steps, model.blocks, config.workers)
+        self.block_profile = {} if self.profile is None else {
+            w: self.profile.block_costs(self.plan.stages_of(w)) for w in self.plan.workers_used}
         self.clock = clock
         self.max_bytes = config.max_message_mb * 1024 * 1024
         self.in_flight_limit = config.max_in_flight or self.default_in_flight()
@@ -191,7 +206,7 @@ class Engine:
             "model": model_map, "stages": [list(s) for s in self.plan.stages_of(w.index)],
             "threads": self.config.threads_per_worker, "max_streams": self.config.max_streams,
             "batching": self.config.batching, "max_batch": self.config.max_batch, "policy": self.config.policy,
-            "profile": (self.block_profile or {}).get(w.index),
+            "profile": self.block_profile.get(w.index),
             "checkpoint": self.config.checkpoint}, timeout=self.config.start_timeout_s)
             for name, w in self.workers.items()]
         await asyncio.gather(*loads)

@@ -8,7 +8,6 @@ sequential reference fed the same observations.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -18,13 +17,15 @@ from physis_ros.config import EngineConfig
 from physis_ros.model.spec import ModelConfig
 from physis_ros.runtime.engine import ChunkOutput, Engine, Observation
 from physis_ros.runtime.plans import Plan
+from physis_ros.runtime.profiler import Profile
 
 Source = Callable[[str, int], dict[str, np.ndarray]]
 
 
 async def run_chunks_async(model: ModelConfig, config: EngineConfig, streams: list[str], chunks: int,
-                           source: Source, plan: Plan | None = None) -> dict[str, list[ChunkOutput]]:
-    async with Engine(model, config, plan) as engine:
+                           source: Source, plan: Plan | None = None, profile: Profile | None = None
+                           ) -> dict[str, list[ChunkOutput]]:
+    async with Engine(model, config, plan, profile=profile) as engine:
         for s in streams:
             def observe(c: int, s: str = s) -> Observation:
                 return Observation(source(s, c), engine.clock())
@@ -33,7 +34,7 @@ async def run_chunks_async(model: ModelConfig, config: EngineConfig, streams: li
 
 
 def run_chunks(model: ModelConfig, config: EngineConfig, streams: list[str], chunks: int, source: Source,
-               plan: Plan | None = None) -> dict[str, list[ChunkOutput]]:
-    return uvloop.run(run_chunks_async(model, config, streams, chunks, source, plan))
+               plan: Plan | None = None, profile: Profile | None = None) -> dict[str, list[ChunkOutput]]:
+    return uvloop.run(run_chunks_async(model, config, streams, chunks, source, plan, profile))
 
 

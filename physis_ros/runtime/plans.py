@@ -118,7 +118,7 @@ def linear_partition(costs: Sequence[float], parts: int) -> list[int]:
     return sizes[::-1]
 
 
-def _from_group_sizes(order: list[Stage], sizes: list[int]) -> dict[Stage, int]:
+def segment_assignment(order: list[Stage], sizes: list[int]) -> dict[Stage, int]:
     out, i = {}, 0
     for w, size in enumerate(sizes):
         for s in order[i:i + size]:
@@ -157,5 +157,5 @@ def make_plan(name: str, steps: int, blocks: int, workers: int,
         assignment = {(k, b): block_worker[b] for k, b in order}
     else:
         costs = [1.0 if stage_costs is None else stage_costs[s] for s in order]
-        assignment = _from_group_sizes(order, linear_partition(costs, workers))
+        assignment = segment_assignment(order, linear_partition(costs, workers))
     return Plan(name, steps, blocks, assignment)

@@ -1,0 +1,90 @@
+"""Time-sharing: batching off vs on vs adaptive, with the planner's choice of partition.
+
+Profiles the model on this machine (or loads ``--profile``), lets the planner
+choose a plan per batching mode for ``--workers`` workers, runs each through
+real worker processes, and compares measured intervals with the prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from physis_ros.cli.common import write_json
+from physis_ros.config import EngineConfig
+from physis_ros.model import build_model, load_model_config
+from physis_ros.observations import SyntheticScene
+from physis_ros.reference import reference_rollout
+from physis_ros.runtime.offline import run_chunks
+from physis_ros.runtime.planner import choose_plan
+from physis_ros.runtime.profiler import Profile, measure_profile
+from physis_ros.telemetry import summarize
+
+MODES = ("off", "on", "adaptive")
+STREAM = "bench"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-wam")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--chunks", type=int, default=150)
+    p.add_argument("--max-batch", type=int, default=4)
+    p.add_argument("--profile", help="physis-profile JSON (measured now if omitted)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", help="write results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    config = load_model_config(args.model)
+    if args.profile:
+        profile = Profile.from_json(json.loads(Path(args.profile).read_text()))
+    else:
+        print(f"profiling {config.name} ...", file=sys.stderr, flush=True)
+        profile = measure_profile(config, args.device)
+    scene = SyntheticScene(config.observation_shapes)
+    reference = [r.output.numpy() for r in
+                 reference_rollout(build_model(config, device=args.device), scene.observation, [STREAM], args.chunks)]
+    result = {"model": config.name, "workers": args.workers, "chunks": args.chunks, "device": args.device,
+              "profile_source": profile.source}
+    for mode in MODES:
+        pred = choose_plan(config.steps, config.blocks, args.workers, profile, mode, args.max_batch)
+        engine_cfg = EngineConfig(workers=args.workers, devices=[args.device], batching=mode,
+                                  max_batch=args.max_batch)
+        print(f"[{mode}] {pred.plan.describe()} predicted {pred.interval_ms:.2f} ms", file=sys.stderr, flush=True)
+        outputs = run_chunks(config, engine_cfg, [STREAM], args.chunks, scene.observation, pred.plan,
+                             profile)[STREAM]
+        skip = min(20, args.chunks // 3)
+        stats = summarize([o.record for o in outputs], skip)
+        diff = max(float(np.abs(o.output - reference[o.chunk]).max()) for o in outputs)
+        scale = max(float(np.abs(r).max()) for r in reference)
+        result[f"batching_{mode}" if mode != "adaptive" else "adaptive"] = {
+            "plan": pred.plan.describe(),
+            "interval_ms_p50": stats["interval_ms_p50"],
+            "interval_ms_p99": stats["interval_ms_p99"],
+            "chunks_per_s": stats["chunks_per_s"],
+            "latency_ms_p50": stats["latency_ms_p50"],
+            "mean_batch": float(np.mean([np.mean(o.record.batch_sizes) for o in outputs[skip:]])),
+            "predicted_interval_ms": pred.interval_ms,
+            "prediction_error": pred.interval_ms / (1e3 / stats["chunks_per_s"]) - 1.0,
+            "max_abs_diff_vs_reference": diff,
+            "max_abs_diff_relative": diff / scale,
+        }
+        print(f"[{mode}] measured {1e3 / stats['chunks_per_s']:.2f} ms/chunk ({stats['chunks_per_s']:.1f}/s), "
+              f"mean batch {result[f'batching_{mode}' if mode != 'adaptive' else 'adaptive']['mean_batch']:.2f}",
+              file=sys.stderr, flush=True)
+    off, adaptive = result["batching_off"], result["adaptive"]
+    result["speedup_adaptive_vs_off"] = adaptive["chunks_per_s"] / off["chunks_per_s"]
+    result["speedup_on_vs_off"] = result["batching_on"]["chunks_per_s"] / off["chunks_per_s"]
+    result["predicted_interval_ms"] = adaptive["predicted_interval_ms"]
+    result["max_abs_diff_vs_reference"] = adaptive["max_abs_diff_vs_reference"]
+    if args.json:
+        write_json(args.json, result)
+    print(json.dumps({k: result[k] for k in ("speedup_adaptive_vs_off", "speedup_on_vs_off",
+                                             "predicted_interval_ms", "max_abs_diff_vs_reference")}, indent=1))
+    return 0

@@ -1,0 +1,108 @@
+"""Cost-model planner: the partition of a model's stages over workers, with or without batching.
+
+Steady state of a worker that hosts ``n_b`` steps of block ``b``: chunks move
+through its blocks in lockstep, so each chunk costs it, per hosted block, one
+batched forward of size ``n_b`` (batching on), ``n_b`` single forwards
+(batching off), or the cheaper of the two (adaptive). A plan's predicted
+output interval is its busiest worker's per-chunk time, plus the per-forward
+loop overhead and the hidden-state hops it sends.
+
+Candidates: the ``stage`` plan (contiguous cut of the pipeline order at the
+measured costs), ``block``-grouped plans (same-block stages of every step
+co-located so they batch, block ranges balanced at their batched costs) and
+``step`` plans. The cheapest predicted plan wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from physis_ros.runtime.plans import Plan, Stage, segment_assignment, linear_partition, make_plan, pipeline_order
+from physis_ros.runtime.profiler import Profile
+
+
+@dataclass
+class Prediction:
+    plan: Plan
+    interval_ms: float
+    worker_ms: dict[int, float]
+    batch_of_block: dict[int, dict[int, int]]  # worker -> block -> batch size used
+
+
+def worker_time(profile: Profile, stages: list[Stage], batching: str, max_batch: int
+                ) -> tuple[float, dict[int, int]]:
+    """Per-chunk time of a worker hosting ``stages``, and the batch size it runs each block at."""
+    by_block: dict[int, list[Stage]] = {}
+    for s in stages:
+        by_block.setdefault(s[1], []).append(s)
+    total, sizes = 0.0, {}
+    for b, mine in by_block.items():
+        n = len(mine)
+        single = sum(profile.cost(s, 1) for s in mine) + n * profile.overhead_ms_per_call
+        if batching == "off" or n == 1:
+            total, sizes[b] = total + single, 1
+            continue
+        # Groups of at most max_batch tasks, each one forward costing the mean stage's batched time.
+        mean_at = lambda m: sum(profile.cost(s, m) for s in mine) / n  # noqa: E731
+        groups = [min(max_batch, n - i) for i in range(0, n, max_batch)]
+        batched = sum(mean_at(g) + profile.overhead_ms_per_call for g in groups)
+        if batching == "adaptive" and single <= batched:
+            total, sizes[b] = total + single, 1
+        else:
+            total, sizes[b] = total + batched, max(groups)
+    return total, sizes
+
+
+def predict(plan: Plan, profile: Profile, batching: str = "off", max_batch: int = 4) -> Prediction:
+    worker_ms, sizes = {}, {}
+    hops_out: dict[int, int] = {}
+    for w, _ in plan.segments():
+        hops_out[w] = hops_out.get(w, 0) + 1
+    for w in plan.workers_used:
+        ms, sizes[w] = worker_time(profile, plan.stages_of(w), batching, max_batch)
+        worker_ms[w] = ms + hops_out.get(w, 0) * profile.hop_ms
+    return Prediction(plan, max(worker_ms.values()), worker_ms, sizes)
+
+
+def _block_grouped(steps: int, blocks: int, workers: int, profile: Profile, batching: str,
+                   max_batch: int) -> Plan:
+    """Contiguous block ranges (all steps of a block on one worker), balanced at batched cost."""
+    per_block = [worker_time(profile, [(k, b) for k in range(steps, 0, -1)], batching, max_batch)[0]
+                 for b in range(blocks)]
+    sizes = linear_partition(per_block, workers)
+    owner, b = {}, 0
+    for w, size in enumerate(sizes):
+        for _ in range(size):
+            owner[b] = w
+            b += 1
+    return Plan("block", steps, blocks, {(k, bb): owner[bb] for k, bb in pipeline_order(steps, blocks)})
+
+
+def candidates(steps: int, blocks: int, workers: int, profile: Profile, batching: str, max_batch: int
+               ) -> list[Plan]:
+    order = pipeline_order(steps, blocks)
+    single = [profile.cost(s, 1) for s in order]
+    out = [Plan("stage", steps, blocks, segment_assignment(order, linear_partition(single, workers))),
+           _block_grouped(steps, blocks, workers, profile, batching, max_batch),
+           make_plan("step", steps, blocks, workers)]
+    if workers == 1:
+        out.append(make_plan("sequential", steps, blocks, 1))
+    return out
+
+
+# A plan with more hops must win by this margin: every extra hop is a chance for the lockstep of
+# batched chunks to slip (a late hidden state splits a batch), which the steady-state model ignores.
+HOP_MARGIN = 0.10
+
+
+def choose_plan(steps: int, blocks: int, workers: int, profile: Profile, batching: str = "off",
+                max_batch: int = 4) -> Prediction:
+    """The candidate plan with the lowest predicted interval; fewer hops wins within ``HOP_MARGIN``."""
+    preds = sorted((predict(p, profile, batching, max_batch)
+                    for p in candidates(steps, blocks, workers, profile, batching, max_batch)),
+                   key=lambda p: (p.plan.hops(), p.interval_ms))
+    best = preds[0]
+    for p in preds[1:]:
+        if p.interval_ms < best.interval_ms * (1 - HOP_MARGIN):
+            best = p
+    return best
