@@ -210,6 +210,7 @@ class EngineConfig:
     checkpoint: str | None = None
     start_timeout_s: float = dataclasses.field(default=60.0, metadata=bounded(gt=0))
     heartbeat_timeout_s: float = dataclasses.field(default=1.0, metadata=bounded(gt=0))
+    restart_workers: bool = True  # restart a lost worker and re-admit its streams with fresh KV
     max_message_mb: int = dataclasses.field(default=256, metadata=bounded(ge=1))
 
     def validate(self) -> None:

@@ -1,25 +1,28 @@
-"""Engine (coordinator): starts workers, applies a placement plan, feeds chunks, collects outputs.
+"""Engine (coordinator): places streams on workers, feeds chunks, collects outputs, survives faults.
 
-Runs on asyncio (uvloop) with zmq.asyncio. The engine sends each chunk's input
-(observation tensors + noise seed) to the worker of the first stage and
-receives the finished chunk from the worker of the last stage; hidden states
-travel worker to worker and never pass through here.
+Runs on asyncio (uvloop) with zmq.asyncio. For each stream the engine sends
+every chunk's input (observation tensors + noise seed) to the worker of the
+stream's first stage and receives the finished chunk from the worker of its
+last stage; hidden states travel worker to worker and never pass through here.
 
-Each stream keeps at most ``max_in_flight`` chunks in the pipeline; a chunk
-takes the stream's latest observation at the moment it enters. Outputs are
-delivered in chunk order with a :class:`~physis_ros.telemetry.ChunkRecord`.
+Each stream has its own placement plan (by default the engine's plan), keeps
+at most ``max_in_flight`` chunks in its pipeline, and takes its latest
+observation at the moment a chunk enters. Outputs are delivered in chunk
+order with a :class:`~physis_ros.telemetry.ChunkRecord`.
+
+Faults: when a worker is lost, only the streams placed on it fail (they stop
+publishing, the failure is recorded with worker and streams named); the
+others carry on untouched. With ``restart_workers`` the worker is started
+again and the failed streams are re-admitted with fresh KV, under a new
+*epoch* so that nothing of the old incarnation can leak into the new one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import math
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,13 +40,11 @@ from physis_ros.runtime import wire
 from physis_ros.runtime.planner import choose_plan
 from physis_ros.runtime.plans import Plan, make_plan
 from physis_ros.runtime.profiler import Profile, measure_profile
+from physis_ros.runtime.workers import EngineError, WorkerPool, WorkerProc
 from physis_ros.telemetry import ChunkRecord
 
 log = logging.getLogger("physis.engine")
-
-
-class EngineError(RuntimeError):
-    """The engine cannot go on: a worker failed to start, died, or stopped answering."""
+__all__ = ["ChunkOutput", "Engine", "EngineError", "Observation", "StreamEvent"]
 
 
 @dataclass
@@ -60,6 +61,17 @@ class ChunkOutput:
     record: ChunkRecord
 
 
+@dataclass
+class StreamEvent:
+    """Something that happened to a stream: ``failed``, ``readmitted`` (with the chunks lost)."""
+
+    stream: str
+    kind: str
+    reason: str
+    lost_chunks: int = 0
+    time: float = 0.0
+
+
 # Returns the observation for the next chunk (its index is given), or None if none is available yet.
 ObserveFn = Callable[[int], Observation | None]
 OutputFn = Callable[[ChunkOutput], None]
@@ -68,11 +80,14 @@ OutputFn = Callable[[ChunkOutput], None]
 @dataclass
 class _Stream:
     name: str
+    plan: Plan
     observe: ObserveFn
     on_output: OutputFn | None
     limit: int | None
     slo_interval_ms: float | None
     credits: asyncio.Semaphore
+    keep_outputs: bool = False
+    epoch: int = 0
     next_chunk: int = 0
     next_emit: int = 0
     last_emit: float | None = None
@@ -81,25 +96,18 @@ class _Stream:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     feeder: asyncio.Task | None = None
     outputs: list[ChunkOutput] = field(default_factory=list)
-    keep_outputs: bool = False
-
-
-@dataclass
-class _WorkerProc:
-    name: str
-    index: int
-    proc: subprocess.Popen | None
-    data_addr: str = ""
-    pid: int = 0
-    last_seen: float = 0.0
-    stats: dict = field(default_factory=dict)
+    failed: str | None = None
+    lost_chunks: int = 0
+    first_addr: str = ""
 
 
 class Engine:
     def __init__(self, model: ModelConfig, config: EngineConfig, plan: Plan | None = None,
-                 clock: Callable[[], float] = time.monotonic, profile: Profile | None = None):
+                 clock: Callable[[], float] = time.monotonic, profile: Profile | None = None,
+                 on_event: Callable[[StreamEvent], None] | None = None):
         """``profile`` (or ``config.profile``, a physis-profile JSON) seeds the workers' adaptive
-        batching and lets plan ``auto`` choose the partition."""
+        batching and lets plan ``auto`` choose the partition. ``on_event`` hears stream failures
+        and re-admissions."""
         self.model = model
         self.config = config
         if profile is None and config.profile:
@@ -114,144 +122,94 @@ class Engine:
                                           config.batching, config.max_batch)
             plan = self.prediction.plan
         self.plan = plan or make_plan(config.plan, model.steps, model.blocks, config.workers)
-        self.block_profile = {} if self.profile is None else {
-            w: self.profile.block_costs(self.plan.stages_of(w)) for w in self.plan.workers_used}
+        if max(self.plan.workers_used) >= config.workers:
+            raise ValueError(f"plan uses worker w{max(self.plan.workers_used)} but only {config.workers} exist")
         self.clock = clock
+        self.on_event = on_event
+        self.events: list[StreamEvent] = []
         self.max_bytes = config.max_message_mb * 1024 * 1024
-        self.in_flight_limit = config.max_in_flight or self.default_in_flight()
         self.ctx = zmq.asyncio.Context()
-        self.workers: dict[str, _WorkerProc] = {}
         self.streams: dict[str, _Stream] = {}
         self.failure: EngineError | None = None
-        self.errors: list[str] = []
-        self._req = itertools.count(1)
-        self._pending_req: dict[int, asyncio.Future] = {}
-        self._hello: dict[str, asyncio.Future] = {}
+        self.pool: WorkerPool | None = None
+        self._push: dict[str, zmq.asyncio.Socket] = {}
         self._tasks: list[asyncio.Task] = []
         self._ipc_dir: tempfile.TemporaryDirectory | None = None
-        self._first_push: zmq.asyncio.Socket | None = None
         self._started = False
 
-    def default_in_flight(self) -> int:
+    def default_in_flight(self, plan: Plan) -> int:
         """Enough chunks to keep every worker busy: one each, or, with batching, as many as the
         steps it hosts of one block (those chunks then move through its blocks in lockstep), plus one
         so the first worker never waits for the engine's round trip."""
         if self.config.batching == "off":
-            return len(self.plan.workers_used) + 1
+            return len(plan.workers_used) + 1
         total = 0
-        for w in self.plan.workers_used:
+        for w in plan.workers_used:
             per_block: dict[int, int] = {}
-            for _, b in self.plan.stages_of(w):
+            for _, b in plan.stages_of(w):
                 per_block[b] = per_block.get(b, 0) + 1
             total += min(max(per_block.values()), self.config.max_batch)
         return total + 1
 
+    @property
+    def workers(self) -> dict[str, WorkerProc]:
+        return self.pool.workers if self.pool is not None else {}
+
+    @property
+    def errors(self) -> list[str]:
+        return self.pool.errors if self.pool is not None else []
+
     # ---- life cycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
-        self.ctrl = self.ctx.socket(zmq.ROUTER)
-        self.ctrl.setsockopt(zmq.LINGER, 0)
-        self.ctrl.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
         self.out = self.ctx.socket(zmq.PULL)
         self.out.setsockopt(zmq.LINGER, 0)
         self.out.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
         if cfg.transport == "ipc":
             self._ipc_dir = tempfile.TemporaryDirectory(prefix="physis-")
-            self.ctrl_addr = f"ipc://{self._ipc_dir.name}/ctrl"
+            ctrl_base = f"ipc://{self._ipc_dir.name}/ctrl"
             self.out_addr = f"ipc://{self._ipc_dir.name}/out"
-            self.ctrl.bind(self.ctrl_addr)
             self.out.bind(self.out_addr)
         else:
-            host = cfg.bind_host
-            self.ctrl_addr = f"tcp://{host}:{self.ctrl.bind_to_random_port(f'tcp://{host}')}"
-            self.out_addr = f"tcp://{host}:{self.out.bind_to_random_port(f'tcp://{host}')}"
-        self._tasks.append(asyncio.create_task(self._control_loop(), name="engine-control"))
+            ctrl_base = f"tcp://{cfg.bind_host}"
+            self.out_addr = f"tcp://{cfg.bind_host}:{self.out.bind_to_random_port(ctrl_base)}"
+        self.pool = WorkerPool(self.ctx, cfg, ctrl_base, self._ipc_dir.name if self._ipc_dir else None,
+                               self._worker_lost)
+        self._tasks.append(asyncio.create_task(self.pool.control_loop(), name="engine-control"))
         self._tasks.append(asyncio.create_task(self._output_loop(), name="engine-output"))
         try:
-            await self._spawn_workers()
-            await self._apply_plan()
+            procs = [await self.pool.spawn(i) for i in range(cfg.workers)]
+            for w in procs:
+                await self.pool.wait_hello(w)
+            await asyncio.gather(*(self._load(w) for w in procs))
         except BaseException:
             await self.stop()
             raise
-        self._tasks.append(asyncio.create_task(self._monitor_loop(), name="engine-monitor"))
+        self._tasks.append(asyncio.create_task(self.pool.monitor_loop(), name="engine-monitor"))
         self._started = True
 
-    async def _spawn_workers(self) -> None:
+    async def _load(self, w: WorkerProc) -> None:
         cfg = self.config
-        loop = asyncio.get_running_loop()
-        for i in self.plan.workers_used:
-            name = f"w{i}"
-            cmd = [sys.executable, "-m", "physis_ros.runtime.worker", "--connect", self.ctrl_addr, "--id", name,
-                   "--device", cfg.device_of(i), "--bind-host", cfg.bind_host, "--transport", cfg.transport,
-                   "--threads", str(cfg.threads_per_worker)]
-            if self._ipc_dir is not None:
-                cmd += ["--ipc-dir", self._ipc_dir.name]
-            env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads_per_worker)}
-            self._hello[name] = loop.create_future()
-            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
-            self.workers[name] = _WorkerProc(name, i, proc)
-        deadline = time.monotonic() + cfg.start_timeout_s
-        for name, fut in self._hello.items():
-            while not fut.done():
-                w = self.workers[name]
-                if w.proc.poll() is not None:
-                    raise EngineError(f"worker {name} exited with code {w.proc.returncode} before it said hello")
-                if time.monotonic() > deadline:
-                    raise EngineError(f"worker {name} did not start within {cfg.start_timeout_s:.0f} s")
-                await asyncio.wait([fut], timeout=0.05)
-
-    async def _apply_plan(self) -> None:
-        model_map = to_mapping(self.model)
-        loads = [self.request(name, "load", {
-            "model": model_map, "stages": [list(s) for s in self.plan.stages_of(w.index)],
-            "threads": self.config.threads_per_worker, "max_streams": self.config.max_streams,
-            "batching": self.config.batching, "max_batch": self.config.max_batch, "policy": self.config.policy,
-            "profile": self.block_profile.get(w.index),
-            "checkpoint": self.config.checkpoint}, timeout=self.config.start_timeout_s)
-            for name, w in self.workers.items()]
-        await asyncio.gather(*loads)
-        addr_of = {w.index: w.data_addr for w in self.workers.values()}
-        for name, w in self.workers.items():
-            routes = {}
-            for s in self.plan.stages_of(w.index):
-                nxt = self.plan.next_stage(s)
-                routes[f"{s[0]},{s[1]}"] = self.out_addr if nxt is None else addr_of[self.plan.assignment[nxt]]
-            await self.request(name, "assign", {"routes": routes})
-        first = addr_of[self.plan.assignment[self.plan.first_stage]]
-        self._first_push = self.ctx.socket(zmq.PUSH)
-        self._first_push.setsockopt(zmq.LINGER, 0)
-        self._first_push.connect(first)
+        await self.pool.request(w.name, "load", {
+            "model": to_mapping(self.model),
+            "blocks": sorted({b for _, b in self.plan.stages_of(w.index)}),
+            "threads": cfg.threads_per_worker, "max_streams": cfg.max_streams,
+            "batching": cfg.batching, "max_batch": cfg.max_batch, "policy": cfg.policy,
+            "profile": None if self.profile is None else self.profile.block_costs(self.plan.order),
+            "checkpoint": cfg.checkpoint}, timeout=cfg.start_timeout_s)
 
     async def stop(self) -> None:
         """Stop streams and workers; leaves no processes or ipc files behind."""
-        for s in list(self.streams.values()):
+        for s in self.streams.values():
             if s.feeder is not None:
                 s.feeder.cancel()
-        for name, w in self.workers.items():
-            if w.proc is not None and w.proc.poll() is None and w.data_addr:
-                try:
-                    await self.request(name, "shutdown", {}, timeout=1.0)
-                except (EngineError, asyncio.TimeoutError):
-                    pass
-        for w in self.workers.values():
-            if w.proc is None:
-                continue
-            try:
-                w.proc.wait(timeout=3.0)
-            except subprocess.TimeoutExpired:
-                w.proc.terminate()
-                try:
-                    w.proc.wait(timeout=2.0)
-                except subprocess.TimeoutExpired:
-                    w.proc.kill()
-                    w.proc.wait()
-            if w.data_addr.startswith("ipc://"):
-                Path(w.data_addr[len("ipc://"):]).unlink(missing_ok=True)
+        if self.pool is not None:
+            await self.pool.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        for sock in (getattr(self, "ctrl", None), getattr(self, "out", None), self._first_push):
+        for sock in [getattr(self, "out", None), *self._push.values()]:
             if sock is not None:
                 sock.close(linger=0)
         self.ctx.term()
@@ -265,104 +223,78 @@ class Engine:
     async def __aexit__(self, *exc) -> None:
         await self.stop()
 
-    # ---- control plane ---------------------------------------------------------------------------
     async def request(self, worker: str, kind: str, body: dict, timeout: float = 10.0) -> dict:
-        req = next(self._req)
-        fut = asyncio.get_running_loop().create_future()
-        self._pending_req[req] = fut
-        frames = wire.encode(wire.Message(kind=kind, body={**body, "req": req}))
-        await self.ctrl.send_multipart([worker.encode(), *frames], copy=False)
-        try:
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise EngineError(f"worker {worker} did not answer '{kind}' within {timeout:.1f} s") from None
-        finally:
-            self._pending_req.pop(req, None)
+        return await self.pool.request(worker, kind, body, timeout)
 
-    async def _control_loop(self) -> None:
-        while True:
-            identity, *frames = await self.ctrl.recv_multipart(copy=False)
-            name = bytes(identity.buffer).decode(errors="replace")
-            try:
-                msg = wire.decode(frames, self.max_bytes)
-            except wire.WireError as exc:
-                log.warning("malformed control message from %s: %s", name, exc)
-                continue
-            w = self.workers.get(name)
-            if w is None:
-                log.warning("control message from unknown worker %r ignored", name)
-                continue
-            w.last_seen = time.monotonic()
-            body = msg.body
-            if msg.kind == "hello":
-                w.data_addr, w.pid = body["data"], body.get("pid", 0)
-                fut = self._hello.get(name)
-                if fut is not None and not fut.done():
-                    fut.set_result(body)
-            elif msg.kind == "heartbeat":
-                w.stats = body.get("stats", {})
-            elif msg.kind in ("ack", "error"):
-                fut = self._pending_req.get(body.get("req"))
-                if fut is not None and not fut.done():
-                    if msg.kind == "ack":
-                        fut.set_result(body)
-                    else:
-                        fut.set_exception(EngineError(f"worker {name}: {body.get('error')}"))
-                elif msg.kind == "error":
-                    text = f"worker {name}: {body.get('error')}"
-                    log.warning(text)
-                    self.errors.append(text)
-
-    async def _monitor_loop(self) -> None:
-        timeout = self.config.heartbeat_timeout_s
-        while True:
-            await asyncio.sleep(min(0.1, timeout / 4))
-            now = time.monotonic()
-            for w in self.workers.values():
-                if w.proc is not None and w.proc.poll() is not None:
-                    self._fail(EngineError(f"worker {w.name} (pid {w.proc.pid}) exited with code "
-                                           f"{w.proc.returncode}"))
-                elif now - w.last_seen > timeout:
-                    self._fail(EngineError(f"worker {w.name} (pid {w.pid}) sent no heartbeat for "
-                                           f"{now - w.last_seen:.2f} s (timeout {timeout} s)"))
-            if self.failure is not None:
-                return
-
-    def _fail(self, error: EngineError) -> None:
-        if self.failure is None:
-            log.error("%s", error)
-            self.failure = error
-            for s in self.streams.values():
-                s.done.set()
+    async def worker_stats(self) -> dict[str, dict]:
+        return {name: await self.request(name, "stats", {}) for name, w in self.workers.items() if w.alive}
 
     # ---- streams -----------------------------------------------------------------------------
     async def add_stream(self, name: str, observe: ObserveFn, on_output: OutputFn | None = None, *,
                          chunks: int | None = None, slo_interval_ms: float | None = None,
-                         keep_outputs: bool = False) -> None:
-        """Start feeding a stream: ``chunks`` chunks (None: until removed)."""
+                         keep_outputs: bool = False, plan: Plan | None = None) -> None:
+        """Start feeding a stream: ``chunks`` chunks (None: until removed), placed by ``plan``."""
         if not self._started:
             raise EngineError("start the engine before adding streams")
         if name in self.streams:
             raise ValueError(f"stream '{name}' already exists")
-        await asyncio.gather(*(self.request(w, "start_stream", {"stream": name}) for w in self.workers))
-        s = _Stream(name, observe, on_output, chunks, slo_interval_ms, asyncio.Semaphore(self.in_flight_limit),
+        plan = plan or self.plan
+        limit = self.config.max_in_flight or self.default_in_flight(plan)
+        s = _Stream(name, plan, observe, on_output, chunks, slo_interval_ms, asyncio.Semaphore(limit),
                     keep_outputs=keep_outputs)
+        await self._place(s)
         self.streams[name] = s
         s.feeder = asyncio.create_task(self._feed(s), name=f"feed-{name}")
+
+    def _workers_of(self, s: _Stream) -> list[WorkerProc]:
+        by_index = {w.index: w for w in self.workers.values()}
+        return [by_index[i] for i in s.plan.workers_used]
+
+    async def _place(self, s: _Stream) -> None:
+        """Tell each of the stream's workers its stages (fresh KV) and where to send each stage's output."""
+        procs = self._workers_of(s)
+        dead = [w.name for w in procs if not w.alive]
+        if dead:
+            raise EngineError(f"stream '{s.name}' needs worker(s) {', '.join(dead)}, which are down")
+        addr = {w.index: w.data_addr for w in procs}
+        requests = []
+        for w in procs:
+            stages = s.plan.stages_of(w.index)
+            routes = {}
+            for st in stages:
+                nxt = s.plan.next_stage(st)
+                routes[f"{st[0]},{st[1]}"] = self.out_addr if nxt is None else addr[s.plan.assignment[nxt]]
+            requests.append(self.request(w.name, "start_stream", {
+                "stream": s.name, "epoch": s.epoch, "stages": [list(st) for st in stages], "routes": routes}))
+        await asyncio.gather(*requests)
+        first = addr[s.plan.assignment[s.plan.first_stage]]
+        if first not in self._push:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(first)
+            self._push[first] = sock
+        s.first_addr = first
 
     async def remove_stream(self, name: str) -> None:
         s = self.streams.pop(name)
         if s.feeder is not None:
             s.feeder.cancel()
-        await asyncio.gather(*(self.request(w, "stop_stream", {"stream": name}) for w in self.workers))
+        s.done.set()
+        await asyncio.gather(*(self.request(w.name, "stop_stream", {"stream": name})
+                               for w in self._workers_of(s) if w.alive), return_exceptions=True)
 
     async def wait_stream(self, name: str) -> list[ChunkOutput]:
-        """Wait until a finite stream has emitted all its chunks; raises if the engine failed."""
+        """Wait until a finite stream has emitted all its chunks; raises if it failed."""
         s = self.streams[name]
         await s.done.wait()
-        if self.failure is not None:
-            raise self.failure
+        if s.failed is not None:
+            raise EngineError(s.failed)
         return s.outputs
+
+    def stream_status(self, name: str) -> dict:
+        s = self.streams[name]
+        return {"failed": s.failed, "epoch": s.epoch, "lost_chunks": s.lost_chunks, "next_chunk": s.next_chunk,
+                "in_flight": len(s.entered), "workers": [f"w{i}" for i in s.plan.workers_used]}
 
     async def _feed(self, s: _Stream) -> None:
         while s.limit is None or s.next_chunk < s.limit:
@@ -379,9 +311,10 @@ class Engine:
                        for k, v in obs.data.items()}
             order = time.perf_counter()
             slo_s = (s.slo_interval_ms or 1000.0) / 1e3
-            msg = wire.Message("task", s.name, c, self.plan.first_stage, tensors,
-                               {"seed": self.config.seed, "sent": order, "order": order, "deadline": order + slo_s})
-            await self._first_push.send_multipart(wire.encode(msg), copy=False)
+            msg = wire.Message("task", s.name, c, s.plan.first_stage, tensors,
+                               {"seed": self.config.seed, "epoch": s.epoch, "sent": order, "order": order,
+                                "deadline": order + slo_s})
+            await self._push[s.first_addr].send_multipart(wire.encode(msg), copy=False)
 
     async def _output_loop(self) -> None:
         while True:
@@ -394,9 +327,9 @@ class Engine:
                 log.warning("malformed output message: %s", exc)
                 continue
             s = self.streams.get(msg.stream)
-            if s is None or msg.chunk not in s.entered:
-                continue  # a stream removed while its chunks were in flight
             ts = msg.ts
+            if s is None or ts.get("epoch", 0) != s.epoch or msg.chunk not in s.entered:
+                continue  # a removed stream, or an incarnation before a failure
             hops = list(ts.get("hops", []))
             if "sent" in ts:
                 hops.append((received - ts["sent"]) * 1e3)
@@ -432,5 +365,61 @@ class Engine:
             if s.limit is not None and s.next_emit >= s.limit:
                 s.done.set()
 
-    async def worker_stats(self) -> dict[str, dict]:
-        return {name: await self.request(name, "stats", {}) for name in self.workers}
+    # ---- faults --------------------------------------------------------------------------------
+    def _event(self, event: StreamEvent) -> None:
+        event.time = self.clock()
+        self.events.append(event)
+        del self.events[:-1000]  # bounded
+        if self.on_event is not None:
+            try:
+                self.on_event(event)
+            except Exception:
+                log.exception("event callback failed")
+
+    async def _worker_lost(self, w: WorkerProc, reason: str) -> None:
+        affected = [s for s in self.streams.values() if w.index in s.plan.workers_used and s.failed is None]
+        names = ", ".join(s.name for s in affected) or "none"
+        log.error("%s; streams affected: %s", reason, names)
+        for s in affected:
+            if s.feeder is not None:
+                s.feeder.cancel()
+            lost = len(s.entered) + len(s.pending)
+            s.lost_chunks += lost
+            s.failed = reason
+            self._event(StreamEvent(s.name, "failed", f"{reason} (streams on it: {names})", lost))
+        if not self.config.restart_workers:
+            if self.failure is None:
+                self.failure = EngineError(reason)
+            for s in affected:
+                s.done.set()
+            return
+        self._tasks.append(asyncio.create_task(self._recover(w, affected), name=f"recover-{w.name}"))
+
+    async def _recover(self, w: WorkerProc, affected: list[_Stream]) -> None:
+        try:
+            fresh = await self.pool.spawn(w.index)
+            await self.pool.wait_hello(fresh)
+            await self._load(fresh)
+            for s in affected:
+                if self.streams.get(s.name) is not s:
+                    continue  # removed meanwhile
+                # Drop the old incarnation everywhere, then place it again with fresh KV.
+                await asyncio.gather(*(self.request(p.name, "stop_stream", {"stream": s.name})
+                                       for p in self._workers_of(s) if p.alive and p is not fresh),
+                                     return_exceptions=True)
+                s.epoch += 1
+                s.entered.clear()
+                s.pending.clear()
+                s.next_emit = s.next_chunk  # the chunks in flight are lost; counted in lost_chunks
+                s.credits = asyncio.Semaphore(self.config.max_in_flight or self.default_in_flight(s.plan))
+                await self._place(s)
+                s.failed = None
+                self._event(StreamEvent(s.name, "readmitted", f"worker {w.name} restarted (pid {fresh.pid})"))
+                s.feeder = asyncio.create_task(self._feed(s), name=f"feed-{s.name}")
+        except Exception as exc:  # recovery failed: the streams stay failed, loudly
+            text = f"could not restart worker {w.name}: {exc}"
+            log.error(text)
+            self.failure = EngineError(text)
+            for s in affected:
+                s.failed = f"{s.failed}; {text}"
+                s.done.set()

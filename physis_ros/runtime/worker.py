@@ -29,7 +29,7 @@ import torch
 import zmq
 
 from physis_ros.config import from_mapping
-from physis_ros.model import KVBatch, build_model
+from physis_ros.model import KVBatch, KVTable, build_model
 from physis_ros.model.checkpoint import load_checkpoint
 from physis_ros.model.dit import DiTModel
 from physis_ros.model.spec import ModelConfig
@@ -62,11 +62,12 @@ class Task:
 
 
 class SlotMap:
-    """Stable KV slots: each stream gets an index; slot(block b, step k) is fixed for its life."""
+    """Stable KV slots: each stream gets an index for its life; slot(k) = index * K + (k - 1) in every
+    block's table, so a (stream, step) pair always reads and writes the same rows."""
 
-    def __init__(self, max_streams: int, steps_of_block: dict[int, list[int]]):
+    def __init__(self, max_streams: int, steps: int):
         self.max_streams = max_streams
-        self.steps_of_block = steps_of_block
+        self.steps = steps
         self.index: dict[str, int] = {}
 
     def add(self, stream: str) -> int:
@@ -81,11 +82,17 @@ class SlotMap:
     def remove(self, stream: str) -> None:
         self.index.pop(stream, None)
 
-    def slot(self, stream: str, block: int, step: int) -> int:
-        if stream not in self.index:
-            raise KeyError(f"stream '{stream}' was not started on this worker")
-        steps = self.steps_of_block[block]
-        return self.index[stream] * len(steps) + steps.index(step)
+    def slot(self, stream: str, step: int) -> int:
+        return self.index[stream] * self.steps + step - 1
+
+
+@dataclass
+class StreamPlacement:
+    """What one stream runs here: its hosted stages and where each one's output goes."""
+
+    stages: set[Stage]
+    routes: dict[Stage, str]  # next stage's worker data address, or the engine's after the last stage
+    epoch: int = 0  # the stream's incarnation: tasks of an earlier one (before a failure) are dropped
 
 
 class Worker:
@@ -114,14 +121,15 @@ class Worker:
             self.data_addr = f"tcp://{bind_host}:{port}"
         self.peers: dict[str, zmq.Socket] = {}
         self.model: DiTModel | None = None
-        self.tables: dict[int, object] = {}
+        self.load_args: dict = {}
+        self.tables: dict[int, KVTable] = {}
         self.slots: SlotMap | None = None
-        self.hosted: set[Stage] = set()
-        self.route: dict[Stage, str] = {}  # next stage's data address, or the engine's for the last stage
+        self.placements: dict[str, StreamPlacement] = {}
         self.ready: list[Task] = []
         self.scheduler: BatchScheduler | None = None
         self.running = True
-        self.stats = {"tasks": 0, "stages": 0, "batches": 0, "bad_messages": 0, "errors": 0, "compute_ms": 0.0}
+        self.stats = {"tasks": 0, "stages": 0, "batches": 0, "bad_messages": 0, "errors": 0, "stale": 0,
+                      "dropped_sends": 0, "compute_ms": 0.0}
 
     # ---- sockets -------------------------------------------------------------------------
     def _push(self, address: str) -> zmq.Socket:
@@ -130,6 +138,7 @@ class Worker:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, 1000)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to live connections
             sock.connect(address)
             self.peers[address] = sock
         return sock
@@ -153,45 +162,60 @@ class Worker:
         self._send_ctrl("ack", {"req": req, **result})
 
     def cmd_load(self, body: dict) -> dict:
+        """Model, device and scheduling settings; ``blocks`` preloads what the first streams need."""
         torch.set_num_threads(int(body.get("threads", 1)))
+        self.load_args = body
         config = from_mapping(ModelConfig, body["model"])
-        stages = [tuple(s) for s in body["stages"]]
-        blocks = sorted({b for _, b in stages})
-        if body.get("checkpoint"):
-            self.model = load_checkpoint(body["checkpoint"], config=config, device=self.device, hosted_blocks=blocks)
-        else:
-            self.model = build_model(config, device=self.device, hosted_blocks=blocks)
-        self.hosted = set(stages)
-        steps_of_block = {b: sorted(k for k, bb in stages if bb == b) for b in blocks}
-        max_streams = int(body.get("max_streams", 8))
-        self.slots = SlotMap(max_streams, steps_of_block)
-        self.tables = {b: self.model.new_kv_table(b, max_streams * len(steps)) for b, steps in steps_of_block.items()}
+        self.model = None
+        self.tables = {}
+        self.placements = {}
+        self.slots = SlotMap(int(body.get("max_streams", 8)), config.steps)
         self.scheduler = BatchScheduler(policy=body.get("policy", "oldest"), batching=body.get("batching", "off"),
                                         max_batch=int(body.get("max_batch", 4)), profile=body.get("profile"))
-        kv_bytes = sum(t.k.numel() * t.k.element_size() * 2 for t in self.tables.values())
-        return {"blocks": blocks, "kv_bytes": kv_bytes}
+        self._ensure_blocks(config, set(body.get("blocks", [])))
+        return {"blocks": sorted(self.tables), "kv_bytes": self.kv_bytes()}
 
-    def cmd_assign(self, body: dict) -> dict:
-        self.route = {tuple(map(int, key.split(","))): addr for key, addr in body["routes"].items()}
-        missing = [s for s in self.hosted if s not in self.route]
-        if missing:
-            raise ValueError(f"no route for hosted stages {missing}")
-        for addr in set(self.route.values()):
-            if addr != self.data_addr:
-                self._push(addr)
-        return {}
+    def _ensure_blocks(self, config: ModelConfig, blocks: set[int]) -> None:
+        """Hold (at least) these blocks' weights and KV tables; existing tables are kept as they are."""
+        have = set() if self.model is None else set(self.model.hosted_blocks)
+        if blocks <= have and self.model is not None:
+            return
+        wanted = sorted(have | blocks)
+        ckpt = self.load_args.get("checkpoint")
+        if ckpt:
+            self.model = load_checkpoint(ckpt, config=config, device=self.device, hosted_blocks=wanted)
+        else:
+            self.model = build_model(config, device=self.device, hosted_blocks=wanted)
+        for b in wanted:
+            if b not in self.tables:
+                self.tables[b] = self.model.new_kv_table(b, self.slots.max_streams * config.steps)
+
+    def kv_bytes(self) -> int:
+        return sum(t.slot_bytes() * t.slots for t in self.tables.values())
 
     def cmd_start_stream(self, body: dict) -> dict:
+        """Host a stream's stages (fresh KV) and learn where each of them sends its output."""
         stream = body["stream"]
+        stages = {tuple(s) for s in body["stages"]}
+        routes = {tuple(map(int, key.split(","))): addr for key, addr in body["routes"].items()}
+        missing = sorted(s for s in stages if s not in routes)
+        if missing:
+            raise ValueError(f"no route for stages {missing} of stream '{stream}'")
+        self._ensure_blocks(self.model.config, {b for _, b in stages})
         self.slots.add(stream)
-        for b, table in self.tables.items():
-            for k in self.slots.steps_of_block[b]:
-                table.reset(self.slots.slot(stream, b, k))
-        return {"slot": self.slots.index[stream]}
+        for k, b in stages:
+            self.tables[b].reset(self.slots.slot(stream, k))
+        self.placements[stream] = StreamPlacement(stages, routes, int(body.get("epoch", 0)))
+        for addr in set(routes.values()):
+            if addr != self.data_addr:
+                self._push(addr)
+        return {"slot": self.slots.index[stream], "kv_bytes": self.kv_bytes()}
 
     def cmd_stop_stream(self, body: dict) -> dict:
-        self.slots.remove(body["stream"])
-        self.ready = [t for t in self.ready if t.stream != body["stream"]]
+        stream = body["stream"]
+        self.slots.remove(stream)
+        self.placements.pop(stream, None)
+        self.ready = [t for t in self.ready if t.stream != stream]
         return {}
 
     def cmd_stats(self, body: dict) -> dict:
@@ -207,16 +231,22 @@ class Worker:
             msg = wire.decode(frames, self.max_message_bytes)
             if msg.kind != "task" or msg.stage is None:
                 raise wire.WireError(f"data socket accepts 'task' messages with a stage, got '{msg.kind}'")
-            if msg.stage not in self.hosted:
-                raise wire.WireError(f"stage {list(msg.stage)} is not hosted by worker {self.id}")
-            if self.slots is None or msg.stream not in self.slots.index:
-                raise wire.WireError(f"stream '{msg.stream}' was not started on worker {self.id}")
+            placement = self.placements.get(msg.stream)
+            if placement is None:  # stopped (or never started) here: late tasks of a removed stream
+                self.stats["stale"] += 1
+                return
+            if msg.stage not in placement.stages:
+                raise wire.WireError(f"stage {list(msg.stage)} of stream '{msg.stream}' is not hosted by "
+                                     f"worker {self.id}")
         except wire.WireError as exc:
             self.stats["bad_messages"] += 1
             log.warning("worker %s dropped a malformed message: %s", self.id, exc)
             self._send_ctrl("error", {"error": f"malformed data message: {exc}", "bad_message": True})
             return
         ts = msg.ts
+        if ts.get("epoch", 0) != placement.epoch:
+            self.stats["stale"] += 1  # from before the stream was re-admitted: its KV is gone
+            return
         if "sent" in ts:
             ts.setdefault("hops", []).append((time.perf_counter() - ts.pop("sent")) * 1e3)
         model, state = self.model, msg.tensors
@@ -235,7 +265,7 @@ class Worker:
         for t in batch:
             self.ready.remove(t)
         b = batch[0].stage[1]
-        slots = [self.slots.slot(t.stream, b, t.stage[0]) for t in batch]
+        slots = [self.slots.slot(t.stream, t.stage[0]) for t in batch]
         start = time.perf_counter()
         try:
             states = run_stage(model, b, [t.stage[0] for t in batch], [t.state for t in batch],
@@ -264,8 +294,11 @@ class Worker:
     def _forward(self, task: Task, now: float) -> None:
         """Queue the task's next stage here, or send it to the next worker or the engine."""
         cfg = self.model.config
+        placement = self.placements.get(task.stream)
+        if placement is None:  # the stream was stopped while this task ran
+            return
         nxt = next_stage(task.stage, cfg.steps, cfg.blocks)
-        if nxt is not None and nxt in self.hosted:
+        if nxt is not None and nxt in placement.stages:
             task.stage, task.received = nxt, now
             self.ready.append(task)
             return
@@ -276,7 +309,11 @@ class Worker:
                                {"worker": self.id})
         else:
             out = wire.Message("task", task.stream, task.chunk, nxt, task.state, task.ts)
-        self._push(self.route[task.stage]).send_multipart(wire.encode(out), copy=False)
+        try:
+            # Never block on a peer that is gone (a lost worker): drop, count, and let the engine recover.
+            self._push(placement.routes[task.stage]).send_multipart(wire.encode(out), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.stats["dropped_sends"] += 1
 
     def _slot_key(self, task: Task) -> tuple[str, int, int]:
         return (task.stream, task.stage[0], task.stage[1])

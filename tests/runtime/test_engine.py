@@ -17,6 +17,7 @@ from physis_ros.observations import SyntheticScene
 from physis_ros.reference import reference_rollout
 from physis_ros.runtime.engine import Engine, EngineError, Observation
 from physis_ros.runtime.offline import run_chunks
+from physis_ros.runtime.plans import Plan, pipeline_order
 
 STREAMS = ["robot0", "robot1"]
 _reference_cache: dict = {}
@@ -138,7 +139,8 @@ def test_killed_worker_is_reported_by_name_without_hanging():
     cfg = load_model_config("tiny-wam")
 
     async def main():
-        engine, got = await _engine_with_stream(cfg, EngineConfig(workers=2, plan="stage"), chunks=10_000)
+        engine, got = await _engine_with_stream(cfg, EngineConfig(workers=2, plan="stage", restart_workers=False),
+                                                chunks=10_000)
         try:
             while len(got) < 2:
                 await asyncio.sleep(0.01)
@@ -165,3 +167,46 @@ def test_worker_that_cannot_load_is_named():
 
     with pytest.raises(EngineError, match="worker w0: load failed"):
         uvloop.run(main())
+
+
+def test_lost_worker_fails_only_its_streams_and_they_come_back():
+    cfg = load_model_config("tiny-wam")
+    scene = SyntheticScene(cfg.observation_shapes)
+    on_w0 = Plan("sequential", cfg.steps, cfg.blocks, {s: 0 for s in pipeline_order(cfg.steps, cfg.blocks)})
+    on_w1 = Plan("sequential", cfg.steps, cfg.blocks, {s: 1 for s in pipeline_order(cfg.steps, cfg.blocks)})
+
+    async def main():
+        events = []
+        engine = Engine(cfg, EngineConfig(workers=2, heartbeat_timeout_s=0.5), on_event=events.append)
+        await engine.start()
+        got = {"a": [], "b": []}
+        try:
+            for name, plan in (("a", on_w0), ("b", on_w1)):
+                await engine.add_stream(name, lambda c, n=name: Observation(scene.observation(n, c), engine.clock()),
+                                        got[name].append, plan=plan)
+            while len(got["b"]) < 3:
+                await asyncio.sleep(0.01)
+            victim = engine.workers["w1"]
+            os.kill(victim.proc.pid, signal.SIGSTOP)  # hung, not dead: only heartbeats can tell
+            stopped = time.monotonic()
+            while not any(e.kind == "failed" for e in events):
+                await asyncio.sleep(0.01)
+            detect_s = time.monotonic() - stopped
+            a_at_failure = len(got["a"])
+            while not any(e.kind == "readmitted" for e in events) or len(got["b"]) < 8:
+                await asyncio.sleep(0.02)
+                assert time.monotonic() - stopped < 30
+            status = engine.stream_status("b")
+            return detect_s, a_at_failure, got, events, status
+        finally:
+            await engine.stop()
+
+    detect_s, a_at_failure, got, events, status = uvloop.run(main())
+    assert detect_s < 1.0
+    assert [e.stream for e in events] == ["b", "b"] and "w1" in events[0].reason
+    assert len(got["a"]) > a_at_failure  # stream a kept running through the fault
+    assert [o.chunk for o in got["a"]] == list(range(len(got["a"])))  # and lost nothing
+    b = [o.chunk for o in got["b"]]
+    assert b == sorted(b) and status["epoch"] == 1
+    gap = [y - x for x, y in zip(b, b[1:]) if y - x > 1]
+    assert sum(g - 1 for g in gap) == status["lost_chunks"] == events[0].lost_chunks
