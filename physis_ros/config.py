@@ -211,6 +211,10 @@ class EngineConfig:
     start_timeout_s: float = dataclasses.field(default=60.0, metadata=bounded(gt=0))
     heartbeat_timeout_s: float = dataclasses.field(default=1.0, metadata=bounded(gt=0))
     restart_workers: bool = True  # restart a lost worker and re-admit its streams with fresh KV
+    # Workers on other hosts: the engine does not start them; `physis-worker --connect` does, by hand.
+    spawn_workers: bool = True
+    ctrl_port: int = dataclasses.field(default=0, metadata=bounded(ge=0, le=65535))  # 0: any free port
+    curve_keys: str | None = None  # physis-keys directory; required to bind anything but loopback
     max_message_mb: int = dataclasses.field(default=256, metadata=bounded(ge=1))
 
     def validate(self) -> None:
@@ -220,6 +224,10 @@ class EngineConfig:
         for d in self.devices:
             if not (d == "cpu" or d.startswith("cuda")):
                 raise ConfigError("devices", f"{d!r} is not a device; use 'cpu' or 'cuda:N'")
+        from physis_ros.runtime.security import is_loopback
+        if self.transport == "tcp" and not is_loopback(self.bind_host) and not self.curve_keys:
+            raise ConfigError("curve_keys", f"binding {self.bind_host} (not loopback) requires CurveZMQ keys: "
+                                            "generate them with 'physis-keys DIR' and set curve_keys: DIR")
 
     def device_of(self, worker: int) -> str:
         return self.devices[0] if len(self.devices) == 1 else self.devices[worker]

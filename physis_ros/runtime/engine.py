@@ -40,6 +40,7 @@ from physis_ros.runtime import wire
 from physis_ros.runtime.planner import choose_plan
 from physis_ros.runtime.plans import Plan, make_plan
 from physis_ros.runtime.profiler import Profile, measure_profile
+from physis_ros.runtime.security import CurveKeys
 from physis_ros.runtime.workers import EngineError, WorkerPool, WorkerProc
 from physis_ros.telemetry import ChunkRecord
 
@@ -135,6 +136,7 @@ class Engine:
         self._push: dict[str, zmq.asyncio.Socket] = {}
         self._tasks: list[asyncio.Task] = []
         self._ipc_dir: tempfile.TemporaryDirectory | None = None
+        self._auth = None
         self._started = False
 
     def default_in_flight(self, plan: Plan) -> int:
@@ -162,7 +164,11 @@ class Engine:
     # ---- life cycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
+        self.keys = CurveKeys.load(cfg.curve_keys) if cfg.curve_keys else None
+        self._auth = self.keys.authenticator(self.ctx) if self.keys else None
         self.out = self.ctx.socket(zmq.PULL)
+        if self.keys:
+            self.keys.server(self.out)
         self.out.setsockopt(zmq.LINGER, 0)
         self.out.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
         if cfg.transport == "ipc":
@@ -174,11 +180,16 @@ class Engine:
             ctrl_base = f"tcp://{cfg.bind_host}"
             self.out_addr = f"tcp://{cfg.bind_host}:{self.out.bind_to_random_port(ctrl_base)}"
         self.pool = WorkerPool(self.ctx, cfg, ctrl_base, self._ipc_dir.name if self._ipc_dir else None,
-                               self._worker_lost)
+                               self._worker_lost, self.keys)
         self._tasks.append(asyncio.create_task(self.pool.control_loop(), name="engine-control"))
         self._tasks.append(asyncio.create_task(self._output_loop(), name="engine-output"))
         try:
-            procs = [await self.pool.spawn(i) for i in range(cfg.workers)]
+            if cfg.spawn_workers:
+                procs = [await self.pool.spawn(i) for i in range(cfg.workers)]
+            else:
+                procs = [self.pool.expect(i) for i in range(cfg.workers)]
+                log.warning("waiting for %d workers: physis-worker --connect %s --id w<N>", cfg.workers,
+                            self.pool.ctrl_addr)
             for w in procs:
                 await self.pool.wait_hello(w)
             await asyncio.gather(*(self._load(w) for w in procs))
@@ -212,6 +223,8 @@ class Engine:
         for sock in [getattr(self, "out", None), *self._push.values()]:
             if sock is not None:
                 sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self.ctx.term()
         if self._ipc_dir is not None:
             self._ipc_dir.cleanup()
@@ -271,6 +284,8 @@ class Engine:
         if first not in self._push:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
+            if self.keys:
+                self.keys.client(sock)
             sock.connect(first)
             self._push[first] = sock
         s.first_addr = first
@@ -387,7 +402,7 @@ class Engine:
             s.lost_chunks += lost
             s.failed = reason
             self._event(StreamEvent(s.name, "failed", f"{reason} (streams on it: {names})", lost))
-        if not self.config.restart_workers:
+        if not (self.config.restart_workers and self.config.spawn_workers):
             if self.failure is None:
                 self.failure = EngineError(reason)
             for s in affected:

@@ -37,6 +37,7 @@ from physis_ros.model.stages import OBS_PREFIX, chunk_input, run_stage
 from physis_ros.runtime import wire
 from physis_ros.runtime.plans import Stage, next_stage
 from physis_ros.runtime.scheduler import BatchScheduler
+from physis_ros.runtime.security import CurveKeys, is_loopback
 
 log = logging.getLogger("physis.worker")
 HEARTBEAT_S = 0.2
@@ -98,17 +99,23 @@ class StreamPlacement:
 class Worker:
     def __init__(self, engine_ctrl: str, worker_id: str, *, device: str = "cpu", bind_host: str = "127.0.0.1",
                  transport: str = "tcp", ipc_dir: str | None = None,
-                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, curve_keys: str | None = None):
         self.id = worker_id
         self.device = device
         self.max_message_bytes = max_message_bytes
         self.ctx = zmq.Context()
+        self.keys = CurveKeys.load(curve_keys) if curve_keys else None
+        self.auth = self.keys.authenticator(self.ctx) if self.keys else None
         self.ctrl = self.ctx.socket(zmq.DEALER)
+        if self.keys:
+            self.keys.client(self.ctrl)
         self.ctrl.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.ctrl.setsockopt(zmq.LINGER, 0)
         self.ctrl.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.ctrl.connect(engine_ctrl)
         self.data_in = self.ctx.socket(zmq.PULL)
+        if self.keys:
+            self.keys.server(self.data_in)
         self.data_in.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.data_in.setsockopt(zmq.LINGER, 0)
         self.ipc_path: Path | None = None
@@ -139,6 +146,8 @@ class Worker:
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, 1000)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to live connections
+            if self.keys:
+                self.keys.client(sock)
             sock.connect(address)
             self.peers[address] = sock
         return sock
@@ -366,6 +375,8 @@ class Worker:
             sock.close(linger=1000)
         self.data_in.close(linger=0)
         self.ctrl.close(linger=200)
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()
         if self.ipc_path is not None:
             self.ipc_path.unlink(missing_ok=True)
@@ -381,12 +392,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transport", choices=("tcp", "ipc"), default="tcp")
     parser.add_argument("--ipc-dir", default=None)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--curve-keys", default=None,
+                        help="physis-keys directory: CurveZMQ on every socket (required off loopback)")
+    parser.add_argument("--max-message-mb", type=int, default=256)
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"[worker {args.id}] %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
-    Worker(args.connect, args.id, device=args.device, bind_host=args.bind_host, transport=args.transport,
-           ipc_dir=args.ipc_dir).serve()
+    if args.transport == "tcp" and not is_loopback(args.bind_host) and not args.curve_keys:
+        parser.error(f"--bind-host {args.bind_host} is not loopback: give --curve-keys DIR (see physis-keys)")
+    try:
+        worker = Worker(args.connect, args.id, device=args.device, bind_host=args.bind_host,
+                        transport=args.transport, ipc_dir=args.ipc_dir, curve_keys=args.curve_keys,
+                        max_message_bytes=args.max_message_mb * 1024 * 1024)
+    except (ValueError, zmq.ZMQError) as exc:
+        parser.error(str(exc))
+    worker.serve()
     return 0
 
 

@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from physis_ros.config import EngineConfig
 from physis_ros.runtime import wire
+from physis_ros.runtime.security import CurveKeys
 
 log = logging.getLogger("physis.engine")
 
@@ -50,7 +51,7 @@ class WorkerProc:
 
 class WorkerPool:
     def __init__(self, ctx: zmq.asyncio.Context, config: EngineConfig, ctrl_addr_base: str, ipc_dir: str | None,
-                 on_lost: Callable[[WorkerProc, str], Awaitable[None]]):
+                 on_lost: Callable[[WorkerProc, str], Awaitable[None]], keys: CurveKeys | None = None):
         self.ctx = ctx
         self.config = config
         self.ipc_dir = ipc_dir
@@ -63,8 +64,13 @@ class WorkerPool:
         self.ctrl = ctx.socket(zmq.ROUTER)
         self.ctrl.setsockopt(zmq.LINGER, 0)
         self.ctrl.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
+        if keys is not None:
+            keys.server(self.ctrl)
         if ctrl_addr_base.startswith("ipc://"):
             self.ctrl_addr = ctrl_addr_base
+            self.ctrl.bind(self.ctrl_addr)
+        elif config.ctrl_port:
+            self.ctrl_addr = f"{ctrl_addr_base}:{config.ctrl_port}"
             self.ctrl.bind(self.ctrl_addr)
         else:
             self.ctrl_addr = f"{ctrl_addr_base}:{self.ctrl.bind_to_random_port(ctrl_addr_base)}"
@@ -79,6 +85,9 @@ class WorkerPool:
                "--threads", str(cfg.threads_per_worker)]
         if self.ipc_dir is not None:
             cmd += ["--ipc-dir", self.ipc_dir]
+        if cfg.curve_keys:
+            cmd += ["--curve-keys", cfg.curve_keys]
+        cmd += ["--max-message-mb", str(cfg.max_message_mb)]
         env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads_per_worker)}
         old = self.workers.get(name)
         w = WorkerProc(name, index, subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL),
@@ -87,10 +96,18 @@ class WorkerPool:
         self.workers[name] = w
         return w
 
+    def expect(self, index: int) -> WorkerProc:
+        """A worker started by hand elsewhere (``physis-worker --connect``): wait for it to say hello."""
+        name = f"w{index}"
+        w = WorkerProc(name, index, None, last_seen=time.monotonic(),
+                       hello=asyncio.get_running_loop().create_future())
+        self.workers[name] = w
+        return w
+
     async def wait_hello(self, w: WorkerProc) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
         while not w.hello.done():
-            if w.proc.poll() is not None:
+            if w.proc is not None and w.proc.poll() is not None:
                 raise EngineError(f"worker {w.name} exited with code {w.proc.returncode} before it said hello")
             if time.monotonic() > deadline:
                 raise EngineError(f"worker {w.name} did not start within {self.config.start_timeout_s:.0f} s")
@@ -113,7 +130,7 @@ class WorkerPool:
 
     async def stop(self) -> None:
         for w in self.workers.values():
-            if w.alive and w.proc is not None and w.proc.poll() is None and w.data_addr:
+            if w.alive and w.data_addr and (w.proc is None or w.proc.poll() is None):
                 try:
                     await self.request(w.name, "shutdown", {}, timeout=1.0)
                 except EngineError:
@@ -162,7 +179,7 @@ class WorkerPool:
             w.last_seen = time.monotonic()
             body = msg.body
             if msg.kind == "hello":
-                if body.get("pid") != w.proc.pid:
+                if w.proc is not None and body.get("pid") != w.proc.pid:
                     continue  # a previous process of this name
                 w.data_addr, w.pid = body["data"], body["pid"]
                 if not w.hello.done():
