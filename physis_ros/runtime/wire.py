@@ -105,9 +105,9 @@ def _frame_bytes(frame: Any) -> memoryview:
 def _check_header(header: Any) -> None:
     if not isinstance(header, dict):
         raise WireError("header is not a map")
-    if header.get("v") != VERSION:
+    if type(header.get("v")) is not int or header["v"] != VERSION:
         raise WireError(f"unknown format version {header.get('v')!r}; this build speaks version {VERSION}")
-    if header.get("kind") not in KINDS:
+    if not isinstance(header.get("kind"), str) or header["kind"] not in KINDS:
         raise WireError(f"unknown message kind {header.get('kind')!r}")
     if not isinstance(header.get("stream", ""), str):
         raise WireError("field 'stream' must be a string")
@@ -159,7 +159,7 @@ def _decode_tensor(i: int, spec: Any, view: memoryview, max_bytes: int) -> tuple
     if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)):
         raise WireError(f"tensor spec {i} must be [name, dtype, shape]")
     name, dtype, shape = spec
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise WireError(f"tensor '{name}' has unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
     if not (isinstance(shape, list) and len(shape) <= MAX_RANK
             and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= max_bytes for d in shape)):

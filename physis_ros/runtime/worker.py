@@ -41,6 +41,7 @@ from physis_ros.runtime.security import CurveKeys, is_loopback
 
 log = logging.getLogger("physis.worker")
 HEARTBEAT_S = 0.2
+MAX_READY = 1024  # tasks; the engine's in-flight credits keep real loads far below this
 
 
 @dataclass
@@ -136,7 +137,7 @@ class Worker:
         self.scheduler: BatchScheduler | None = None
         self.running = True
         self.stats = {"tasks": 0, "stages": 0, "batches": 0, "bad_messages": 0, "errors": 0, "stale": 0,
-                      "dropped_sends": 0, "compute_ms": 0.0}
+                      "dropped_sends": 0, "dropped_tasks": 0, "compute_ms": 0.0}
 
     # ---- sockets -------------------------------------------------------------------------
     def _push(self, address: str) -> zmq.Socket:
@@ -266,6 +267,12 @@ class Worker:
         else:
             state = {k: v.to(model.device) for k, v in state.items()}
         self.ready.append(Task(msg.stream, msg.chunk, msg.stage, state, ts))
+        if len(self.ready) > MAX_READY:  # bounded: a flood costs the oldest work, never memory
+            dropped = min(self.ready, key=lambda t: t.order)
+            self.ready.remove(dropped)
+            self.stats["dropped_tasks"] += 1
+            self._send_ctrl("error", {"error": f"ready queue full ({MAX_READY}); dropped chunk {dropped.chunk} "
+                                               f"of stream '{dropped.stream}'", "stream": dropped.stream})
 
     def run_next(self) -> None:
         """Run one stage for the task the policy picks, batched with same-block tasks if that pays."""
