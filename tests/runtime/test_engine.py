@@ -210,3 +210,34 @@ def test_lost_worker_fails_only_its_streams_and_they_come_back():
     assert b == sorted(b) and status["epoch"] == 1
     gap = [y - x for x, y in zip(b, b[1:]) if y - x > 1]
     assert sum(g - 1 for g in gap) == status["lost_chunks"] == events[0].lost_chunks
+
+
+def test_slow_worker_shows_as_deadline_misses_not_silence():
+    cfg = load_model_config("tiny-wam")
+
+    async def main():
+        scene = SyntheticScene(cfg.observation_shapes)
+        engine = Engine(cfg, EngineConfig(workers=1, plan="sequential", heartbeat_timeout_s=2.0))
+        await engine.start()
+        got = []
+        try:
+            await engine.add_stream("robot0", lambda c: Observation(scene.observation("robot0", c), engine.clock()),
+                                    got.append, slo_interval_ms=300.0)
+            while len(got) < 3:
+                await asyncio.sleep(0.01)
+            pid = engine.workers["w0"].proc.pid
+            os.kill(pid, signal.SIGSTOP)  # a stall shorter than the heartbeat timeout: slow, not lost
+            await asyncio.sleep(0.8)
+            os.kill(pid, signal.SIGCONT)
+            n = len(got)
+            while len(got) < n + 3:
+                await asyncio.sleep(0.01)
+            return got, list(engine.events)
+        finally:
+            await engine.stop()
+
+    got, events = uvloop.run(main())
+    assert events == []  # not failed
+    misses = [o for o in got if o.record.deadline_miss]
+    assert misses and all(o.record.interval_ms > 300.0 for o in misses)
+    assert [o.chunk for o in got] == list(range(len(got)))
