@@ -13,6 +13,8 @@ import sys
 SUBCOMMANDS = {
     "pipeline": "stage pipeline vs the sequential/step/block baselines",
     "timeshare": "time-sharing: batching off vs on vs adaptive, planner prediction",
+    "soak": "two streams for minutes: memory, lost chunks, interval drift",
+    "streams": "joint scheduling live: admit tiny-wam streams onto local workers until one is rejected",
     "ros": "ROS layer: emit -> subscriber delay and lost chunks through the real node",
 }
 

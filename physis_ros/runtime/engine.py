@@ -100,6 +100,8 @@ class _Stream:
     failed: str | None = None
     lost_chunks: int = 0
     first_addr: str = ""
+    release_interval_s: float | None = None  # pace: chunk c enters no earlier than release_t0 + c * interval
+    release_t0: float = 0.0
 
 
 class Engine:
@@ -245,8 +247,12 @@ class Engine:
     # ---- streams -----------------------------------------------------------------------------
     async def add_stream(self, name: str, observe: ObserveFn, on_output: OutputFn | None = None, *,
                          chunks: int | None = None, slo_interval_ms: float | None = None,
-                         keep_outputs: bool = False, plan: Plan | None = None) -> None:
-        """Start feeding a stream: ``chunks`` chunks (None: until removed), placed by ``plan``."""
+                         keep_outputs: bool = False, plan: Plan | None = None,
+                         release_interval_ms: float | None = None) -> None:
+        """Start feeding a stream: ``chunks`` chunks (None: until removed), placed by ``plan``.
+
+        ``release_interval_ms`` paces the stream: chunk c enters the pipeline no earlier than
+        c intervals after the first, so it cannot run ahead of the robot's control timeline."""
         if not self._started:
             raise EngineError("start the engine before adding streams")
         if name in self.streams:
@@ -255,6 +261,9 @@ class Engine:
         limit = self.config.max_in_flight or self.default_in_flight(plan)
         s = _Stream(name, plan, observe, on_output, chunks, slo_interval_ms, asyncio.Semaphore(limit),
                     keep_outputs=keep_outputs)
+        if release_interval_ms:
+            s.release_interval_s = release_interval_ms / 1e3
+            s.release_t0 = time.monotonic()
         await self._place(s)
         self.streams[name] = s
         s.feeder = asyncio.create_task(self._feed(s), name=f"feed-{name}")
@@ -314,6 +323,10 @@ class Engine:
     async def _feed(self, s: _Stream) -> None:
         while s.limit is None or s.next_chunk < s.limit:
             await s.credits.acquire()
+            if s.release_interval_s is not None:
+                delay = s.release_t0 + s.next_chunk * s.release_interval_s - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
             obs = s.observe(s.next_chunk)
             while obs is None:  # no observation yet (a camera not publishing): poll, do not spin
                 await asyncio.sleep(0.005)

@@ -35,6 +35,7 @@ from physis_ros.model.dit import DiTModel
 from physis_ros.model.spec import ModelConfig
 from physis_ros.model.stages import OBS_PREFIX, chunk_input, run_stage
 from physis_ros.runtime import wire
+from physis_ros.runtime.device import DeviceIO
 from physis_ros.runtime.plans import Stage, next_stage
 from physis_ros.runtime.scheduler import BatchScheduler
 from physis_ros.runtime.security import CurveKeys, is_loopback
@@ -103,6 +104,7 @@ class Worker:
                  max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, curve_keys: str | None = None):
         self.id = worker_id
         self.device = device
+        self.io = DeviceIO(device)
         self.max_message_bytes = max_message_bytes
         self.ctx = zmq.Context()
         self.keys = CurveKeys.load(curve_keys) if curve_keys else None
@@ -261,11 +263,11 @@ class Worker:
             ts.setdefault("hops", []).append((time.perf_counter() - ts.pop("sent")) * 1e3)
         model, state = self.model, msg.tensors
         if "x" not in state:  # the chunk's first stage: observation in, noise made here
-            obs = {k[len(OBS_PREFIX):]: v.to(device=model.device, dtype=model.dtype)
+            obs = {k[len(OBS_PREFIX):]: self.io.to_device(v, model.dtype)
                    for k, v in state.items() if k.startswith(OBS_PREFIX)}
             state = chunk_input(obs, model.noise(int(ts.get("seed", 0)), msg.stream, msg.chunk))
         else:
-            state = {k: v.to(model.device) for k, v in state.items()}
+            state = {k: self.io.to_device(v) for k, v in state.items()}
         self.ready.append(Task(msg.stream, msg.chunk, msg.stage, state, ts))
         if len(self.ready) > MAX_READY:  # bounded: a flood costs the oldest work, never memory
             dropped = min(self.ready, key=lambda t: t.order)
@@ -282,20 +284,17 @@ class Worker:
             self.ready.remove(t)
         b = batch[0].stage[1]
         slots = [self.slots.slot(t.stream, t.stage[0]) for t in batch]
-        start = time.perf_counter()
         try:
-            states = run_stage(model, b, [t.stage[0] for t in batch], [t.state for t in batch],
-                               KVBatch(self.tables[b], slots))
-            if states[0]["x"].device.type == "cuda":
-                torch.cuda.synchronize(states[0]["x"].device)
+            with self.io.timer() as timer:
+                states = run_stage(model, b, [t.stage[0] for t in batch], [t.state for t in batch],
+                                   KVBatch(self.tables[b], slots))
         except Exception as exc:  # a failing task must not take the worker down
             self.stats["errors"] += 1
             log.exception("stage %s of %d task(s) failed", batch[0].stage, len(batch))
             for t in batch:
                 self._send_ctrl("error", {"error": f"task failed: {exc}", "stream": t.stream, "chunk": t.chunk})
             return
-        end = time.perf_counter()
-        batch_ms = (end - start) * 1e3
+        start, end, batch_ms = timer.wall_start, timer.wall_end, timer.ms
         self.scheduler.observe(b, len(batch), batch_ms)
         self.stats["stages"] += len(batch)
         self.stats["batches"] += 1
@@ -319,12 +318,10 @@ class Worker:
             self.ready.append(task)
             return
         self.stats["tasks"] += 1
+        tensors = self.io.to_host({"x": task.state["x"]} if nxt is None else task.state)
         task.ts["sent"] = time.perf_counter()
-        if nxt is None:
-            out = wire.Message("output", task.stream, task.chunk, None, {"x": task.state["x"]}, task.ts,
-                               {"worker": self.id})
-        else:
-            out = wire.Message("task", task.stream, task.chunk, nxt, task.state, task.ts)
+        kind = "output" if nxt is None else "task"
+        out = wire.Message(kind, task.stream, task.chunk, nxt, tensors, task.ts, {"worker": self.id})
         try:
             # Never block on a peer that is gone (a lost worker): drop, count, and let the engine recover.
             self._push(placement.routes[task.stage]).send_multipart(wire.encode(out), zmq.NOBLOCK, copy=False)
