@@ -1,0 +1,173 @@
+"""Admission and placement: LDS beyond greedy Best-Fit, rejection reasons, removal, weight sharing."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from physis_ros.scheduling.admission import REASONS, StreamRequest
+from physis_ros.scheduling.cluster import Cluster, PlacedStream
+from physis_ros.scheduling.equal import EqualSplitScheduler
+from physis_ros.scheduling.placement import JointScheduler
+from physis_ros.scheduling.ranks import make_rank
+from physis_ros.scheduling.settings import GB
+
+from sched_helpers import make_config, make_device, make_profile
+
+
+def lds_case(discrepancies: int):
+    """Ranks: 6 ms (1 block) | 2+2+2 ms (3 blocks), each 6/7 of a device at SLO 7 ms. Greedy
+    Best-Fit puts the light first rank on the big device (10 % busy: the tighter fit), after which
+    the heavy second rank fits nowhere: the big device lacks time, the small one (4 GB) memory.
+    One discrepancy (first rank on the small device) admits the stream."""
+    model = make_profile("m", blocks=4, stage_ms=[6.0, 2.0, 2.0, 2.0], weight_gb=1.0, kv_gb=1.0)
+    filler = make_profile("f", blocks=1, stage_ms=1.0, weight_gb=1.0)
+    cluster = Cluster([make_device("big", 100.0), make_device("small", 4.0)], 0.0, {"m": model, "f": filler})
+    fill_rank = make_rank(filler, 0, filler.order)
+    cluster.add_stream(PlacedStream("filler", "f", 10.0, [fill_rank], [0]))          # big device 10 % busy
+    config = make_config(discrepancies=discrepancies, split=False)
+    config = dataclasses.replace(config, equal_fallback=False)
+    return JointScheduler(cluster, config), StreamRequest("robot", "m", slo_ms=7.0)
+
+
+def test_lds_admits_what_greedy_best_fit_rejects():
+    greedy, req = lds_case(discrepancies=0)
+    assert [len(r.stages) for r in greedy.ranks_for("m", 7.0)] == [1, 3]        # 6 ms | 2+2+2 ms
+    assert greedy.candidates(greedy.seq("m", 7.0), 0, False)[:2] == [(0, 1), (1, 1)]  # Best-Fit: big first
+    d = greedy.admit(req)
+    assert not d.admitted and d.reason == "memory"
+    assert "short of memory" in d.detail
+
+    lds, req = lds_case(discrepancies=1)
+    d = lds.admit(req)
+    assert d.admitted and d.discrepancies == 1 and d.placed.method == "lds"
+    assert d.placed.devices == [1, 0]                           # light rank on the small device
+    assert d.placed.interval_alone_ms <= 7.0
+
+
+def test_rejection_reasons_name_the_resource():
+    prof = make_profile("m", blocks=4, stage_ms=2.0, weight_gb=1.0, kv_gb=1.0)
+    huge = make_profile("huge", blocks=2, stage_ms=1.0, weight_gb=50.0)
+    kvheavy = make_profile("kv", blocks=2, stage_ms=0.5, weight_gb=1.0, kv_gb=30.0)
+    profiles = {"m": prof, "huge": huge, "kv": kvheavy}
+    sched = JointScheduler(Cluster([make_device(memory_gb=80.0)] * 2, 0.1, profiles), make_config(0.1))
+
+    d = sched.admit(StreamRequest("a", "m", slo_ms=2.0))           # a 2 ms stage > 2 ms x 0.9
+    assert (d.admitted, d.reason) == (False, "slo-unreachable") and "stage (1, 0)" in d.detail
+    d = sched.admit(StreamRequest("b", "huge", slo_ms=100.0))      # one block: 50 GB weights... fits
+    assert d.admitted
+    sched.remove("b")
+    d = sched.admit(StreamRequest("c", "m", slo_ms=100.0, latency_slo_ms=5.0))
+    assert (d.admitted, d.reason) == (False, "latency-unreachable")
+    # time: 8 ms of compute per 10 ms interval = 0.8 of a device, cap 0.9; two fit, the third cannot
+    assert sched.admit(StreamRequest("t1", "m", slo_ms=10.0)).admitted
+    assert sched.admit(StreamRequest("t2", "m", slo_ms=10.0)).admitted
+    d = sched.admit(StreamRequest("t3", "m", slo_ms=10.0))
+    assert (d.admitted, d.reason) == (False, "time-capacity") and "ms left" in d.detail
+    for s in ("t1", "t2"):
+        sched.remove(s)
+    # memory: each kv stream holds 2 x 30 GB of KV and little time; 80 GB devices hold one each
+    assert sched.admit(StreamRequest("k1", "kv", slo_ms=100.0)).admitted
+    assert sched.admit(StreamRequest("k2", "kv", slo_ms=100.0)).admitted
+    d = sched.admit(StreamRequest("k3", "kv", slo_ms=100.0))
+    assert (d.admitted, d.reason) == (False, "memory") and "GB" in d.detail
+
+    tiny = JointScheduler(Cluster([make_device(memory_gb=40.0)], 0.1, profiles), make_config(0.1))
+    d = tiny.admit(StreamRequest("h", "huge", slo_ms=100.0))      # one 50 GB block > 40 GB device
+    assert (d.admitted, d.reason) == (False, "memory-unreachable")
+
+    equal = EqualSplitScheduler(Cluster([make_device()] * 2, 0.1, profiles), make_config(0.1), group=1)
+    assert equal.admit(StreamRequest("e1", "m", slo_ms=10.0)).admitted
+    assert equal.admit(StreamRequest("e2", "m", slo_ms=10.0)).admitted
+    d = equal.admit(StreamRequest("e3", "m", slo_ms=10.0))
+    assert (d.admitted, d.reason) == (False, "no-group")
+    with pytest.raises(ValueError, match="already running"):
+        equal.admit(StreamRequest("e1", "m", slo_ms=10.0))
+    assert {"slo-unreachable", "latency-unreachable", "time-capacity", "memory", "memory-unreachable",
+            "no-group"} <= set(REASONS)                             # each reason is documented
+
+
+def test_weight_sharing_and_removal_free_capacity():
+    prof = make_profile("m", steps=2, blocks=4, stage_ms=1.0, weight_gb=2.0, kv_gb=0.5, hidden_bytes=1000)
+    cluster = Cluster([make_device(memory_gb=100.0)] * 2, 0.1, {"m": prof})
+    sched = JointScheduler(cluster, make_config(0.1))
+    one = sched.admit(StreamRequest("s1", "m", slo_ms=40.0))       # 8 ms per 40 ms: 0.2 of device 0
+    assert one.admitted and one.placed.devices == [0]
+    mem1, util1 = cluster.mem[0], cluster.util[0]
+    assert mem1 == 4 * 2 * GB + 8 * 0.5 * GB + 2 * 1000          # 4 blocks once, though 8 stages use them
+    two = sched.admit(StreamRequest("s2", "m", slo_ms=40.0))
+    assert two.placed.devices == [0]                                # Best-Fit: the busy device
+    assert cluster.mem[0] - mem1 == 8 * 0.5 * GB + 2 * 1000       # no second copy of the weights
+    assert cluster.weight_bytes()[0] == 8 * GB
+    assert cluster.util[0] == pytest.approx(2 * util1)
+
+    sched.remove("s1")                                              # weights stay: s2 still uses them
+    assert cluster.mem[0] == pytest.approx(mem1) and cluster.weight_bytes()[0] == 8 * GB
+    assert cluster.util[0] == pytest.approx(util1)
+    sched.remove("s2")                                              # last user gone: weights leave
+    assert cluster.mem[0] == 0 and cluster.util[0] == 0 and cluster.weight_bytes()[0] == 0
+    with pytest.raises(KeyError):
+        sched.remove("s2")
+
+
+def test_removal_lets_a_rejected_stream_in_and_running_streams_never_move():
+    prof = make_profile("m", blocks=4, stage_ms=3.0, weight_gb=1.0)
+    cluster = Cluster([make_device()] * 3, 0.1, {"m": prof})
+    sched = JointScheduler(cluster, make_config(0.1))
+    placed = {}
+    i = 0
+    while True:
+        d = sched.admit(StreamRequest(f"s{i}", "m", slo_ms=20.0))   # 12 ms per 20 ms: 0.6 of a device
+        for name, devices in placed.items():                         # earlier streams stay where they are
+            assert cluster.streams[name].devices == devices
+        if not d.admitted:
+            break
+        placed[d.request.stream] = list(d.placed.devices)
+        i += 1
+    assert d.reason == "time-capacity" and len(placed) == 4           # 3 x 0.9 / 0.6 = 4.5
+    sched.remove("s1")
+    assert sched.admit(StreamRequest("again", "m", slo_ms=20.0)).admitted
+
+
+def expected_state(cluster: Cluster):
+    """Utilisation and memory per device recomputed from the placed streams alone."""
+    util = np.zeros(cluster.n)
+    mem = np.zeros(cluster.n)
+    blocks = [set() for _ in range(cluster.n)]
+    for p in cluster.streams.values():
+        for r, d in zip(p.ranks, p.devices):
+            util[d] += r.work_ms / p.slo_ms
+            mem[d] += r.kv_bytes + r.buffer_bytes
+            blocks[d] |= {(p.model, b) for b in r.blocks}
+    for d in range(cluster.n):
+        mem[d] += sum(cluster.profiles[m].block_weight_bytes for m, _ in blocks[d])
+    return util, mem
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["a", "b", "rm"]), st.floats(6.0, 60.0), st.integers(0, 30)),
+                    min_size=1, max_size=30),
+       split=st.booleans())
+def test_invariants_under_arrivals_and_departures(ops, split):
+    """Capacity and memory are never exceeded, and the incremental accounting (weights reference
+    counted per block and device) always equals a recomputation from the placed streams."""
+    profiles = {"a": make_profile("a", steps=2, blocks=3, stage_ms=[2.0, 1.0, 3.0] * 2, weight_gb=5.0, kv_gb=2.0),
+                "b": make_profile("b", blocks=5, stage_ms=1.5, weight_gb=8.0, kv_gb=6.0, hop_ms=0.1)}
+    cluster = Cluster([make_device(memory_gb=60.0)] * 4, 0.15, profiles)
+    sched = JointScheduler(cluster, make_config(0.15, split=split))
+    for n, (kind, slo, pick) in enumerate(ops):
+        if kind == "rm":
+            if cluster.streams:
+                sched.remove(sorted(cluster.streams)[pick % len(cluster.streams)])
+        else:
+            d = sched.admit(StreamRequest(f"s{n}", kind, slo_ms=slo))
+            if d.admitted:
+                assert d.placed.interval_alone_ms <= slo * 0.85 + 1e-9
+                assert len({d for d in d.placed.devices}) <= len(d.placed.ranks)
+        util, mem = expected_state(cluster)
+        assert np.allclose(cluster.util, util, atol=1e-9)
+        assert np.allclose(cluster.mem, mem, rtol=1e-12, atol=1.0)
+        assert (cluster.util <= 0.85 + 1e-9).all()
+        assert (cluster.mem <= cluster.mem_cap).all()
