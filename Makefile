@@ -2,7 +2,8 @@
 #
 #   make setup      .venv with pinned deps, msg code generated, package editable
 #   make test       run the test suite (PYTEST_ARGS="-k foo -x" to pass options)
-#   make demo       live rollout demo
+#   make demo       the main job: action server (tiny-wam, 2 CPU workers) fed by synthetic
+#                   robots, live table; 20 s (DEMO_ARGS="--duration 0": until Ctrl-C)
 #   make clean      remove build/ and generated msg code (keeps .venv)
 #   make distclean  clean + remove .venv
 #
@@ -27,6 +28,7 @@ EDITABLE_STAMP := $(STAMPS)/editable
 MSG_FILES := $(wildcard msg/*.msg)
 
 PYTEST_ARGS ?=
+DEMO_ARGS   ?= --duration 20
 
 .PHONY: setup test demo clean distclean
 
@@ -56,7 +58,7 @@ test: setup
 	$(VPY) -m pytest -q tests $(PYTEST_ARGS)
 
 demo: setup
-	$(VENV)/bin/physis-rollout --model tiny-wam --chunks 48 --live
+	$(VENV)/bin/physis-demo $(DEMO_ARGS)
 
 clean:
 	rm -rf build physis_ros/msg

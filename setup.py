@@ -62,11 +62,16 @@ setup(
     entry_points={
         "console_scripts": [
             "physis-rollout=physis_ros.cli.rollout:main",
+            "physis-sim=physis_ros.cli.sim:main",
             "physis-worker=physis_ros.runtime.worker:main",
             "physis-bench=physis_ros.cli.bench:main",
             "physis-profile=physis_ros.cli.profile:main",
+            "physis-keys=physis_ros.cli.keys:main",
             "physis-bag=physis_ros.cli.bag:main",
             "physis-report=physis_ros.cli.report:main",
+            "physis-serve=physis_ros.cli.serve:main",
+            "physis-demo=physis_ros.cli.demo:main",
+            "physis-synthetic=physis_ros.ros.synthetic:main",
         ],
     },
 )

@@ -1,0 +1,244 @@
+"""Configuration of the ROS 2 action server (``config/serve.yaml``), validated once at the edge.
+
+The same file serves two front ends:
+
+- ``physis-serve --config config/serve.yaml``: read here, as a plain mapping;
+- ``ros2 launch physis_ros serve.launch.py``: handed to the node as a ROS 2
+  parameters file (``/**: ros__parameters: ...``); the node rebuilds the mapping
+  from its parameters (``engine.workers`` -> ``{"engine": {"workers": ...}}``).
+
+A ROS 2 parameters file cannot hold a list of mappings, so ``streams`` is a
+mapping from stream name to its settings. Precedence, lowest first: the file,
+ROS parameters (``--ros-args -p``/``--params-file``), command-line flags.
+Errors name the dotted key (``streams.robot0.joint_names``).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from physis_ros.config import ConfigError, EngineConfig, bounded, from_mapping, load_yaml
+from physis_ros.model.spec import ModelConfig
+
+PREPROCESS_MODES = ("resize", "center_crop", "pad")
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_TOPIC = re.compile(r"^/?[A-Za-z~][A-Za-z0-9_/{}~]*$")
+
+
+@dataclass(frozen=True)
+class QoSConfig:
+    """One topic's QoS (history is always KEEP_LAST ``depth``)."""
+
+    reliability: str = field(default="reliable", metadata=bounded(choices=("reliable", "best_effort")))
+    depth: int = field(default=10, metadata=bounded(ge=1, le=100000))
+    durability: str = field(default="volatile", metadata=bounded(choices=("volatile", "transient_local")))
+
+
+@dataclass(frozen=True)
+class StreamQoS:
+    """Per-stream QoS overrides. ``input`` unset: sensor-data QoS (best effort, depth 5), or in
+    deterministic mode best effort with depth 1000 (so a replay burst is not dropped)."""
+
+    input: QoSConfig | None = None
+    action_chunk: QoSConfig = field(default_factory=lambda: QoSConfig("reliable", 10))
+    # ros2_control's joint_trajectory_controller subscribes RELIABLE: a best-effort publisher never matches it.
+    joint_trajectory: QoSConfig = field(default_factory=lambda: QoSConfig("reliable", 10))
+
+
+@dataclass(frozen=True)
+class TopicsConfig:
+    """Topic names relative to the stream's namespace (a leading '/' makes one absolute)."""
+
+    image: str = "camera/image_raw"
+    compressed_image: str = "camera/image_raw/compressed"
+    joint_states: str = "joint_states"
+    action_chunk: str = "action_chunk"
+    joint_trajectory: str = "joint_trajectory"
+
+    def check(self, prefix: str) -> None:
+        for name in ("image", "compressed_image", "joint_states", "action_chunk", "joint_trajectory"):
+            value = getattr(self, name)
+            if not _TOPIC.match(value) or "//" in value or value.endswith("/"):
+                raise ConfigError(f"{prefix}.{name}", f"{value!r} is not a valid ROS topic name")
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """How camera images of any size become the model's square input."""
+
+    # resize: stretch to SxS; center_crop: central square, then resize; pad: pad to a square, then resize
+    preprocess: str = field(default="center_crop", metadata=bounded(choices=PREPROCESS_MODES))
+    pad_value: float = field(default=0.0, metadata=bounded(ge=0.0, le=1.0))
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """One robot: its namespace, joints, SLO, input handling and topics."""
+
+    joint_names: list[str]                      # model action/state columns, in order
+    namespace: str = ""                         # default: the stream's name
+    slo_interval_ms: float | None = field(default=None, metadata=bounded(gt=0.0))
+    control_rate_hz: float = field(default=50.0, metadata=bounded(gt=0.0))  # action steps per second
+    compressed: bool = False                    # subscribe CompressedImage (jpeg/png, needs Pillow)
+    image: ImageConfig = field(default_factory=ImageConfig)
+    topics: TopicsConfig = field(default_factory=TopicsConfig)
+    qos: StreamQoS = field(default_factory=StreamQoS)
+    frame_id: str = ""                          # header.frame_id of the outputs
+    # Header stamp of the JointTrajectory: "observation" (the chunk's observation stamp, so consecutive
+    # chunks line up on one timeline; points already in the past are skipped by the controller) or
+    # "emit" (the moment the chunk is published). Point i is at start + offset + (i + 1) / control_rate_hz.
+    trajectory_start: str = field(default="observation", metadata=bounded(choices=("observation", "emit")))
+    trajectory_start_offset_s: float = 0.0
+    max_future_s: float = field(default=0.5, metadata=bounded(ge=0.0))   # reject stamps further ahead
+    max_age_s: float = field(default=1.0, metadata=bounded(ge=0.0))      # reject older stamps; 0: off
+
+    def check(self, prefix: str) -> None:
+        """Cross-field checks; called by ServeConfig.validate so that errors carry the full key."""
+        if not self.joint_names:
+            raise ConfigError(f"{prefix}.joint_names", "needs at least one joint name")
+        seen = set()
+        for i, name in enumerate(self.joint_names):
+            if not name:
+                raise ConfigError(f"{prefix}.joint_names[{i}]", "joint names must not be empty")
+            if name in seen:
+                raise ConfigError(f"{prefix}.joint_names[{i}]", f"joint '{name}' is listed twice")
+            seen.add(name)
+        if self.namespace and not all(_NAME.match(p) for p in self.namespace.strip("/").split("/")):
+            raise ConfigError(f"{prefix}.namespace", f"{self.namespace!r} is not a valid ROS namespace")
+        self.topics.check(f"{prefix}.topics")
+
+    @property
+    def control_period(self) -> float:
+        return 1.0 / self.control_rate_hz
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The whole server: model, engine, streams (robots) and node-wide settings."""
+
+    streams: dict[str, StreamConfig]
+    model: str = "tiny-wam"                     # preset name or path to a model YAML
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    # Each chunk consumes the next complete observation in arrival order instead of the latest one.
+    deterministic: bool = False
+    deterministic_queue: int = field(default=10000, metadata=bounded(ge=1))
+    pair_timeout_s: float = field(default=0.5, metadata=bounded(gt=0.0))
+    use_sim_time: bool = False
+    telemetry_topic: str = "telemetry"
+    diagnostics_period_s: float = field(default=1.0, metadata=bounded(gt=0.0))
+    stats_window: int = field(default=200, metadata=bounded(ge=2))
+    warn_throttle_s: float = field(default=5.0, metadata=bounded(ge=0.0))
+
+    def validate(self) -> None:
+        if not self.streams:
+            raise ConfigError("streams", "needs at least one stream")
+        namespaces: dict[str, str] = {}
+        for name, stream in self.streams.items():
+            if not _NAME.match(name):
+                raise ConfigError(f"streams.{name}", "stream names are letters, digits and '_' "
+                                                     "(starting with a letter)")
+            stream.check(f"streams.{name}")
+            ns = self.namespace_of(name)
+            if ns in namespaces:
+                raise ConfigError(f"streams.{name}.namespace",
+                                  f"namespace '{ns}' is already used by stream '{namespaces[ns]}'")
+            namespaces[ns] = name
+        if len(self.streams) > self.engine.max_streams:
+            raise ConfigError("streams", f"{len(self.streams)} streams but engine.max_streams is "
+                                         f"{self.engine.max_streams}")
+        if not _TOPIC.match(self.telemetry_topic):
+            raise ConfigError("telemetry_topic", f"{self.telemetry_topic!r} is not a valid ROS topic name")
+
+    def namespace_of(self, stream: str) -> str:
+        return (self.streams[stream].namespace or stream).strip("/")
+
+    def topic(self, stream: str, name: str) -> str:
+        """Full topic name of one of a stream's topics (relative to the node namespace unless absolute)."""
+        rel = getattr(self.streams[stream].topics, name)
+        if rel.startswith("/"):
+            return rel
+        ns = self.streams[stream].namespace or stream
+        return f"{ns.rstrip('/')}/{rel}" if ns.startswith("/") else f"{ns}/{rel}"
+
+
+# ---- loading ------------------------------------------------------------------------------------
+def unwrap_ros_parameters(data: dict[str, Any]) -> dict[str, Any]:
+    """``{node: {ros__parameters: {...}}}`` (a ROS 2 parameters file) -> ``{...}``; plain mappings pass."""
+    wrapped = [v["ros__parameters"] for v in data.values()
+               if isinstance(v, dict) and "ros__parameters" in v]
+    if not wrapped:
+        return data
+    if len(data) != 1:
+        raise ConfigError("<root>", "a ROS 2 parameters file for physis_server must hold exactly one node "
+                                    "section ('/**' or 'physis_server')")
+    inner = wrapped[0]
+    if not isinstance(inner, dict):
+        raise ConfigError("ros__parameters", "must be a mapping")
+    return inner
+
+
+def load_serve_mapping(path: str | Path) -> dict[str, Any]:
+    """The raw mapping of a serve YAML (plain or ROS 2 parameters format); errors name the file."""
+    try:
+        return unwrap_ros_parameters(load_yaml(path))
+    except ConfigError as exc:
+        raise ConfigError(exc.key, exc.problem, source=str(path)) from None
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``override`` on top of ``base``, recursively for mappings; neither input is modified."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    """Dotted ROS parameter names -> nested mapping (``engine.workers`` -> ``{engine: {workers}}``)."""
+    out: dict[str, Any] = {}
+    for dotted, value in flat.items():
+        node = out
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(dotted, f"'{part}' is both a value and a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def serve_config(mapping: dict[str, Any], source: str | None = None) -> ServeConfig:
+    try:
+        return from_mapping(ServeConfig, mapping)
+    except ConfigError as exc:
+        raise ConfigError(exc.key, exc.problem, source=source) from None
+
+
+def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ServeConfig:
+    return serve_config(deep_merge(load_serve_mapping(path), overrides or {}), source=str(path))
+
+
+def check_against_model(config: ServeConfig, model: ModelConfig) -> None:
+    """The streams must fit the model: a WAM with an image and a joint state in, [horizon, dof] out."""
+    if model.kind != "wam" or model.wam is None:
+        raise ConfigError("model", f"model '{model.name}' is a {model.kind}; the ROS action server serves "
+                                   f"world-action models (camera + joint state in, action chunk out)")
+    unsupported = sorted(set(model.observation_shapes) - {"image", "state"})
+    if unsupported:
+        raise ConfigError("model", f"model '{model.name}' needs observations {unsupported} that no ROS topic feeds")
+    dof, state_dim = model.wam.dof, model.wam.state_dim
+    if state_dim != dof:
+        raise ConfigError("model", f"model '{model.name}' has state_dim {state_dim} != dof {dof}; the node maps "
+                                   f"one list of joint names onto both")
+    for name, stream in config.streams.items():
+        if len(stream.joint_names) != dof:
+            raise ConfigError(f"streams.{name}.joint_names",
+                              f"{len(stream.joint_names)} joint names but model '{model.name}' has dof {dof}")

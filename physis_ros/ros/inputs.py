@@ -1,0 +1,171 @@
+"""Per-stream observation buffer between the subscriptions (executor thread) and the engine.
+
+Two modes:
+
+- **latest** (default): a depth-1 slot per input; each chunk takes the latest
+  image and the latest joint state at the moment it enters the pipeline. If the
+  latest image is older than ``max_age_s`` (camera stopped) no chunk starts.
+- **deterministic**: images queue in arrival order (bounded; overflow is
+  dropped and counted) and chunk ``c`` consumes the ``c``-th complete
+  observation: the image plus the joint state with the same header stamp, or,
+  if stamps never match, the latest joint state at or before the image stamp
+  (:func:`pick_joint`). :func:`pair_observations` applies the same rule to
+  whole recorded sequences, for checking a replay against the reference.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+from builtin_interfaces.msg import Time
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+@dataclass
+class Sample:
+    data: np.ndarray
+    stamp: Time            # header stamp, kept exact for the outputs
+    ns: int                # the same stamp in nanoseconds
+    arrival: float = 0.0   # time.monotonic() at arrival (pairing timeout only)
+
+
+@dataclass
+class Taken:
+    data: dict[str, np.ndarray]
+    stamp: Time
+    sec: float
+
+
+def pick_joint(image_ns: int, joint_ns: Sequence[int], complete: bool) -> tuple[str, int]:
+    """Choose the joint state for an image: ("pair", index), ("wait", -1) or ("drop", -1).
+
+    ``joint_ns`` are the candidate stamps in arrival order. An exact stamp match wins. Otherwise,
+    once no exact match can come any more (``complete``: a later joint state has arrived, the wait
+    timed out, or the recording ended), the latest joint state at or before the image is used; if
+    there is none the image cannot be paired and is dropped.
+    """
+    best = -1
+    for i, ns in enumerate(joint_ns):
+        if ns == image_ns:
+            return "pair", i
+        if ns < image_ns and (best < 0 or ns >= joint_ns[best]):
+            best = i
+    if not complete:
+        return "wait", -1
+    return ("pair", best) if best >= 0 else ("drop", -1)
+
+
+def pair_observations(images: Sequence[tuple[int, T]], joints: Sequence[tuple[int, U]]) -> list[tuple[T, U]]:
+    """Offline version of the deterministic pairing over complete recordings: ``(stamp_ns, item)``
+    sequences in arrival order -> the (image item, joint item) pairs chunk 0, 1, ... consume."""
+    stamps = [ns for ns, _ in joints]
+    out = []
+    for ns, image in images:
+        verdict, i = pick_joint(ns, stamps, complete=True)
+        if verdict == "pair":
+            out.append((image, joints[i][1]))
+    return out
+
+
+class StreamInput:
+    """Thread-safe: ``put_*`` from the executor thread, ``take`` from the engine's loop thread."""
+
+    def __init__(self, deterministic: bool = False, queue_limit: int = 10000, pair_timeout_s: float = 0.5,
+                 max_age_s: float = 0.0, now: Callable[[], float] | None = None):
+        self.deterministic = deterministic
+        self.queue_limit = queue_limit
+        self.pair_timeout_s = pair_timeout_s
+        self.max_age_s = max_age_s
+        self.now = now or time.time
+        self.lock = threading.Lock()
+        self.image: Sample | None = None
+        self.joints: Sample | None = None
+        self.images: deque[Sample] = deque()
+        self.joint_history: deque[Sample] = deque()
+        self.received = Counter()   # images, joints
+        self.rejected = Counter()   # reason -> count
+        self.used = 0
+        self.last_image_ns: int | None = None
+        self.waiting_since: float | None = None  # stalled: no fresh observation for a chunk
+
+    def reject(self, reason: str) -> int:
+        """Count a rejected input message; returns the count for this reason so far."""
+        with self.lock:
+            self.rejected[reason] += 1
+            return self.rejected[reason]
+
+    def put_image(self, sample: Sample) -> None:
+        sample.arrival = time.monotonic()
+        with self.lock:
+            self.received["images"] += 1
+            self.last_image_ns = sample.ns
+            if not self.deterministic:
+                self.image = sample
+            elif len(self.images) >= self.queue_limit:
+                self.rejected["queue_full"] += 1
+            else:
+                self.images.append(sample)
+
+    def put_joints(self, sample: Sample) -> None:
+        sample.arrival = time.monotonic()
+        with self.lock:
+            self.received["joints"] += 1
+            self.joints = sample
+            if self.deterministic:
+                if len(self.joint_history) >= self.queue_limit:
+                    self.joint_history.popleft()
+                self.joint_history.append(sample)
+
+    def take(self) -> Taken | None:
+        """The observation for the next chunk, or None if there is none yet."""
+        with self.lock:
+            taken = self._take_deterministic() if self.deterministic else self._take_latest()
+            if taken is None:
+                if self.waiting_since is None:
+                    self.waiting_since = time.monotonic()
+            else:
+                self.used += 1
+                self.waiting_since = None
+            return taken
+
+    def _take_latest(self) -> Taken | None:
+        image, joints = self.image, self.joints
+        if image is None or joints is None:
+            return None
+        sec = image.ns * 1e-9
+        if self.max_age_s > 0 and self.now() - sec > self.max_age_s:
+            return None  # the camera stopped: do not act on a stale view
+        return Taken({"image": image.data, "state": joints.data}, image.stamp, sec)
+
+    def _take_deterministic(self) -> Taken | None:
+        while self.images:
+            image = self.images[0]
+            stamps = [j.ns for j in self.joint_history]
+            complete = (any(ns > image.ns for ns in stamps)
+                        or time.monotonic() - image.arrival > self.pair_timeout_s)
+            verdict, i = pick_joint(image.ns, stamps, complete)
+            if verdict == "wait":
+                return None
+            self.images.popleft()
+            if verdict == "drop":
+                self.rejected["unpaired"] += 1
+                continue
+            joints = self.joint_history[i]
+            while self.joint_history and self.joint_history[0].ns < joints.ns:
+                self.joint_history.popleft()  # older than what this image used: no later image needs them
+            return Taken({"image": image.data, "state": joints.data}, image.stamp, image.ns * 1e-9)
+        return None
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return {"received": dict(self.received), "rejected": dict(self.rejected), "used": self.used,
+                    "queued": len(self.images), "waiting_since": self.waiting_since,
+                    "last_image_ns": self.last_image_ns}

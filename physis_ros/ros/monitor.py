@@ -1,0 +1,92 @@
+"""Live per-stream aggregates from the server's ``telemetry`` topic (for the demo's table)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from physis_ros.telemetry import percentile
+
+
+@dataclass
+class StreamWindow:
+    total: int = 0
+    misses: int = 0
+    first_chunk: int | None = None
+    last_chunk: int | None = None
+    gaps: int = 0
+    rows: deque = field(default_factory=lambda: deque(maxlen=400))  # (emit_s, interval_ms, latency_ms)
+
+    def add(self, chunk: int, emit: float, interval_ms: float, latency_ms: float, miss: bool) -> None:
+        if self.last_chunk is not None and chunk != self.last_chunk + 1:
+            self.gaps += 1
+        if self.first_chunk is None:
+            self.first_chunk = chunk
+        self.last_chunk = chunk
+        self.total += 1
+        self.misses += bool(miss)
+        self.rows.append((emit, interval_ms if interval_ms > 0 else math.nan, latency_ms))
+
+    def summary(self, window_s: float = 5.0) -> dict:
+        rows = list(self.rows)
+        if not rows:
+            return {"chunks": self.total, "chunks_per_s": math.nan, "interval_p50": math.nan,
+                    "interval_p99": math.nan, "latency_p50": math.nan, "latency_p99": math.nan,
+                    "misses": self.misses}
+        t_end = rows[-1][0]
+        recent = [r for r in rows if r[0] >= t_end - window_s]
+        span = recent[-1][0] - recent[0][0]
+        return {
+            "chunks": self.total,
+            "chunks_per_s": (len(recent) - 1) / span if span > 0 else math.nan,
+            "interval_p50": percentile([r[1] for r in recent], 50),
+            "interval_p99": percentile([r[1] for r in recent], 99),
+            "latency_p50": percentile([r[2] for r in recent], 50),
+            "latency_p99": percentile([r[2] for r in recent], 99),
+            "misses": self.misses,
+        }
+
+
+class TelemetryMonitor:
+    """Subscribe to ChunkTelemetry on ``node``; ``table()`` renders the live rows."""
+
+    HEADER = (f"{'t(s)':>6}  {'stream':<10} {'chunks':>7} {'chunks/s':>9} {'interval p50/p99 ms':>20} "
+              f"{'latency p50/p99 ms':>20} {'misses':>7}")
+
+    def __init__(self, node, topic: str = "/telemetry"):
+        from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+        from physis_ros.msg import ChunkTelemetry
+
+        self.streams: dict[str, StreamWindow] = {}
+        self.sub = node.create_subscription(ChunkTelemetry, topic, self._on_msg,
+                                            QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE))
+
+    def _on_msg(self, msg) -> None:
+        w = self.streams.setdefault(msg.stream, StreamWindow())
+        emit = msg.emit_stamp.sec + msg.emit_stamp.nanosec * 1e-9
+        w.add(int(msg.chunk_index), emit, msg.output_interval_ms, msg.response_latency_ms, msg.deadline_miss)
+
+    @property
+    def total(self) -> int:
+        return sum(w.total for w in self.streams.values())
+
+    def table(self, elapsed: float) -> list[str]:
+        lines = []
+        for name in sorted(self.streams):
+            s = self.streams[name].summary()
+            lines.append(f"{elapsed:>6.1f}  {name:<10} {s['chunks']:>7} {s['chunks_per_s']:>9.1f} "
+                         f"{s['interval_p50']:>9.1f} / {s['interval_p99']:>6.1f}   "
+                         f"{s['latency_p50']:>9.1f} / {s['latency_p99']:>6.1f}   {s['misses']:>7}")
+        return lines
+
+    def summaries(self) -> dict[str, dict]:
+        out = {}
+        for name, w in self.streams.items():
+            s = w.summary(window_s=math.inf)
+            s.update(first_chunk=w.first_chunk, last_chunk=w.last_chunk, gaps=w.gaps)
+            out[name] = {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in s.items()}
+        return out

@@ -1,0 +1,144 @@
+"""``physis-synthetic``: a stand-in robot. Publishes a camera and joint states per stream.
+
+For every stream of a serve config (or ``--streams``) it publishes, at
+``--rate`` Hz, ``<ns>/camera/image_raw`` (``sensor_msgs/Image``, ``--width`` x
+``--height``, rgb8 by default: the bundled scene's moving target, seen at a
+camera resolution that is not the model's, so the server's preprocessing
+works) and ``<ns>/joint_states`` (the scene's arm, plus an extra ``gripper``
+joint, in reversed order, so the server's mapping by name works). Image and
+joint state of one tick share one header stamp from the node clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+from physis_ros.model.interface import derived_seed
+from physis_ros.observations import SyntheticScene
+
+
+def image_bytes(width: int, height: int, t: float, phase: float, encoding: str = "rgb8") -> bytes:
+    chw = SyntheticScene.image((3, height, width), t, phase)
+    hwc = np.ascontiguousarray((np.transpose(chw, (1, 2, 0)) * 255.0 + 0.5).astype(np.uint8))
+    if encoding == "bgr8":
+        hwc = np.ascontiguousarray(hwc[:, :, ::-1])
+    elif encoding == "mono8":
+        hwc = np.ascontiguousarray(hwc.mean(axis=2, keepdims=True).astype(np.uint8))
+    return hwc.tobytes()
+
+
+class SyntheticRobots:
+    """Publishers for several streams on one node; call :meth:`tick` with the stamp to publish."""
+
+    def __init__(self, node, streams: dict[str, tuple[str, list[str]]], width: int, height: int,
+                 encoding: str = "rgb8", extra_joints: bool = True, reliable: bool = True):
+        from rclpy.qos import QoSProfile, ReliabilityPolicy
+        from sensor_msgs.msg import Image, JointState
+
+        self.node = node
+        self.width, self.height, self.encoding = width, height, encoding
+        self.extra_joints = extra_joints
+        qos = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE if reliable
+                         else ReliabilityPolicy.BEST_EFFORT)
+        self.Image, self.JointState = Image, JointState
+        self.pubs = {}
+        for name, (ns, joints) in streams.items():
+            prefix = ns.strip("/")
+            self.pubs[name] = (node.create_publisher(Image, f"/{prefix}/camera/image_raw", qos),
+                               node.create_publisher(JointState, f"/{prefix}/joint_states", qos),
+                               joints, (derived_seed("scene", name) % 1000) / 1000.0 * 2 * math.pi)
+        self.ticks = 0
+
+    def tick(self, stamp_msg, t: float) -> None:
+        channels = 1 if self.encoding == "mono8" else 3
+        for name, (pub_img, pub_js, joints, phase) in self.pubs.items():
+            img = self.Image()
+            img.header.stamp = stamp_msg
+            img.header.frame_id = f"{name}_camera"
+            img.height, img.width, img.encoding = self.height, self.width, self.encoding
+            img.step = self.width * channels
+            img.data = image_bytes(self.width, self.height, t, phase, self.encoding)
+            js = self.JointState()
+            js.header.stamp = stamp_msg
+            positions = SyntheticScene.joints(len(joints), t, phase).astype(float).tolist()
+            names = list(joints)
+            if self.extra_joints:
+                names, positions = names + ["gripper"], positions + [0.04]
+                names, positions = names[::-1], positions[::-1]
+            js.name, js.position = names, positions
+            pub_img.publish(img)
+            pub_js.publish(js)
+        self.ticks += 1
+
+
+def streams_from_config(path: str) -> dict[str, tuple[str, list[str]]]:
+    from physis_ros.ros.config import load_serve_config
+    cfg = load_serve_config(path)
+    return {name: (cfg.namespace_of(name), list(s.joint_names)) for name, s in cfg.streams.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="physis-synthetic", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="serve YAML whose streams to feed (default config/serve.yaml)")
+    p.add_argument("--streams", default="", help="comma-separated namespaces instead of --config (joints joint1..7)")
+    p.add_argument("--rate", type=float, default=30.0, help="camera + joint state rate (Hz)")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--height", type=int, default=48)
+    p.add_argument("--encoding", choices=("rgb8", "bgr8", "mono8"), default="rgb8")
+    p.add_argument("--best-effort", action="store_true", help="publish best effort (default reliable)")
+    p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until Ctrl-C)")
+    from rclpy.utilities import remove_ros_args
+    args = p.parse_args(remove_ros_args(["physis-synthetic", *(sys.argv[1:] if argv is None else argv)])[1:])
+    if args.streams:
+        streams = {ns: (ns, [f"joint{i}" for i in range(1, 8)]) for ns in args.streams.split(",") if ns}
+    else:
+        from physis_ros.config import repo_config_dir
+        streams = streams_from_config(args.config or str(repo_config_dir() / "serve.yaml"))
+
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.signals import SignalHandlerOptions
+
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    rclpy.init(args=["physis-synthetic", *(sys.argv[1:] if argv is None else argv)],
+               signal_handler_options=SignalHandlerOptions.NO)
+    node = rclpy.create_node("physis_synthetic")
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    robots = SyntheticRobots(node, streams, args.width, args.height, args.encoding,
+                             reliable=not args.best_effort)
+    start = time.monotonic()
+    period = 1.0 / args.rate
+    next_tick = start
+    try:
+        while not stop.is_set():
+            now = time.monotonic()
+            if args.duration and now - start >= args.duration:
+                break
+            if now >= next_tick:
+                stamp = node.get_clock().now()
+                robots.tick(stamp.to_msg(), stamp.nanoseconds * 1e-9)
+                next_tick += period
+                if next_tick < now:  # fell behind (loaded machine): do not burst
+                    next_tick = now + period
+            executor.spin_once(timeout_sec=max(0.0, min(0.05, next_tick - time.monotonic())))
+    finally:
+        executor.shutdown()
+        node.destroy_node()
+        rclpy.try_shutdown()
+    print(f"physis-synthetic: published {robots.ticks} ticks to {len(streams)} stream(s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

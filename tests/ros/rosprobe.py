@@ -1,0 +1,115 @@
+"""Test helpers: an out-of-process ROS observer/publisher and the server/synthetic child processes.
+
+Each test process uses a ROS domain and topic namespaces of its own (from its
+pid), so that concurrent runs on one machine do not hear each other.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import yaml
+
+TAG = f"t{os.getpid()}"
+DOMAIN = 1 + os.getpid() % 99
+NODE = f"physis_server_{TAG}"                       # servers run under this name: /diagnostics are ours
+NODE_ARGS = ("--ros-args", "-r", f"__node:={NODE}")
+JOINTS = [f"joint{i}" for i in range(1, 8)]
+
+
+def child_env(marker: str) -> dict[str, str]:
+    # PHYSIS_TEST_MARKER is inherited by the server's workers: it finds orphans.
+    return {**os.environ, "ROS_DOMAIN_ID": str(DOMAIN), "PHYSIS_TEST_MARKER": marker, "PYTHONUNBUFFERED": "1"}
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    found = []
+    needle = f"PHYSIS_TEST_MARKER={marker}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def write_config(path: Path, streams: dict, **top) -> Path:
+    path.write_text(yaml.safe_dump({"/**": {"ros__parameters": {**top, "streams": streams}}}))
+    return path
+
+
+class Probe:
+    """A node in this (test) process, spun on a background thread; records what it hears."""
+
+    def __init__(self, name: str = "physis_test_probe"):
+        import rclpy
+        from rclpy.executors import SingleThreadedExecutor
+
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context, domain_id=DOMAIN)
+        self.node = rclpy.create_node(f"{name}_{TAG}", context=self.context)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.node)
+        self.lock = threading.Lock()
+        self.msgs: dict[str, list] = defaultdict(list)   # key -> [(msg, info)]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+        self._thread.start()
+
+    def _spin(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.executor.spin_once(timeout_sec=0.02)
+            except Exception:  # shutting down
+                if self._stop.is_set():
+                    return
+                raise
+
+    def subscribe(self, key: str, msg_type, topic: str, qos) -> None:
+        def callback(msg, info):
+            with self.lock:
+                self.msgs[key].append((msg, info))
+        self.node.create_subscription(msg_type, topic, callback, qos)
+
+    def get(self, key: str) -> list:
+        with self.lock:
+            return list(self.msgs[key])
+
+    def count(self, key: str) -> int:
+        with self.lock:
+            return len(self.msgs[key])
+
+    def wait(self, predicate, timeout: float, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.05)
+        if not predicate():
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+    def close(self) -> None:
+        import rclpy
+        self._stop.set()
+        self._thread.join(5.0)
+        self.executor.shutdown()
+        self.node.destroy_node()
+        rclpy.try_shutdown(context=self.context)
+
+
+def diag_values(array_msg, what: str) -> dict[str, str] | None:
+    """Values of our server's status ``what`` (``engine``, ``worker w0``, a stream name), or None."""
+    for status in array_msg.status:
+        if status.name == f"{NODE}: {what}":
+            out = {kv.key: kv.value for kv in status.values}
+            out["_level"] = int.from_bytes(status.level, "little") if isinstance(status.level, bytes) else status.level
+            out["_message"] = status.message
+            return out
+    return None

@@ -1,0 +1,143 @@
+"""Serve config: the bundled file loads in both formats; errors name the dotted key."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from physis_ros.config import ConfigError, repo_config_dir
+from physis_ros.model.presets import load_model_config
+from physis_ros.ros.config import (ServeConfig, check_against_model, deep_merge, load_serve_config,
+                                   load_serve_mapping, serve_config, unflatten, unwrap_ros_parameters)
+
+JOINTS = [f"joint{i}" for i in range(1, 8)]
+
+
+def base(**stream):
+    return {"streams": {"robot0": {"joint_names": JOINTS, **stream}}}
+
+
+def test_bundled_serve_yaml():
+    cfg = load_serve_config(repo_config_dir() / "serve.yaml")
+    assert cfg.model == "tiny-wam" and cfg.engine.workers == 2 and cfg.engine.plan == "stage"
+    assert list(cfg.streams) == ["robot0", "robot1"]
+    assert cfg.topic("robot0", "image") == "robot0/camera/image_raw"
+    assert cfg.topic("robot1", "joint_trajectory") == "robot1/joint_trajectory"
+    assert cfg.streams["robot0"].joint_names == JOINTS
+    check_against_model(cfg, load_model_config(cfg.model))
+
+
+def test_plain_and_ros_parameter_formats_agree(tmp_path):
+    data = base(slo_interval_ms=40)
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump(data))
+    wrapped = tmp_path / "ros.yaml"
+    wrapped.write_text(yaml.safe_dump({"/**": {"ros__parameters": data}}))
+    assert load_serve_config(plain) == load_serve_config(wrapped)
+    assert load_serve_mapping(wrapped) == data
+
+
+def test_precedence_and_unflatten():
+    params = unflatten({"engine.workers": 3, "streams.robot0.slo_interval_ms": 25.0})
+    assert params == {"engine": {"workers": 3}, "streams": {"robot0": {"slo_interval_ms": 25.0}}}
+    merged = deep_merge(deep_merge(base(slo_interval_ms=40), params), {"engine": {"plan": "block"}})
+    cfg = serve_config(merged)
+    assert cfg.engine.workers == 3 and cfg.engine.plan == "block"
+    assert cfg.streams["robot0"].slo_interval_ms == 25.0 and cfg.streams["robot0"].joint_names == JOINTS
+
+
+def test_namespaces_and_absolute_topics():
+    cfg = serve_config({"streams": {
+        "a": {"joint_names": ["j"], "namespace": "/arm/left"},
+        "b": {"joint_names": ["j"], "topics": {"image": "/cams/b/image"}}}})
+    assert cfg.topic("a", "image") == "/arm/left/camera/image_raw"
+    assert cfg.topic("b", "image") == "/cams/b/image"
+    assert cfg.topic("b", "joint_states") == "b/joint_states"
+
+
+@pytest.mark.parametrize("mapping, key, text", [
+    ({}, "streams", "required key is missing"),
+    ({"streams": {}}, "streams", "at least one stream"),
+    (base(preprocess="crop"), "streams.robot0.preprocess", "unknown key"),
+    (base(image={"preprocess": "crop"}), "streams.robot0.image.preprocess", "allowed values"),
+    (base(slo_interval_ms=0), "streams.robot0.slo_interval_ms", "must be > 0"),
+    (base(joint_names=["a", "a"]), "streams.robot0.joint_names[1]", "listed twice"),
+    (base(namespace="bad ns"), "streams.robot0.namespace", "not a valid ROS namespace"),
+    (base(topics={"image": "cam//x"}), "streams.robot0.topics.image", "not a valid ROS topic"),
+    (base(qos={"input": {"reliability": "sometimes"}}), "streams.robot0.qos.input.reliability", "allowed"),
+    ({**base(), "engine": {"workers": 0}}, "engine.workers", "must be >= 1"),
+    ({"streams": {"r0": {"joint_names": ["a"]}, "r1": {"joint_names": ["a"], "namespace": "r0"}}},
+     "streams.r1.namespace", "already used"),
+    ({"streams": {"0bad": {"joint_names": ["a"]}}}, "streams.0bad", "stream names"),
+])
+def test_errors_name_the_key(mapping, key, text):
+    with pytest.raises(ConfigError) as err:
+        serve_config(mapping)
+    assert err.value.key == key, str(err.value)
+    assert text in str(err.value)
+
+
+def test_model_mismatch_names_the_key():
+    cfg = serve_config(base(joint_names=["a", "b"]))
+    with pytest.raises(ConfigError) as err:
+        check_against_model(cfg, load_model_config("tiny-wam"))
+    assert err.value.key == "streams.robot0.joint_names" and "dof 7" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        check_against_model(serve_config(base()), load_model_config("tiny-acwm"))
+    assert err.value.key == "model"
+
+
+def test_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(base(control_rate_hz="fast")))
+    with pytest.raises(ConfigError) as err:
+        load_serve_config(bad)
+    assert str(bad) in str(err.value) and "streams.robot0.control_rate_hz" in str(err.value)
+    with pytest.raises(ConfigError):
+        unwrap_ros_parameters({"a": {"ros__parameters": {}}, "b": {"ros__parameters": {}}})
+
+
+def test_cli_config_error_exit_code(tmp_path, capsys):
+    from physis_ros.cli.serve import main
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(base(image={"preprocess": "zoom"})))
+    assert main(["--config", str(bad)]) == 2
+    assert "streams.robot0.image.preprocess" in capsys.readouterr().err
+
+
+def test_serve_config_is_frozen():
+    cfg = serve_config(base())
+    with pytest.raises(Exception):
+        cfg.model = "x"  # type: ignore[misc]
+    assert isinstance(cfg, ServeConfig) and Path(repo_config_dir() / "serve.yaml").is_file()
+
+
+def test_node_takes_its_config_from_ros_parameters(tmp_path):
+    """What `ros2 launch` does: the YAML as a --params-file, overrides with -p, no --config."""
+    import os
+
+    import rclpy
+
+    from physis_ros.ros.node import PhysisServer
+
+    context = rclpy.Context()
+    args = ["physis-serve", "--ros-args", "--params-file", str(repo_config_dir() / "serve.yaml"),
+            "-p", "engine.workers:=1", "-p", "streams.robot1.slo_interval_ms:=33.0", "-p", "use_sim_time:=true"]
+    rclpy.init(args=args, context=context, domain_id=1 + os.getpid() % 99)
+    try:
+        node = PhysisServer(None, {"engine": {"plan": "sequential"}}, context=context)
+        try:
+            cfg = node.config
+            assert cfg.engine.workers == 1 and cfg.engine.plan == "sequential"
+            assert cfg.streams["robot1"].slo_interval_ms == 33.0 and cfg.streams["robot0"].slo_interval_ms == 100.0
+            assert cfg.use_sim_time and node.get_parameter("use_sim_time").value is True
+            assert cfg.streams["robot0"].joint_names == JOINTS
+            topics = {name for name, _ in node.get_topic_names_and_types()}
+            assert {"/robot0/action_chunk", "/robot1/joint_trajectory", "/telemetry", "/diagnostics"} <= topics
+        finally:
+            node.destroy_node()
+        with pytest.raises(ConfigError) as err:
+            PhysisServer(None, {"streams": {"robot0": {"joint_names": ["a"]}}}, context=context)
+        assert err.value.key == "streams.robot0.joint_names"
+    finally:
+        rclpy.try_shutdown(context=context)
