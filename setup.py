@@ -63,7 +63,7 @@ setup(
         "console_scripts": [
             "physis-rollout=physis_ros.cli.rollout:main",
             "physis-sim=physis_ros.cli.sim:main",
-            "physis-worker=physis_ros.runtime.worker:main",
+            "physis-worker=physis_ros.cli.worker:main",
             "physis-bench=physis_ros.cli.bench:main",
             "physis-profile=physis_ros.cli.profile:main",
             "physis-keys=physis_ros.cli.keys:main",

@@ -31,6 +31,17 @@ class ChunkRecord:
     worker_compute_ms: dict[str, float] = field(default_factory=dict)
     deadline_miss: bool = False
 
+    @classmethod
+    def from_trace(cls, stream: str, chunk: int, obs_stamp: float, enqueue: float, emit: float,
+                   trace: list, hops_ms: list[float]) -> ChunkRecord:
+        """From the per-stage trace the workers append: ``[step, block, worker, queue_ms, compute_ms, batch]``."""
+        worker_ms: dict[str, float] = {}
+        for entry in trace:
+            worker_ms[entry[2]] = worker_ms.get(entry[2], 0.0) + entry[4]
+        return cls(stream=stream, chunk=chunk, obs_stamp=obs_stamp, enqueue=enqueue, emit=emit,
+                   interval_ms=math.nan, stage_ms=[e[4] for e in trace], queue_ms=sum(e[3] for e in trace),
+                   hops_ms=hops_ms, batch_sizes=[e[5] for e in trace], worker_compute_ms=worker_ms)
+
     @property
     def latency_ms(self) -> float:
         return (self.emit - self.obs_stamp) * 1e3

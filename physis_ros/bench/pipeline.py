@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plans", default="sequential,step,block,stage")
     p.add_argument("--chunks", type=int, default=200)
     p.add_argument("--skip", type=int, default=0, help="fill-phase chunks to exclude (0: 10 + 2 x segments)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds over all plans, interleaved (a shared machine's speed drifts); medians reported")
     p.add_argument("--device", default="cpu")
     p.add_argument("--transport", choices=("tcp", "ipc"), default="tcp")
     p.add_argument("--verify", action="store_true", help="compare every chunk with the sequential reference")
@@ -85,50 +87,34 @@ def run(args: argparse.Namespace) -> int:
     result = {"model": config.name, "workers": args.workers, "chunks": args.chunks, "device": args.device,
               "transport": args.transport, "plans": {}}
     series = {}
+    runs: dict[str, list[dict]] = {name: [] for name in plans}
+    limits = []
+    for round_ in range(args.repeats):
+        if not args.no_parallel_limit:
+            limits.append(parallel_limit(config.name, min(args.chunks, 100), args.device))
+        for name in plans:
+            entry, records = run_plan(name, config, args, scene, reference)
+            runs[name].append(entry)
+            series.setdefault(name, records)
+            print(f"[{name} {round_ + 1}/{args.repeats}] interval p50 {entry['interval_ms_p50']:.2f} ms, "
+                  f"p99 {entry['interval_ms_p99']:.2f} ms, {entry['chunks_per_s']:.1f} chunks/s, "
+                  f"efficiency {entry['efficiency']:.2f}, latency p50 {entry['latency_ms_p50']:.1f} ms, "
+                  f"max diff {entry['max_abs_diff_vs_reference']}", file=sys.stderr, flush=True)
+    # Ratios are taken within a round (same minutes, same machine speed), then the median over rounds.
+    if "sequential" in plans:
+        for r in range(args.repeats):
+            seq = runs["sequential"][r]["chunks_per_s"]
+            for name in plans:
+                e = runs[name][r]
+                e["speedup_vs_sequential"] = e["chunks_per_s"] / seq
+                if limits:
+                    e["fraction_of_parallel_limit"] = e["speedup_vs_sequential"] / limits[r]["speedup"]
     for name in plans:
-        plan = make_plan(name, config.steps, config.blocks, args.workers)
-        engine_cfg = EngineConfig(workers=args.workers, plan=name, devices=[args.device], transport=args.transport)
-        print(f"[{name}] {plan.describe()}", file=sys.stderr, flush=True)
-        outputs = run_chunks(config, engine_cfg, [STREAM], args.chunks, scene.observation, plan)[STREAM]
-        records = [o.record for o in outputs]
-        skip = args.skip or min(10 + 2 * len(plan.segments()), args.chunks // 2)
-        stats = summarize(records, skip)
-        steady = records[skip:]
-        ideal = percentile([max(r.worker_compute_ms.values()) for r in steady], 50)
-        entry = {
-            "plan": plan.describe(),
-            "hops_per_chunk": plan.hops(),
-            "interval_ms_p50": stats["interval_ms_p50"],
-            "interval_ms_p99": stats["interval_ms_p99"],
-            "latency_ms_p50": stats["latency_ms_p50"],
-            "latency_ms_p99": stats["latency_ms_p99"],
-            "chunks_per_s": stats["chunks_per_s"],
-            "ideal_interval_ms": ideal,
-            "efficiency": ideal / stats["interval_ms_p50"],
-            "hop_ms_p50": stats["hop_ms_p50"],
-            "stage_ms_p50": percentile([ms for r in steady for ms in r.stage_ms], 50),
-            "queue_ms_p50": percentile([r.queue_ms for r in steady], 50),
-            "transport_ms_p50": percentile([r.transport_ms for r in steady], 50),
-            "max_abs_diff_vs_reference": None,
-        }
-        if reference is not None:
-            diffs = [float(np.abs(o.output - reference[o.chunk].numpy()).max()) for o in outputs]
-            entry["max_abs_diff_vs_reference"] = max(diffs)
-        result["plans"][name] = entry
-        series[name] = records
-        print(f"[{name}] interval p50 {entry['interval_ms_p50']:.2f} ms, p99 {entry['interval_ms_p99']:.2f} ms, "
-              f"{entry['chunks_per_s']:.1f} chunks/s, efficiency {entry['efficiency']:.2f}, "
-              f"latency p50 {entry['latency_ms_p50']:.1f} ms, max diff {entry['max_abs_diff_vs_reference']}",
-              file=sys.stderr, flush=True)
-    if not args.no_parallel_limit:
-        limit = parallel_limit(config.name, min(args.chunks, 100), args.device)
-        result["parallel_limit"] = limit
+        result["plans"][name] = median_entry(runs[name])
+    if limits:
+        limit = {k: float(np.median([x[k] for x in limits])) for k in limits[0]}
+        result["parallel_limit"] = {**limit, "runs": limits}
         result["parallel_limit_speedup"] = limit["speedup"]
-        if "sequential" in result["plans"]:
-            seq = result["plans"]["sequential"]["chunks_per_s"]
-            for entry in result["plans"].values():
-                entry["speedup_vs_sequential"] = entry["chunks_per_s"] / seq
-                entry["fraction_of_parallel_limit"] = entry["speedup_vs_sequential"] / limit["speedup"]
     if args.json:
         write_json(args.json, result)
     if args.plot:
@@ -136,6 +122,52 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({n: {k: e[k] for k in ("interval_ms_p50", "chunks_per_s", "efficiency")}
                       for n, e in result["plans"].items()}, indent=1))
     return 0
+
+
+def run_plan(name: str, config, args: argparse.Namespace, scene: SyntheticScene, reference) -> tuple[dict, list]:
+    plan = make_plan(name, config.steps, config.blocks, args.workers)
+    engine_cfg = EngineConfig(workers=args.workers, plan=name, devices=[args.device], transport=args.transport)
+    outputs = run_chunks(config, engine_cfg, [STREAM], args.chunks, scene.observation, plan)[STREAM]
+    records = [o.record for o in outputs]
+    skip = args.skip or min(10 + 2 * len(plan.segments()), args.chunks // 2)
+    stats = summarize(records, skip)
+    steady = records[skip:]
+    ideal = percentile([max(r.worker_compute_ms.values()) for r in steady], 50)
+    entry = {
+        "plan": plan.describe(),
+        "hops_per_chunk": plan.hops(),
+        "interval_ms_p50": stats["interval_ms_p50"],
+        "interval_ms_p99": stats["interval_ms_p99"],
+        "latency_ms_p50": stats["latency_ms_p50"],
+        "latency_ms_p99": stats["latency_ms_p99"],
+        "chunks_per_s": stats["chunks_per_s"],
+        "ideal_interval_ms": ideal,
+        "efficiency": ideal / stats["interval_ms_p50"],
+        "hop_ms_p50": stats["hop_ms_p50"],
+        "stage_ms_p50": percentile([ms for r in steady for ms in r.stage_ms], 50),
+        "queue_ms_p50": percentile([r.queue_ms for r in steady], 50),
+        "transport_ms_p50": percentile([r.transport_ms for r in steady], 50),
+        "max_abs_diff_vs_reference": None,
+    }
+    if reference is not None:
+        entry["max_abs_diff_vs_reference"] = max(float(np.abs(o.output - reference[o.chunk].numpy()).max())
+                                                 for o in outputs)
+    return entry, records
+
+
+def median_entry(entries: list[dict]) -> dict:
+    """Per-field median over rounds (max for the reference difference); every round kept under 'runs'."""
+    out = {}
+    for key, value in entries[0].items():
+        values = [e[key] for e in entries]
+        if key == "max_abs_diff_vs_reference":
+            out[key] = None if value is None else max(values)
+        elif isinstance(value, (int, float)):
+            out[key] = float(np.median(values))
+        else:
+            out[key] = value
+    out["runs"] = [{k: e[k] for k in ("interval_ms_p50", "chunks_per_s", "efficiency")} for e in entries]
+    return out
 
 
 def plot(series: dict, result: dict, path: str) -> None:

@@ -26,17 +26,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--headroom", type=float, default=0.3, help="device time kept free (shared 2-core machine)")
     p.add_argument("--chunks", type=int, default=120, help="chunks per stream")
     p.add_argument("--stagger-s", type=float, default=1.0, help="seconds between adding two streams")
+    p.add_argument("--emit-delay-ms", type=float, default=None,
+                   help="jitter buffer: hand chunk c out no earlier than its release + this (default: the SLO; "
+                        "0: as soon as it is done)")
     p.add_argument("--json", help="write results here")
 
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
+    delay = args.slo_ms if args.emit_delay_ms is None else (args.emit_delay_ms or None)
     result = run_live(args.model, args.workers, args.slo_ms, args.pace_margin_ms, args.headroom, args.chunks,
-                      args.stagger_s)
+                      args.stagger_s, emit_delay_ms=delay)
     for s in result["streams"]:
         print(f"{s['stream']:<8} devices {s['devices']} SLO {s['slo_ms']:g} ms (paced {s['pace_ms']:g}): "
               f"interval p50 {s['interval_ms_p50']:.1f} p99 {s['interval_ms_p99']:.1f} ms "
-              f"{'ok' if s['meets_slo_p99'] else 'MISSED'}; compute/chunk measured {s['measured_compute_ms_p50']} "
+              f"{'ok' if s['meets_slo_p99'] else 'MISSED'}; latency p50 {s['latency_ms_p50']:.1f} "
+              f"p99 {s['latency_ms_p99']:.1f} ms; compute/chunk measured {s['measured_compute_ms_p50']} "
               f"predicted {s['predicted_work_ms']}")
     rej = result["rejected"]
     print(f"admitted {result['admitted']}; next rejected: {rej['reason'] + ' - ' + rej['detail'] if rej else 'none'}")

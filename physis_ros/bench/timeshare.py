@@ -36,7 +36,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=4)
     p.add_argument("--profile", help="physis-profile JSON (measured now if omitted)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=2, help="rounds over the three modes, interleaved")
     p.add_argument("--json", help="write results here")
+
+
+def run_mode(mode: str, config, args: argparse.Namespace, profile: Profile, scene: SyntheticScene,
+             reference: list) -> dict:
+    pred = choose_plan(config.steps, config.blocks, args.workers, profile, mode, args.max_batch)
+    engine_cfg = EngineConfig(workers=args.workers, devices=[args.device], batching=mode, max_batch=args.max_batch)
+    outputs = run_chunks(config, engine_cfg, [STREAM], args.chunks, scene.observation, pred.plan, profile)[STREAM]
+    skip = min(20, args.chunks // 3)
+    stats = summarize([o.record for o in outputs], skip)
+    diff = max(float(np.abs(o.output - reference[o.chunk]).max()) for o in outputs)
+    scale = max(float(np.abs(r).max()) for r in reference)
+    return {
+        "plan": pred.plan.describe(),
+        "interval_ms_p50": stats["interval_ms_p50"],
+        "interval_ms_p99": stats["interval_ms_p99"],
+        "chunks_per_s": stats["chunks_per_s"],
+        "latency_ms_p50": stats["latency_ms_p50"],
+        "mean_batch": float(np.mean([np.mean(o.record.batch_sizes) for o in outputs[skip:]])),
+        "predicted_interval_ms": pred.interval_ms,
+        "max_abs_diff_vs_reference": diff,
+        "max_abs_diff_relative": diff / scale,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,37 +75,26 @@ def run(args: argparse.Namespace) -> int:
                  reference_rollout(build_model(config, device=args.device), scene.observation, [STREAM], args.chunks)]
     result = {"model": config.name, "workers": args.workers, "chunks": args.chunks, "device": args.device,
               "profile_source": profile.source}
+    rounds: list[dict[str, dict]] = []
+    for round_ in range(args.repeats):  # modes interleaved: a shared machine's speed drifts
+        rounds.append({mode: run_mode(mode, config, args, profile, scene, reference) for mode in MODES})
+        r = rounds[-1]
+        print(f"[round {round_ + 1}/{args.repeats}] " + ", ".join(
+            f"{m} {r[m]['chunks_per_s']:.1f}/s (batch {r[m]['mean_batch']:.2f})" for m in MODES),
+            file=sys.stderr, flush=True)
     for mode in MODES:
-        pred = choose_plan(config.steps, config.blocks, args.workers, profile, mode, args.max_batch)
-        engine_cfg = EngineConfig(workers=args.workers, devices=[args.device], batching=mode,
-                                  max_batch=args.max_batch)
-        print(f"[{mode}] {pred.plan.describe()} predicted {pred.interval_ms:.2f} ms", file=sys.stderr, flush=True)
-        outputs = run_chunks(config, engine_cfg, [STREAM], args.chunks, scene.observation, pred.plan,
-                             profile)[STREAM]
-        skip = min(20, args.chunks // 3)
-        stats = summarize([o.record for o in outputs], skip)
-        diff = max(float(np.abs(o.output - reference[o.chunk]).max()) for o in outputs)
-        scale = max(float(np.abs(r).max()) for r in reference)
-        result[f"batching_{mode}" if mode != "adaptive" else "adaptive"] = {
-            "plan": pred.plan.describe(),
-            "interval_ms_p50": stats["interval_ms_p50"],
-            "interval_ms_p99": stats["interval_ms_p99"],
-            "chunks_per_s": stats["chunks_per_s"],
-            "latency_ms_p50": stats["latency_ms_p50"],
-            "mean_batch": float(np.mean([np.mean(o.record.batch_sizes) for o in outputs[skip:]])),
-            "predicted_interval_ms": pred.interval_ms,
-            "prediction_error": pred.interval_ms / (1e3 / stats["chunks_per_s"]) - 1.0,
-            "max_abs_diff_vs_reference": diff,
-            "max_abs_diff_relative": diff / scale,
-        }
-        print(f"[{mode}] measured {1e3 / stats['chunks_per_s']:.2f} ms/chunk ({stats['chunks_per_s']:.1f}/s), "
-              f"mean batch {result[f'batching_{mode}' if mode != 'adaptive' else 'adaptive']['mean_batch']:.2f}",
-              file=sys.stderr, flush=True)
-    off, adaptive = result["batching_off"], result["adaptive"]
-    result["speedup_adaptive_vs_off"] = adaptive["chunks_per_s"] / off["chunks_per_s"]
-    result["speedup_on_vs_off"] = result["batching_on"]["chunks_per_s"] / off["chunks_per_s"]
-    result["predicted_interval_ms"] = adaptive["predicted_interval_ms"]
-    result["max_abs_diff_vs_reference"] = adaptive["max_abs_diff_vs_reference"]
+        key = f"batching_{mode}" if mode != "adaptive" else "adaptive"
+        entries = [r[mode] for r in rounds]
+        result[key] = {k: (float(np.median([e[k] for e in entries])) if isinstance(v, float) else v)
+                       for k, v in entries[0].items()}
+        result[key]["runs"] = [{k: e[k] for k in ("interval_ms_p50", "chunks_per_s")} for e in entries]
+        result[key]["prediction_error"] = result[key]["predicted_interval_ms"] / (
+            1e3 / result[key]["chunks_per_s"]) - 1.0
+    ratio = lambda a, b: float(np.median([r[a]["chunks_per_s"] / r[b]["chunks_per_s"] for r in rounds]))  # noqa
+    result["speedup_adaptive_vs_off"] = ratio("adaptive", "off")
+    result["speedup_on_vs_off"] = ratio("on", "off")
+    result["predicted_interval_ms"] = result["adaptive"]["predicted_interval_ms"]
+    result["max_abs_diff_vs_reference"] = max(r["adaptive"]["max_abs_diff_vs_reference"] for r in rounds)
     if args.json:
         write_json(args.json, result)
     print(json.dumps({k: result[k] for k in ("speedup_adaptive_vs_off", "speedup_on_vs_off",

@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="1,2,4", help="comma-separated batch sizes to time")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--corun", type=int, default=2,
+                        help="also measure the slowdown with this many processes at once (CPU; 0: skip)")
     parser.add_argument("--json", required=True, help="output path")
     args = parser.parse_args(argv)
     set_threads(args.threads)
@@ -37,14 +39,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\rprofiling {config.name} on {args.device}: stage {done}/{total}", end="", file=sys.stderr,
               flush=True)
 
-    profile = measure_profile(config, args.device, sizes, args.repeats, progress)
+    profile = measure_profile(config, args.device, sizes, args.repeats, progress, corun=args.corun)
     print(file=sys.stderr)
     write_json(args.json, profile.to_json())
     per_stage = sorted(ms[1] for ms in profile.stage_ms.values())
     print(f"stage ms at batch 1: median {per_stage[len(per_stage) // 2]:.3f}, max {per_stage[-1]:.3f}; "
           f"batch {sizes[-1]} / {sizes[-1]} x batch 1 = "
           f"{sum(ms[sizes[-1]] for ms in profile.stage_ms.values()) / (sizes[-1] * sum(per_stage)):.2f}; "
-          f"hop {profile.hop_ms:.3f} ms")
+          f"hop {profile.hop_ms:.3f} ms; {args.corun} processes at once run {profile.corun_slowdown:.2f}x slower")
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,67 +40,12 @@ from physis_ros.runtime.planner import choose_plan
 from physis_ros.runtime.plans import Plan, make_plan
 from physis_ros.runtime.profiler import Profile, measure_profile
 from physis_ros.runtime.security import CurveKeys
+from physis_ros.runtime.streams import ChunkOutput, Observation, ObserveFn, OutputFn, StreamEvent, StreamState
 from physis_ros.runtime.workers import EngineError, WorkerPool, WorkerProc
 from physis_ros.telemetry import ChunkRecord
 
 log = logging.getLogger("physis.engine")
-__all__ = ["ChunkOutput", "Engine", "EngineError", "Observation", "StreamEvent"]
-
-
-@dataclass
-class Observation:
-    data: dict[str, np.ndarray]
-    stamp: float  # seconds, on the engine's clock
-
-
-@dataclass
-class ChunkOutput:
-    stream: str
-    chunk: int
-    output: np.ndarray  # float32, model output shape
-    record: ChunkRecord
-
-
-@dataclass
-class StreamEvent:
-    """Something that happened to a stream: ``failed``, ``readmitted`` (with the chunks lost)."""
-
-    stream: str
-    kind: str
-    reason: str
-    lost_chunks: int = 0
-    time: float = 0.0
-
-
-# Returns the observation for the next chunk (its index is given), or None if none is available yet.
-ObserveFn = Callable[[int], Observation | None]
-OutputFn = Callable[[ChunkOutput], None]
-
-
-@dataclass
-class _Stream:
-    name: str
-    plan: Plan
-    observe: ObserveFn
-    on_output: OutputFn | None
-    limit: int | None
-    slo_interval_ms: float | None
-    credits: asyncio.Semaphore
-    keep_outputs: bool = False
-    epoch: int = 0
-    next_chunk: int = 0
-    next_emit: int = 0
-    last_emit: float | None = None
-    pending: dict[int, ChunkOutput] = field(default_factory=dict)
-    entered: dict[int, tuple[float, float]] = field(default_factory=dict)  # chunk -> (obs stamp, enqueue)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    feeder: asyncio.Task | None = None
-    outputs: list[ChunkOutput] = field(default_factory=list)
-    failed: str | None = None
-    lost_chunks: int = 0
-    first_addr: str = ""
-    release_interval_s: float | None = None  # pace: chunk c enters no earlier than release_t0 + c * interval
-    release_t0: float = 0.0
+__all__ = ["ChunkOutput", "Engine", "EngineError", "Observation", "ObserveFn", "OutputFn", "StreamEvent"]
 
 
 class Engine:
@@ -132,7 +76,7 @@ class Engine:
         self.events: list[StreamEvent] = []
         self.max_bytes = config.max_message_mb * 1024 * 1024
         self.ctx = zmq.asyncio.Context()
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, StreamState] = {}
         self.failure: EngineError | None = None
         self.pool: WorkerPool | None = None
         self._push: dict[str, zmq.asyncio.Socket] = {}
@@ -248,31 +192,36 @@ class Engine:
     async def add_stream(self, name: str, observe: ObserveFn, on_output: OutputFn | None = None, *,
                          chunks: int | None = None, slo_interval_ms: float | None = None,
                          keep_outputs: bool = False, plan: Plan | None = None,
-                         release_interval_ms: float | None = None) -> None:
+                         release_interval_ms: float | None = None, emit_delay_ms: float | None = None) -> None:
         """Start feeding a stream: ``chunks`` chunks (None: until removed), placed by ``plan``.
 
         ``release_interval_ms`` paces the stream: chunk c enters the pipeline no earlier than
-        c intervals after the first, so it cannot run ahead of the robot's control timeline."""
+        c intervals after the first, so it cannot run ahead of the robot's control timeline.
+        ``emit_delay_ms`` (with a release interval) is a jitter buffer: chunk c is handed out no
+        earlier than its release plus this delay, so outputs leave at the steady release cadence
+        whenever the response latency stays under the delay (the latency is the price)."""
         if not self._started:
             raise EngineError("start the engine before adding streams")
         if name in self.streams:
             raise ValueError(f"stream '{name}' already exists")
         plan = plan or self.plan
         limit = self.config.max_in_flight or self.default_in_flight(plan)
-        s = _Stream(name, plan, observe, on_output, chunks, slo_interval_ms, asyncio.Semaphore(limit),
+        s = StreamState(name, plan, observe, on_output, chunks, slo_interval_ms, asyncio.Semaphore(limit),
                     keep_outputs=keep_outputs)
         if release_interval_ms:
             s.release_interval_s = release_interval_ms / 1e3
             s.release_t0 = time.monotonic()
+            if emit_delay_ms is not None:
+                s.emit_delay_s = emit_delay_ms / 1e3
         await self._place(s)
         self.streams[name] = s
         s.feeder = asyncio.create_task(self._feed(s), name=f"feed-{name}")
 
-    def _workers_of(self, s: _Stream) -> list[WorkerProc]:
+    def _workers_of(self, s: StreamState) -> list[WorkerProc]:
         by_index = {w.index: w for w in self.workers.values()}
         return [by_index[i] for i in s.plan.workers_used]
 
-    async def _place(self, s: _Stream) -> None:
+    async def _place(self, s: StreamState) -> None:
         """Tell each of the stream's workers its stages (fresh KV) and where to send each stage's output."""
         procs = self._workers_of(s)
         dead = [w.name for w in procs if not w.alive]
@@ -320,7 +269,7 @@ class Engine:
         return {"failed": s.failed, "epoch": s.epoch, "lost_chunks": s.lost_chunks, "next_chunk": s.next_chunk,
                 "in_flight": len(s.entered), "workers": [f"w{i}" for i in s.plan.workers_used]}
 
-    async def _feed(self, s: _Stream) -> None:
+    async def _feed(self, s: StreamState) -> None:
         while s.limit is None or s.next_chunk < s.limit:
             await s.credits.acquire()
             if s.release_interval_s is not None:
@@ -362,22 +311,24 @@ class Engine:
             if "sent" in ts:
                 hops.append((received - ts["sent"]) * 1e3)
             obs_stamp, enqueue = s.entered.pop(msg.chunk)
-            trace = ts.get("trace", [])
-            worker_ms: dict[str, float] = {}
-            for entry in trace:
-                worker_ms[entry[2]] = worker_ms.get(entry[2], 0.0) + entry[4]
-            record = ChunkRecord(stream=s.name, chunk=msg.chunk, obs_stamp=obs_stamp, enqueue=enqueue, emit=emit,
-                                 interval_ms=math.nan, stage_ms=[e[4] for e in trace],
-                                 queue_ms=sum(e[3] for e in trace), hops_ms=hops,
-                                 batch_sizes=[e[5] for e in trace], worker_compute_ms=worker_ms)
+            record = ChunkRecord.from_trace(s.name, msg.chunk, obs_stamp, enqueue, emit, ts.get("trace", []), hops)
             s.pending[msg.chunk] = ChunkOutput(s.name, msg.chunk, msg.tensors["x"][0].float().numpy().copy(), record)
             s.credits.release()
             self._deliver(s)
 
-    def _deliver(self, s: _Stream) -> None:
+    def _deliver(self, s: StreamState) -> None:
         while s.next_emit in s.pending:
+            if s.emit_delay_s is not None:  # jitter buffer: hold the chunk until its slot on the timeline
+                wait = s.release_t0 + s.next_emit * s.release_interval_s + s.emit_delay_s - time.monotonic()
+                if wait > 0:
+                    if not s.emit_scheduled:
+                        s.emit_scheduled = True
+                        asyncio.get_running_loop().call_later(wait, self._paced_deliver, s)
+                    return
             out = s.pending.pop(s.next_emit)
             rec = out.record
+            if s.emit_delay_s is not None:
+                rec.emit = self.clock()
             if s.last_emit is not None:
                 rec.interval_ms = (rec.emit - s.last_emit) * 1e3
                 rec.deadline_miss = s.slo_interval_ms is not None and rec.interval_ms > s.slo_interval_ms
@@ -392,6 +343,11 @@ class Engine:
                     log.exception("output callback of stream %s failed", s.name)
             if s.limit is not None and s.next_emit >= s.limit:
                 s.done.set()
+
+    def _paced_deliver(self, s: StreamState) -> None:
+        s.emit_scheduled = False
+        if self.streams.get(s.name) is s:
+            self._deliver(s)
 
     # ---- faults --------------------------------------------------------------------------------
     def _event(self, event: StreamEvent) -> None:
@@ -423,7 +379,7 @@ class Engine:
             return
         self._tasks.append(asyncio.create_task(self._recover(w, affected), name=f"recover-{w.name}"))
 
-    async def _recover(self, w: WorkerProc, affected: list[_Stream]) -> None:
+    async def _recover(self, w: WorkerProc, affected: list[StreamState]) -> None:
         try:
             fresh = await self.pool.spawn(w.index)
             await self.pool.wait_hello(fresh)

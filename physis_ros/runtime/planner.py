@@ -58,9 +58,11 @@ def predict(plan: Plan, profile: Profile, batching: str = "off", max_batch: int 
     hops_out: dict[int, int] = {}
     for w, _ in plan.segments():
         hops_out[w] = hops_out.get(w, 0) + 1
+    # CPU workers share the host's cores and memory bandwidth: each runs slower than it did alone.
+    slowdown = profile.corun_slowdown if len(plan.workers_used) > 1 and profile.device == "cpu" else 1.0
     for w in plan.workers_used:
         ms, sizes[w] = worker_time(profile, plan.stages_of(w), batching, max_batch)
-        worker_ms[w] = ms + hops_out.get(w, 0) * profile.hop_ms
+        worker_ms[w] = ms * slowdown + hops_out.get(w, 0) * profile.hop_ms
     return Prediction(plan, max(worker_ms.values()), worker_ms, sizes)
 
 

@@ -37,6 +37,9 @@ class Profile:
     hop_ms: float
     hidden_bytes: int
     overhead_ms_per_call: float = 0.0
+    # How much slower a stage runs when every core runs a worker at once (memory bandwidth, caches,
+    # the engine's own share): what co-located CPU workers see next to this alone-measured profile.
+    corun_slowdown: float = 1.0
     extra: dict = field(default_factory=dict)
 
     def cost(self, stage: Stage, n: int = 1) -> float:
@@ -67,7 +70,8 @@ class Profile:
                 "stage_ms": {f"{k},{b}": {str(n): round(ms, 5) for n, ms in by_n.items()}
                              for (k, b), by_n in self.stage_ms.items()},
                 "hop_ms": round(self.hop_ms, 5), "hidden_bytes": self.hidden_bytes,
-                "overhead_ms_per_call": round(self.overhead_ms_per_call, 5), **self.extra}
+                "overhead_ms_per_call": round(self.overhead_ms_per_call, 5),
+                "corun_slowdown": round(self.corun_slowdown, 4), **self.extra}
 
     @classmethod
     def from_json(cls, data: dict) -> Profile:
@@ -77,7 +81,8 @@ class Profile:
             return cls(model=data["model"], device=data.get("device", "cpu"), source=data.get("source", "unknown"),
                        batch_sizes=[int(n) for n in data.get("batch_sizes", [1])], stage_ms=stage_ms,
                        hop_ms=float(data.get("hop_ms", 0.0)), hidden_bytes=int(data.get("hidden_bytes", 0)),
-                       overhead_ms_per_call=float(data.get("overhead_ms_per_call", 0.0)))
+                       overhead_ms_per_call=float(data.get("overhead_ms_per_call", 0.0)),
+                       corun_slowdown=float(data.get("corun_slowdown", 1.0)))
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a physis profile ({exc.__class__.__name__}: {exc}); "
                              "write one with physis-profile") from None
@@ -89,7 +94,8 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_profile(config: ModelConfig, device: str = "cpu", batch_sizes: tuple[int, ...] = (1, 2, 4),
-                    repeats: int = 15, progress=None) -> Profile:
+                    repeats: int = 15, progress=None, corun: int = 0) -> Profile:
+    """``corun``: also measure the slowdown with that many processes running stages at once (CPU)."""
     model = build_model(config, device=device)
     scene = SyntheticScene(config.observation_shapes)
     nmax = max(batch_sizes)
@@ -133,8 +139,51 @@ def measure_profile(config: ModelConfig, device: str = "cpu", batch_sizes: tuple
             progress(i + 1, len(order))
     hidden_bytes = sum(v.numel() * v.element_size() for v in states["mid"].values())
     hop_ms = measure_hop(states["mid"])
+    slowdown = measure_corun_slowdown(config, corun) if corun > 1 and device == "cpu" else 1.0
     return Profile(config.name, device, f"measured:{socket.gethostname()}", list(batch_sizes), stage_ms, hop_ms,
-                   hidden_bytes, overhead_ms_per_call=measure_call_overhead())
+                   hidden_bytes, overhead_ms_per_call=measure_call_overhead(), corun_slowdown=slowdown)
+
+
+def stage_loop_rate(config: ModelConfig, seconds: float) -> float:
+    """Forwards per second of one mid-pipeline stage, looped for ``seconds`` (one thread)."""
+    torch.set_num_threads(1)
+    model = build_model(config)
+    table = model.new_kv_table(1, 1)
+    scene = SyntheticScene(config.observation_shapes)
+    base = chunk_input(model.observation_tensors(scene.observation("corun", 0)), model.noise(0, "corun", 0))
+    with torch.no_grad():
+        cond = model.encode({k[4:]: v for k, v in base.items() if k.startswith("obs/")})
+        h = model.embed(cond, base["x"], model.schedule.timestep(torch.tensor([1])))
+    state = {"cond": cond, "x": base["x"], "h": h}
+    block = min(1, config.blocks - 1)
+    for _ in range(5):
+        run_stage(model, block, [1], [state], KVBatch(table, [0]))
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        run_stage(model, block, [1], [state], KVBatch(table, [0]))
+        n += 1
+    return n / (time.perf_counter() - start)
+
+
+def measure_corun_slowdown(config: ModelConfig, procs: int, seconds: float = 2.0) -> float:
+    """Rate of one process alone over the mean rate of ``procs`` processes running at once."""
+    import json
+    import subprocess
+    import sys
+
+    from physis_ros.config import to_mapping
+    code = ("import json, sys; from physis_ros.config import from_mapping; from physis_ros.model.spec import "
+            "ModelConfig; from physis_ros.runtime.profiler import stage_loop_rate; "
+            "print(stage_loop_rate(from_mapping(ModelConfig, json.loads(sys.argv[1])), float(sys.argv[2])))")
+    args = [sys.executable, "-c", code, json.dumps(to_mapping(config)), str(seconds)]
+
+    def rates(n: int) -> list[float]:
+        ps = [subprocess.Popen(args, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+        return [float(p.communicate()[0].strip().splitlines()[-1]) for p in ps]
+
+    alone = rates(1)[0]
+    together = rates(procs)
+    return max(1.0, alone / (sum(together) / len(together)))
 
 
 def measure_hop(state: dict[str, torch.Tensor], repeats: int = 200) -> float:

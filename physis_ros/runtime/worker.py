@@ -17,10 +17,8 @@ never move: each hosted block has a persistent table with one slot per
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +36,7 @@ from physis_ros.runtime import wire
 from physis_ros.runtime.device import DeviceIO
 from physis_ros.runtime.plans import Stage, next_stage
 from physis_ros.runtime.scheduler import BatchScheduler
-from physis_ros.runtime.security import CurveKeys, is_loopback
+from physis_ros.runtime.security import CurveKeys
 
 log = logging.getLogger("physis.worker")
 HEARTBEAT_S = 0.2
@@ -384,36 +382,3 @@ class Worker:
         self.ctx.term()
         if self.ipc_path is not None:
             self.ipc_path.unlink(missing_ok=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="physis-worker", description="Run one physis_ros worker process.")
-    parser.add_argument("--connect", required=True, help="engine control address, e.g. tcp://10.0.0.2:5555")
-    parser.add_argument("--id", default=f"w-{os.getpid()}", help="worker name (unique per engine)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
-    parser.add_argument("--bind-host", default="127.0.0.1",
-                        help="interface for this worker's data socket (loopback unless told otherwise)")
-    parser.add_argument("--transport", choices=("tcp", "ipc"), default="tcp")
-    parser.add_argument("--ipc-dir", default=None)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--curve-keys", default=None,
-                        help="physis-keys directory: CurveZMQ on every socket (required off loopback)")
-    parser.add_argument("--max-message-mb", type=int, default=256)
-    parser.add_argument("--log-level", default="WARNING")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format=f"[worker {args.id}] %(levelname)s %(message)s")
-    torch.set_num_threads(args.threads)
-    if args.transport == "tcp" and not is_loopback(args.bind_host) and not args.curve_keys:
-        parser.error(f"--bind-host {args.bind_host} is not loopback: give --curve-keys DIR (see physis-keys)")
-    try:
-        worker = Worker(args.connect, args.id, device=args.device, bind_host=args.bind_host,
-                        transport=args.transport, ipc_dir=args.ipc_dir, curve_keys=args.curve_keys,
-                        max_message_bytes=args.max_message_mb * 1024 * 1024)
-    except (ValueError, zmq.ZMQError) as exc:
-        parser.error(str(exc))
-    worker.serve()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -80,9 +80,9 @@ class WorkerPool:
         """Start worker ``w<index>`` (again, if it existed) and wait for its hello."""
         cfg = self.config
         name = f"w{index}"
-        cmd = [sys.executable, "-m", "physis_ros.runtime.worker", "--connect", self.ctrl_addr, "--id", name,
+        cmd = [sys.executable, "-m", "physis_ros.cli.worker", "--connect", self.ctrl_addr, "--id", name,
                "--device", cfg.device_of(index), "--bind-host", cfg.bind_host, "--transport", cfg.transport,
-               "--threads", str(cfg.threads_per_worker)]
+               "--threads", str(cfg.threads_per_worker), "--parent-pid", str(os.getpid())]
         if self.ipc_dir is not None:
             cmd += ["--ipc-dir", self.ipc_dir]
         if cfg.curve_keys:

@@ -31,7 +31,7 @@ from physis_ros.runtime.plans import Plan
 from physis_ros.scheduling.admission import StreamRequest
 from physis_ros.scheduling.cluster import Cluster, PlacedStream
 from physis_ros.scheduling.placement import JointScheduler
-from physis_ros.scheduling.profiles import get_profile
+from physis_ros.scheduling.profiles import measure_profile
 from physis_ros.scheduling.settings import load_device, load_scheduling
 from physis_ros.telemetry import summarize
 
@@ -46,7 +46,8 @@ def admit_until_rejected(model: str, workers: int, pace_ms: float, headroom: flo
     """Joint admission on ``workers`` CPU devices until the first rejection: (placed streams, rejection)."""
     cfg = load_model_config(model)
     device = load_device("cpu")
-    profile = get_profile(cfg, device, measure_if_missing=True)
+    # Measured now, not a shipped file: a shared machine's speed drifts, and admission must use today's.
+    profile = measure_profile(model)
     config = replace(load_scheduling(), headroom=headroom, device="cpu")
     cluster = Cluster([device] * workers, headroom, {model: profile})
     sched = JointScheduler(cluster, config)
@@ -61,7 +62,7 @@ def admit_until_rejected(model: str, workers: int, pace_ms: float, headroom: flo
 
 
 async def _run(cfg, placed: list[PlacedStream], slo_ms: float, pace_ms: float, workers: int, chunks: int,
-               stagger_s: float) -> dict[str, list]:
+               stagger_s: float, emit_delay_ms: float | None) -> dict[str, list]:
     from physis_ros.runtime.engine import Engine, Observation
 
     scene = SyntheticScene(cfg.observation_shapes)
@@ -73,20 +74,26 @@ async def _run(cfg, placed: list[PlacedStream], slo_ms: float, pace_ms: float, w
                 return Observation(scene.observation(name, c), engine.clock())
 
             await engine.add_stream(p.stream, observe, chunks=chunks, slo_interval_ms=slo_ms, keep_outputs=True,
-                                    plan=plan_of(p, cfg.steps, cfg.blocks), release_interval_ms=pace_ms)
+                                    plan=plan_of(p, cfg.steps, cfg.blocks), release_interval_ms=pace_ms,
+                                    emit_delay_ms=emit_delay_ms)
             await asyncio.sleep(stagger_s)
         return {p.stream: await engine.wait_stream(p.stream) for p in placed}
 
 
 def run_live(model: str = "tiny-wam", workers: int = 2, slo_ms: float = 100.0, pace_margin_ms: float = 10.0,
-             headroom: float = 0.3, chunks: int = 120, stagger_s: float = 1.0, skip: int = 10) -> dict:
-    """Admit streams until rejected, run the admitted ones live, report SLO vs measured intervals."""
+             headroom: float = 0.3, chunks: int = 120, stagger_s: float = 1.0, skip: int = 10,
+             emit_delay_ms: float | None = None) -> dict:
+    """Admit streams until rejected, run the admitted ones live, report SLO vs measured intervals.
+
+    ``emit_delay_ms``: the engine's jitter buffer (chunk c leaves no earlier than its release plus
+    this), trading response latency for a steady output cadence; None hands chunks out when done."""
     import uvloop
 
     pace_ms = slo_ms - pace_margin_ms
     cfg, profile, cluster, placed, rejection = admit_until_rejected(model, workers, pace_ms, headroom)
     t0 = time.perf_counter()
-    outputs = uvloop.run(_run(cfg, placed, slo_ms, pace_ms, workers, chunks, stagger_s)) if placed else {}
+    outputs = uvloop.run(_run(cfg, placed, slo_ms, pace_ms, workers, chunks, stagger_s, emit_delay_ms)) \
+        if placed else {}
     streams = []
     for p in placed:
         records = [o.record for o in outputs[p.stream]]
@@ -104,11 +111,13 @@ def run_live(model: str = "tiny-wam", workers: int = 2, slo_ms: float = 100.0, p
             "interval_ms_p50": round(stats["interval_ms_p50"], 3),
             "interval_ms_p99": round(stats["interval_ms_p99"], 3),
             "latency_ms_p50": round(stats["latency_ms_p50"], 3),
+            "latency_ms_p99": round(stats["latency_ms_p99"], 3),
             "deadline_misses": stats["deadline_misses"],
             "meets_slo_p99": bool(stats["interval_ms_p99"] <= slo_ms),
         })
     return {
         "model": model, "workers": workers, "slo_ms": slo_ms, "pace_ms": pace_ms, "headroom": headroom,
+        "emit_delay_ms": emit_delay_ms,
         "profile_source": profile.source, "chunks_per_stream": chunks,
         "admitted": len(placed),
         "rejected": None if rejection is None else {"stream": rejection.request.stream, "reason": rejection.reason,

@@ -108,6 +108,8 @@ def profile_from_json(data: dict, cfg: ModelConfig, *, where: str = "profile") -
     if not (source.startswith("measured:") or source.startswith("roofline-model:")):
         raise ConfigError("source", f"{source!r} in {where}: expected 'measured:<host>' or 'roofline-model:<device>'")
     overhead = float(data.get("overhead_ms_per_call", 0.0))  # worker loop cost per forward (physis-profile)
+    # Streams share CPU workers that run at once on the host's cores: use the co-run speed, not the alone one.
+    slowdown = float(data.get("corun_slowdown", 1.0))
     stage_ms: dict[Stage, dict[int, float]] = {}
     for key, table in need("stage_ms").items():
         try:
@@ -117,7 +119,7 @@ def profile_from_json(data: dict, cfg: ModelConfig, *, where: str = "profile") -
             raise ConfigError(f"stage_ms.{key}", f"expected 'k,b': {{batch: ms}} in {where}") from None
         if not parsed or any(ms <= 0 or n < 1 for n, ms in parsed.items()):
             raise ConfigError(f"stage_ms.{key}", f"needs positive ms at batch sizes >= 1 in {where}")
-        stage_ms[(k, b)] = {n: ms + overhead for n, ms in parsed.items()}
+        stage_ms[(k, b)] = {n: ms * slowdown + overhead for n, ms in parsed.items()}
     missing = [s for s in pipeline_order(cfg.steps, cfg.blocks) if s not in stage_ms]
     if missing:
         raise ConfigError("stage_ms", f"{where} lacks stages {missing[:4]}{'...' if len(missing) > 4 else ''}")
@@ -128,7 +130,8 @@ def profile_from_json(data: dict, cfg: ModelConfig, *, where: str = "profile") -
         block_weight_bytes=int(data.get("block_weight_bytes", mem["block_weight_bytes"])),
         kv_bytes=int(data.get("kv_bytes", mem["kv_bytes"])),
         hidden_bytes=int(data.get("hidden_bytes", mem["hidden_bytes"])),
-        notes={**dict(data.get("notes", {})), "overhead_ms_per_call_included": overhead},
+        notes={**dict(data.get("notes", {})), "overhead_ms_per_call_included": overhead,
+               "corun_slowdown_included": slowdown},
     )
 
 

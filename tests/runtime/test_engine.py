@@ -241,3 +241,40 @@ def test_slow_worker_shows_as_deadline_misses_not_silence():
     misses = [o for o in got if o.record.deadline_miss]
     assert misses and all(o.record.interval_ms > 300.0 for o in misses)
     assert [o.chunk for o in got] == list(range(len(got)))
+
+
+ENGINE_THAT_HANGS = """
+import asyncio, sys, uvloop
+from physis_ros.config import EngineConfig
+from physis_ros.model import load_model_config
+from physis_ros.runtime.engine import Engine
+
+async def main():
+    engine = Engine(load_model_config("tiny-wam"), EngineConfig(workers=2))
+    await engine.start()
+    print(" ".join(str(w.proc.pid) for w in engine.workers.values()), flush=True)
+    await asyncio.sleep(3600)
+
+uvloop.run(main())
+"""
+
+
+def test_workers_do_not_outlive_a_killed_engine():
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE_THAT_HANGS], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+        proc.kill()  # SIGKILL: the engine gets no chance to stop its workers
+        proc.wait()
+        deadline = time.monotonic() + 10
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if os.path.exists(f"/proc/{p}") and
+                     open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+            time.sleep(0.1)
+        assert alive == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()

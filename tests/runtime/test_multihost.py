@@ -56,7 +56,7 @@ def test_workers_on_another_host_match_the_reference(hosts, tmp_path):
     engine = subprocess.Popen(["ip", "netns", "exec", ns_e, sys.executable, str(HERE / "multihost_engine.py"),
                                ENGINE_IP, str(PORT), str(keys), str(out), str(chunks)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    workers = [subprocess.Popen(["ip", "netns", "exec", ns_w, sys.executable, "-m", "physis_ros.runtime.worker",
+    workers = [subprocess.Popen(["ip", "netns", "exec", ns_w, sys.executable, "-m", "physis_ros.cli.worker",
                                  "--connect", f"tcp://{ENGINE_IP}:{PORT}", "--id", f"w{i}",
                                  "--bind-host", WORKER_IP, "--curve-keys", str(keys)]) for i in range(2)]
     try:
@@ -83,7 +83,7 @@ def test_a_worker_without_keys_cannot_join(hosts, tmp_path):
     engine = subprocess.Popen(["ip", "netns", "exec", ns_e, sys.executable, str(HERE / "multihost_engine.py"),
                                ENGINE_IP, str(PORT), str(keys), str(tmp_path / "x.npz"), "2"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    intruder = subprocess.Popen(["ip", "netns", "exec", ns_w, sys.executable, "-m", "physis_ros.runtime.worker",
+    intruder = subprocess.Popen(["ip", "netns", "exec", ns_w, sys.executable, "-m", "physis_ros.cli.worker",
                                  "--connect", f"tcp://{ENGINE_IP}:{PORT}", "--id", "w0", "--transport", "ipc"])
     try:
         with pytest.raises(subprocess.TimeoutExpired):

@@ -76,7 +76,7 @@ def test_non_loopback_binding_requires_keys():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
     with pytest.raises(ConfigError, match="curve_keys.*requires CurveZMQ keys"):
         from_mapping(EngineConfig, {"bind_host": "0.0.0.0"})
-    proc = subprocess.run([sys.executable, "-m", "physis_ros.runtime.worker", "--connect", "tcp://127.0.0.1:1",
+    proc = subprocess.run([sys.executable, "-m", "physis_ros.cli.worker", "--connect", "tcp://127.0.0.1:1",
                            "--bind-host", "0.0.0.0"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--curve-keys" in proc.stderr
 
