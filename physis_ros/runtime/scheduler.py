@@ -23,6 +23,7 @@ from typing import Protocol
 
 MIN_SAMPLES = 3
 HISTORY = 16
+PROBE_EVERY = 64  # decisions per block between re-measurements of the option not taken
 POLICIES = ("oldest", "edf")
 BATCHING = ("off", "on", "adaptive")
 
@@ -48,6 +49,7 @@ class BatchScheduler:
         self.batching = batching
         self.max_batch = max(1, max_batch)
         self.samples: dict[tuple[int, int], deque[float]] = {}
+        self.decisions: dict[int, int] = {}
         # profile: {"<block>": {"<batch size>": ms}}; seeds the estimates as if measured
         for block, by_size in (profile or {}).items():
             for n, ms in by_size.items():
@@ -91,7 +93,13 @@ class BatchScheduler:
             return 1
         if batched is None:
             return available
-        return available if batched <= available * single else 1
+        choice = available if batched <= available * single else 1
+        # Now and then run the other option once: estimates of an option never taken would
+        # otherwise stay frozen at whatever a passing disturbance made them.
+        self.decisions[block] = self.decisions.get(block, 0) + 1
+        if self.decisions[block] % PROBE_EVERY == 0:
+            return 1 if choice == available else available
+        return choice
 
     def observe(self, block: int, n: int, ms: float) -> None:
         self.samples.setdefault((block, n), deque(maxlen=HISTORY)).append(ms)

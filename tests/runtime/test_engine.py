@@ -169,7 +169,8 @@ def test_worker_that_cannot_load_is_named():
         uvloop.run(main())
 
 
-def test_lost_worker_fails_only_its_streams_and_they_come_back():
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["hung", "killed"])
+def test_lost_worker_fails_only_its_streams_and_they_come_back(fault):
     cfg = load_model_config("tiny-wam")
     scene = SyntheticScene(cfg.observation_shapes)
     on_w0 = Plan("sequential", cfg.steps, cfg.blocks, {s: 0 for s in pipeline_order(cfg.steps, cfg.blocks)})
@@ -187,7 +188,7 @@ def test_lost_worker_fails_only_its_streams_and_they_come_back():
             while len(got["b"]) < 3:
                 await asyncio.sleep(0.01)
             victim = engine.workers["w1"]
-            os.kill(victim.proc.pid, signal.SIGSTOP)  # hung, not dead: only heartbeats can tell
+            os.kill(victim.proc.pid, fault)  # SIGSTOP: hung, not dead, only heartbeats can tell
             stopped = time.monotonic()
             while not any(e.kind == "failed" for e in events):
                 await asyncio.sleep(0.01)

@@ -86,3 +86,15 @@ def test_bad_settings_are_refused():
         BatchScheduler("lifo")
     with pytest.raises(ValueError, match="unknown batching mode 'always'"):
         BatchScheduler(batching="always")
+
+
+def test_adaptive_recovers_from_a_stale_estimate():
+    # A disturbance made batching look slow; it is in fact faster. Periodic probes find out.
+    sched = BatchScheduler(batching="adaptive", max_batch=2, profile={"0": {"1": 1.0, "2": 9.0}})
+    ready = [T("a", 0, (4, 0)), T("b", 0, (4, 0))]
+    sizes = []
+    for _ in range(400):
+        n = len(sched.pick(ready, slot))
+        sizes.append(n)
+        sched.observe(0, n, 1.0 if n == 1 else 1.2)  # the truth: a batch of 2 costs 1.2 ms
+    assert sizes[0] == 1 and sizes[-50:].count(2) >= 48
