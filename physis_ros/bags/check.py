@@ -106,8 +106,14 @@ def server_command(options: CheckOptions, serve: ServeInfo, summary_json: Path) 
     if serve.path is not None:
         cmd += ["--config", str(serve.path)]
     # --duration bounds the server's life even if this process dies without stopping it.
-    return cmd + ["--deterministic", "--duration", f"{options.timeout_s + 60:.0f}",
-                  "--summary-json", str(summary_json)] + (["--use-sim-time"] if options.sim_time else [])
+    cmd += ["--deterministic", "--duration", f"{options.timeout_s + 60:.0f}", "--summary-json", str(summary_json)]
+    if options.sim_time:
+        cmd.append("--use-sim-time")
+    # Lossless inputs: the replay publishes reliable and the server subscribes reliable, so a loaded
+    # machine cannot drop an observation (best effort, a robot's usual sensor QoS, may).
+    reliable = [a for s in serve.streams for a in ("-p", f"streams.{s.name}.qos.input.reliability:=reliable",
+                                                   "-p", f"streams.{s.name}.qos.input.depth:=1000")]
+    return cmd + ["--ros-args", *reliable]
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 20.0) -> int:
@@ -231,7 +237,8 @@ def _run(options: CheckOptions, serve: ServeInfo, inputs, inputs_topics, workdir
             replayer = Replayer(options.bag, ros.node, ReplayOptions(
                 rate=options.rate, topics=inputs_topics, restamp=not options.sim_time,
                 clock_hz=100.0 if options.sim_time else None, wait_for=inputs_topics,
-                wait_timeout_s=max(1.0, deadline - time.monotonic()), delay_s=0.5, progress=options.verbose),
+                wait_timeout_s=max(1.0, deadline - time.monotonic()), delay_s=0.5, progress=options.verbose,
+                reliable=options.server_cmd is None),
                 on_publish=on_publish)
             t_replay = time.monotonic()
             replay = replayer.run()

@@ -57,6 +57,7 @@ class ReplayOptions:
     delay_s: float = 0.0                   # pause before the first message (discovery); /clock holds the start
     max_loops: int | None = None           # with loop: stop after this many passes
     progress: bool = True
+    reliable: bool = False                 # publish sensor topics reliable too (lossless into a reliable reader)
 
     def validate(self) -> None:
         if not self.rate > 0:
@@ -187,7 +188,8 @@ class Replayer:
             out = remap_topic(t.topic, self.options.remaps)
             try:
                 cls = rclpy_class(t.msgtype)
-                self.publishers[t.topic] = node.create_publisher(cls, out, qos_for(t.msgtype, out))
+                self.publishers[t.topic] = node.create_publisher(cls, out,
+                                                                 qos_for(t.msgtype, out, self.options.reliable))
             except UnknownTypeError as exc:
                 self.skipped.append(SkippedTopic(t.topic, t.msgtype, t.count, str(exc)))
                 continue

@@ -16,12 +16,13 @@ from physis_ros.bags.bagio import is_sensor_type
 RELIABLE_DEPTH = 1000   # outputs are few and must not be dropped when a subscriber is slow
 
 
-def qos_for(msgtype: str, topic: str = "") -> QoSProfile:
+def qos_for(msgtype: str, topic: str = "", reliable: bool = False) -> QoSProfile:
     """Publisher QoS by type: sensor types best-effort sensor-data QoS, /clock the clock QoS,
-    /tf_static latched, everything else reliable."""
+    /tf_static latched, everything else reliable. ``reliable``: every topic but /clock reliable
+    with a deep queue (lossless replay into a subscriber that asks for reliable input)."""
     if msgtype == "rosgraph_msgs/msg/Clock":
         return QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT)
-    if is_sensor_type(msgtype):
+    if is_sensor_type(msgtype) and not reliable:
         return qos_profile_sensor_data
     if topic.rstrip("/").endswith("tf_static"):
         return QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE,

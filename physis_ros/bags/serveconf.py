@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from physis_ros.config import repo_config_dir
-from physis_ros.ros.config import ServeConfig, load_serve_config, serve_config
+from physis_ros.config import ConfigError
+from physis_ros.ros.config import ServeConfig, default_serve_path, load_serve_config, serve_config
 
 DEFAULT_NAMESPACES = ("robot0", "robot1")
 DEFAULT_DOF = 7
@@ -72,8 +72,8 @@ class ServeInfo:
 
 def default_serve_config() -> Path | None:
     try:
-        path = repo_config_dir() / "serve.yaml"
-    except Exception:
+        path = default_serve_path()
+    except ConfigError:  # no config/ directory at all
         return None
     return path if path.exists() else None
 

@@ -122,10 +122,10 @@ def run_scenario(name: str, args: argparse.Namespace, cfg, config: Path, node, e
 
 def run(args: argparse.Namespace) -> int:
     from physis_ros.cli.common import write_json
-    from physis_ros.config import ConfigError, repo_config_dir
-    from physis_ros.ros.config import load_serve_config
+    from physis_ros.config import ConfigError
+    from physis_ros.ros.config import default_serve_path, load_serve_config
 
-    config = Path(args.config) if args.config else repo_config_dir() / "serve.yaml"
+    config = Path(args.config or default_serve_path())
     try:
         cfg = load_serve_config(config)
     except ConfigError as exc:

@@ -48,7 +48,8 @@ def cmd_replay(args) -> int:
     options = ReplayOptions(rate=args.rate, loop=args.loop, start_offset_s=args.start_offset,
                             remaps=parse_remaps(args.remap), clock_hz=args.clock, topics=args.topics,
                             restamp=args.restamp, wait_for=args.wait_for or [], wait_timeout_s=args.wait_timeout,
-                            delay_s=args.delay, max_loops=args.max_loops, progress=not args.quiet)
+                            delay_s=args.delay, max_loops=args.max_loops, progress=not args.quiet,
+                            reliable=args.reliable)
     options.validate()
     info = bag_info(args.bag)     # fail fast on a missing or broken bag, before ROS starts
     with RosSession("physis_bag_replay", spin=False) as ros:
@@ -191,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-timeout", type=float, default=10.0, metavar="S")
     p.add_argument("--delay", type=float, default=0.5, metavar="S",
                    help="pause after creating publishers, for discovery (default 0.5 s)")
+    p.add_argument("--reliable", action="store_true",
+                   help="publish sensor topics reliable too (lossless, for a subscriber that asks for reliable)")
     p.add_argument("--skip-unknown", action="store_true",
                    help="exit 0 even if topics with unknown message types were skipped")
     p.add_argument("--json", help="write counts and timing error here")

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from physis_ros.cli.common import write_json
-from physis_ros.config import ConfigError, repo_config_dir
+from physis_ros.config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", help="directory for the children's logs (default: a temporary one)")
     args = p.parse_args(argv)
 
-    from physis_ros.ros.config import load_serve_config
+    from physis_ros.ros.config import default_serve_path, load_serve_config
     from physis_ros.ros.launcher import Child, serve_command, synthetic_command
 
-    config = Path(args.config) if args.config else repo_config_dir() / "serve.yaml"
+    config = Path(args.config or default_serve_path())
     try:
         cfg = load_serve_config(config)
     except ConfigError as exc:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from physis_ros.config import ConfigError, EngineConfig, bounded, from_mapping, load_yaml
+from physis_ros.config import ConfigError, EngineConfig, bounded, from_mapping, load_yaml, repo_config_dir
 from physis_ros.model.spec import ModelConfig
 
 PREPROCESS_MODES = ("resize", "center_crop", "pad")
@@ -222,7 +222,14 @@ def serve_config(mapping: dict[str, Any], source: str | None = None) -> ServeCon
         raise ConfigError(exc.key, exc.problem, source=source) from None
 
 
-def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ServeConfig:
+def default_serve_path() -> Path:
+    """The shipped ``config/serve.yaml``."""
+    return repo_config_dir() / "serve.yaml"
+
+
+def load_serve_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServeConfig:
+    """A serve config file (the shipped one if ``path`` is None), validated."""
+    path = path or default_serve_path()
     return serve_config(deep_merge(load_serve_mapping(path), overrides or {}), source=str(path))
 
 

