@@ -25,7 +25,6 @@ import logging
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -85,8 +84,9 @@ class Engine:
         self._auth = None
         self._started = False
 
-    def default_in_flight(self, plan: Plan) -> int:
-        return plan.in_flight(self.config.batching != "off", self.config.max_batch)
+    def in_flight_limit(self, plan: Plan) -> int:
+        """Chunks a stream placed by ``plan`` may have in flight (config override, else from the plan)."""
+        return self.config.max_in_flight or plan.in_flight(self.config.batching != "off", self.config.max_batch)
 
     @property
     def workers(self) -> dict[str, WorkerProc]:
@@ -174,9 +174,6 @@ class Engine:
     async def request(self, worker: str, kind: str, body: dict, timeout: float = 10.0) -> dict:
         return await self.pool.request(worker, kind, body, timeout)
 
-    async def worker_stats(self) -> dict[str, dict]:
-        return {name: await self.request(name, "stats", {}) for name, w in self.workers.items() if w.alive}
-
     # ---- streams -----------------------------------------------------------------------------
     async def add_stream(self, name: str, observe: ObserveFn, on_output: OutputFn | None = None, *,
                          chunks: int | None = None, slo_interval_ms: float | None = None,
@@ -194,7 +191,7 @@ class Engine:
         if name in self.streams:
             raise ValueError(f"stream '{name}' already exists")
         plan = plan or self.plan
-        limit = self.config.max_in_flight or self.default_in_flight(plan)
+        limit = self.in_flight_limit(plan)
         s = StreamState(name, plan, observe, on_output, chunks, slo_interval_ms, asyncio.Semaphore(limit),
                     keep_outputs=keep_outputs)
         if release_interval_ms:
@@ -384,7 +381,7 @@ class Engine:
                 s.entered.clear()
                 s.pending.clear()
                 s.next_emit = s.next_chunk  # the chunks in flight are lost; counted in lost_chunks
-                s.credits = asyncio.Semaphore(self.config.max_in_flight or self.default_in_flight(s.plan))
+                s.credits = asyncio.Semaphore(self.in_flight_limit(s.plan))
                 await self._place(s)
                 s.failed = None
                 self._event(StreamEvent(s.name, "readmitted", f"worker {w.name} restarted (pid {fresh.pid})"))

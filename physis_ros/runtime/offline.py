@@ -7,7 +7,6 @@ sequential reference fed the same observations.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 import numpy as np
