@@ -112,9 +112,9 @@ def test_field_types():
     }
     fields = ChunkTelemetry.get_fields_and_field_types()
     assert fields["batch_sizes"] == "sequence<uint32>"
-    assert fields["emit_stamp"] == "builtin_interfaces/Time"
+    assert fields["emit_stamp"] == fields["handover_stamp"] == "builtin_interfaces/Time"
     assert fields["deadline_miss"] == "boolean"
-    assert len(fields) == 16
+    assert len(fields) == 17
 
 
 @pytest.fixture

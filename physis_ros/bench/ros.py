@@ -7,16 +7,15 @@ process, as a robot's controller would: RELIABLE ``action_chunk`` and
 
 Per chunk, the delay from the engine's emit (``ChunkTelemetry.emit_stamp``:
 the node clock when the finished chunk came off the last worker) to the
-moment this subscriber's callback ran, and its parts: emit -> DDS write
-(``MessageInfo.source_timestamp``), DDS write -> DDS receipt here
-(``received_timestamp``), receipt -> callback (this process's rclpy
-executor). The node reports on /diagnostics how much of emit -> DDS write is
-the engine's own handover (emit -> output callback: decoding the last worker's
-message) and how much its conversion + ``publish``. All processes share one
-host clock. The ROS layer = publish + DDS (to receipt), + executor (to
-callback); p50s added. Lost chunks: chunks the telemetry reports as emitted
-that never arrived here. Target: ROS layer to receipt <= 0.5 ms p50, no lost
-chunk. ``floor`` measures a bare rclpy publisher -> this subscriber at the
+moment this subscriber's callback ran, and its parts: the engine's handover
+(emit -> ``handover_stamp``, when the node's output callback began: decoding
+the last worker's message, not ROS), the node's conversion + ``publish`` up to
+the DDS write (``MessageInfo.source_timestamp``), DDS write -> DDS receipt
+here (``received_timestamp``), receipt -> callback (this process's rclpy
+executor). All processes share one host clock. The ROS layer, per chunk =
+DDS receipt (or callback) - handover stamp. Lost chunks: chunks the telemetry
+reports as emitted that never arrived here. Target: ROS layer to receipt
+<= 0.5 ms p50, no lost chunk. ``floor`` measures a bare rclpy publisher -> this subscriber at the
 same rate, the least any rclpy hop costs here. Two scenarios: ``full``
 (the pipeline at full rate, workers saturating the CPUs) and ``paced`` (one
 chunk per camera frame, deterministic mode, workers idle between frames).
@@ -34,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from physis_ros.bench.rosmeasure import Recorder, analyse, ros_layer_estimate, run_floor  # noqa: F401 (analyse: tests)
+from physis_ros.bench.rosmeasure import Recorder, analyse, run_floor  # noqa: F401 (analyse: tests)
 
 TARGET_P50_MS = 0.5
 
@@ -113,8 +112,6 @@ def run_scenario(name: str, args: argparse.Namespace, cfg, config: Path, node, e
     for stream, timings in rec.node_timings.items():
         if stream in result["streams"]:
             result["streams"][stream]["node"] = timings
-    result["overall"]["ros_layer_p50_ms_estimate"] = ros_layer_estimate(result)
-    result["overall"]["ros_layer_to_receipt_p50_ms_estimate"] = ros_layer_estimate(result, to_callback=False)
     result["joint_order_ok"] = rec.joint_order_ok
     result["load_avg_1m"] = os.getloadavg()[0]
     return result
@@ -162,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         executor.shutdown()
         node.destroy_node()
         rclpy.try_shutdown()
-    p50 = {n: r["overall"].get("ros_layer_to_receipt_p50_ms_estimate") for n, r in results.items()}
+    p50 = {n: (r["overall"].get("ros_layer_to_receipt") or {}).get("p50_ms") for n, r in results.items()}
     lost = {n: r["overall"]["lost"] for n, r in results.items()}
     out = {
         "benchmark": "ros", "model": cfg.model, "workers": cfg.engine.workers, "plan": cfg.engine.plan,
@@ -202,21 +199,21 @@ def _print(r: dict) -> None:
         return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
     print(f"{'stream':<8} {'emitted':>7} {'recv':>6} {'lost':>4} {'chunks/s':>8} {'emit->cb p50/p99':>17} "
-          f"{'handover':>8} {'publish':>8} {'dds':>6} {'exec':>6} {'traj rx/cb':>12}   (ms, p50 unless noted)")
+          f"{'handover':>8} {'publish':>8} {'dds':>6} {'exec':>6} {'ROS rx p50/p99':>15} {'traj rx/cb':>12}"
+          "   (ms, p50 unless noted)")
     rows = list(r["streams"].items()) + [("all", r["overall"])]
     for name, s in rows:
         g = lambda k, q="p50_ms": (s.get(k) or {}).get(q)
-        node = s.get("node", {})
         print(f"{name:<8} {s['chunks_emitted']:>7} {s['chunks_received']:>6} {s['lost']:>4} "
               f"{f(s['chunks_per_s']):>8} {f(g('emit_to_callback')):>8} /{f(g('emit_to_callback', 'p99_ms')):>7} "
-              f"{f(node.get('handover_ms_p50')):>8} {f(node.get('publish_ms_p50')):>8} {f(g('dds_transport')):>6} "
-              f"{f(g('dds_to_callback')):>6} {f(g('trajectory_emit_to_receipt')):>5}/"
-              f"{f(g('trajectory_emit_to_callback')):>6}")
+              f"{f(g('engine_handover')):>8} {f(g('node_publish')):>8} {f(g('dds_transport')):>6} "
+              f"{f(g('dds_to_callback')):>6} {f(g('ros_layer_to_receipt')):>7}/{f(g('ros_layer_to_receipt', 'p99_ms')):>7} "
+              f"{f(g('trajectory_emit_to_receipt')):>5}/{f(g('trajectory_emit_to_callback')):>6}")
     o = r["overall"]
-    print(f"emit -> DDS receipt p50/p99: {f((o.get('emit_to_receipt') or {}).get('p50_ms'))} / "
-          f"{f((o.get('emit_to_receipt') or {}).get('p99_ms'))} ms; ROS layer p50: to receipt (publish + dds) "
-          f"{f(o.get('ros_layer_to_receipt_p50_ms_estimate'))} ms, to callback (+ exec) "
-          f"{f(o.get('ros_layer_p50_ms_estimate'))} ms")
+    g = lambda k: (o.get(k) or {}).get("p50_ms")
+    print(f"emit -> DDS receipt p50/p99: {f(g('emit_to_receipt'))} / "
+          f"{f((o.get('emit_to_receipt') or {}).get('p99_ms'))} ms; ROS layer p50 (per chunk, from the node's "
+          f"handover): to DDS receipt {f(g('ros_layer_to_receipt'))} ms, to callback {f(g('ros_layer_to_callback'))} ms")
 
 
 def main(argv: list[str] | None = None) -> int:

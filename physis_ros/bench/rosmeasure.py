@@ -34,7 +34,8 @@ class Recorder:
         reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
         self.chunks: dict[str, dict[int, tuple[int, int, int]]] = defaultdict(dict)  # chunk -> (cb, rx, src)
         self.trajs: dict[str, dict[int, tuple[int, int, int]]] = defaultdict(dict)   # seq-1 -> same
-        self.emits: dict[str, dict[int, tuple[int, float]]] = defaultdict(dict)      # chunk -> (emit ns, interval)
+        # chunk -> (emit ns, output interval ms, handover ns: the node began publishing it)
+        self.emits: dict[str, dict[int, tuple[int, float, int]]] = defaultdict(dict)
         self.joint_order_ok = True
         self.subs = []
         for name in cfg.streams:
@@ -57,8 +58,8 @@ class Recorder:
                                                       on_traj, reliable))
 
         def on_tel(msg):
-            emit = msg.emit_stamp.sec * 1_000_000_000 + msg.emit_stamp.nanosec
-            self.emits[msg.stream][int(msg.chunk_index)] = (emit, msg.output_interval_ms)
+            self.emits[msg.stream][int(msg.chunk_index)] = (_ns(msg.emit_stamp), msg.output_interval_ms,
+                                                            _ns(msg.handover_stamp))
 
         self.subs.append(node.create_subscription(ChunkTelemetry, _abs(cfg.telemetry_topic), on_tel,
                                                   QoSProfile(depth=500, reliability=ReliabilityPolicy.RELIABLE)))
@@ -82,6 +83,10 @@ class Recorder:
         return sum(len(v) for v in self.emits.values())
 
 
+def _ns(t) -> int:
+    return t.sec * 1_000_000_000 + t.nanosec
+
+
 def _abs(topic: str) -> str:
     return topic if topic.startswith("/") else "/" + topic
 
@@ -93,7 +98,7 @@ def analyse(rec: Recorder, window: tuple[int, int]) -> dict:
     parts_all = defaultdict(list)
     lost_all = 0
     for name in sorted(rec.emits):
-        emits = {c: e for c, (e, _) in rec.emits[name].items() if lo <= e < hi}
+        emits = {c: e for c, (e, _, _) in rec.emits[name].items() if lo <= e < hi}
         if not emits:
             continue
         parts = defaultdict(list)
@@ -104,6 +109,13 @@ def analyse(rec: Recorder, window: tuple[int, int]) -> dict:
                 lost.append(c)
                 continue
             cb, rx, src = got
+            handover = rec.emits[name][c][2]
+            # The ROS layer per chunk: from the node taking the chunk over (its output callback) to
+            # this subscriber's DDS receipt / callback. The engine's handover before it is not ROS.
+            parts["ros_layer_to_receipt"].append(rx - handover)
+            parts["ros_layer_to_callback"].append(cb - handover)
+            parts["engine_handover"].append(handover - emit)
+            parts["node_publish"].append(src - handover)
             parts["emit_to_callback"].append(cb - emit)
             parts["emit_to_receipt"].append(rx - emit)
             parts["emit_to_dds_write"].append(src - emit)
@@ -117,7 +129,7 @@ def analyse(rec: Recorder, window: tuple[int, int]) -> dict:
                 parts["trajectory_missing"].append(c)
         received = sorted(c for c in rec.chunks[name] if c in emits)
         span_s = (max(emits.values()) - min(emits.values())) * 1e-9
-        intervals = [iv for c, (e, iv) in rec.emits[name].items() if lo <= e < hi and iv > 0]
+        intervals = [iv for e, iv, _ in rec.emits[name].values() if lo <= e < hi and iv > 0]
         indices = sorted(rec.chunks[name])
         contiguous = indices == list(range(indices[0], indices[-1] + 1)) if indices else False
         out["streams"][name] = {
@@ -142,21 +154,6 @@ def analyse(rec: Recorder, window: tuple[int, int]) -> dict:
         **{k: _stats(v) for k, v in parts_all.items()},
     }
     return out
-
-
-def ros_layer_estimate(result: dict, to_callback: bool = True) -> float | None:
-    """What the ROS layer adds, p50s added: the node's publish (output callback -> ActionChunk published,
-    from its /diagnostics) + DDS transport (+ this subscriber's executor if ``to_callback``), per chunk
-    here. Leaves out the engine's own handover (emit -> output callback: decoding the last worker's
-    message), which is not ROS."""
-    o = result["overall"]
-    pubs = [s["node"]["publish_ms_p50"] for s in result["streams"].values() if "node" in s]
-    parts = [(o.get("dds_transport") or {}).get("p50_ms")]
-    if to_callback:
-        parts.append((o.get("dds_to_callback") or {}).get("p50_ms"))
-    if not pubs or None in parts:
-        return None
-    return float(np.median(pubs)) + sum(parts)
 
 
 def floor_publisher(topic: str, rate_hz: float, duration_s: float) -> None:

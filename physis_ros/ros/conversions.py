@@ -301,8 +301,10 @@ def _finite(x: float) -> float:
     return 0.0 if math.isnan(x) else float(x)
 
 
-def telemetry_msg(record: ChunkRecord, obs_stamp: Time | None = None) -> ChunkTelemetry:
-    """One ChunkTelemetry from the engine's record (times are node-clock seconds)."""
+def telemetry_msg(record: ChunkRecord, obs_stamp: Time | None = None, handover: float | None = None
+                  ) -> ChunkTelemetry:
+    """One ChunkTelemetry from the engine's record (times are node-clock seconds); ``handover``: when the
+    node began publishing the chunk (the emit time if not given)."""
     emit = time_msg(record.emit)
     msg = ChunkTelemetry()
     msg.header.stamp = emit
@@ -311,6 +313,7 @@ def telemetry_msg(record: ChunkRecord, obs_stamp: Time | None = None) -> ChunkTe
     msg.observation_stamp = obs_stamp if obs_stamp is not None else time_msg(record.obs_stamp)
     msg.enqueue_stamp = time_msg(record.enqueue)
     msg.emit_stamp = emit
+    msg.handover_stamp = emit if handover is None else time_msg(handover)
     msg.response_latency_ms = _finite(record.latency_ms)
     msg.output_interval_ms = _finite(record.interval_ms)
     msg.observation_age_ms = _finite(record.obs_age_ms)

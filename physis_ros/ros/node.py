@@ -203,7 +203,8 @@ class PhysisServer(Node):
     def _on_output(self, out: ChunkOutput) -> None:
         start = time.perf_counter()
         # (the node clock is the system clock unless simulated; time.time() is the cheaper read)
-        handover_ms = math.nan if self.config.use_sim_time else (time.time() - out.record.emit) * 1e3
+        handover = self.now() if self.config.use_sim_time else time.time()
+        handover_ms = (handover - out.record.emit) * 1e3
         st = self.streams[out.stream]
         stamp = st.stamps.pop(out.chunk)
         rec = out.record
@@ -213,7 +214,7 @@ class PhysisServer(Node):
             st.pub_chunk.publish(st.raw_chunk.render(out.chunk, out.output, stamp))
             publish_ms = (time.perf_counter() - start) * 1e3
             st.pub_traj.publish(st.raw_traj.render(out.output, conv.trajectory_start(s, stamp, rec.emit)))
-            self.pub_telemetry.publish(conv.telemetry_msg(rec, stamp))
+            self.pub_telemetry.publish(conv.telemetry_msg(rec, stamp, handover))
             st.published += 1
         else:
             publish_ms = math.nan

@@ -202,3 +202,5 @@ def test_telemetry_msg():
     assert (msg.stage_compute_ms_min, msg.stage_compute_ms_max, msg.stage_compute_ms_sum) == (1.0, 3.0, 6.0)
     assert list(msg.batch_sizes) == [1, 2, 1] and msg.header.stamp == msg.emit_stamp
     assert conv.stamp_to_sec(msg.emit_stamp) == pytest.approx(100.15)
+    assert msg.handover_stamp == msg.emit_stamp  # no handover time given
+    assert conv.stamp_to_sec(conv.telemetry_msg(rec, handover=100.1503).handover_stamp) == pytest.approx(100.1503)

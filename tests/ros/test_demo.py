@@ -45,8 +45,9 @@ def test_bench_analysis_counts_lost_chunks_and_splits_the_delay():
 
     rec = Rec()
     ms = 1_000_000
-    rec.emits = {"r": {c: (c * 40 * ms, 40.0) for c in range(10)}}
-    # chunk c: DDS write 0.1 ms after emit, received 0.1 ms later, callback 0.1 ms after that; chunk 7 lost.
+    # chunk c: the node takes it over 0.05 ms after emit, DDS write 0.1 ms after emit, received 0.1 ms later,
+    # callback 0.1 ms after that; chunk 7 lost.
+    rec.emits = {"r": {c: (c * 40 * ms, 40.0, c * 40 * ms + ms // 20) for c in range(10)}}
     rec.chunks = {"r": {c: (c * 40 * ms + 3 * ms // 10, c * 40 * ms + 2 * ms // 10, c * 40 * ms + ms // 10)
                         for c in range(10) if c != 7}}
     rec.trajs = {"r": {c: (c * 40 * ms + ms, 0, 0) for c in range(10)}}
@@ -55,4 +56,7 @@ def test_bench_analysis_counts_lost_chunks_and_splits_the_delay():
     assert (s["chunks_emitted"], s["chunks_received"], s["lost"]) == (10, 9, 1)
     assert not s["contiguous_indices"]
     assert abs(s["emit_to_callback"]["p50_ms"] - 0.3) < 1e-9 and abs(s["dds_transport"]["p50_ms"] - 0.1) < 1e-9
+    assert abs(s["engine_handover"]["p50_ms"] - 0.05) < 1e-9 and abs(s["node_publish"]["p50_ms"] - 0.05) < 1e-9
+    assert abs(s["ros_layer_to_receipt"]["p50_ms"] - 0.15) < 1e-9
+    assert abs(s["ros_layer_to_callback"]["p50_ms"] - 0.25) < 1e-9
     assert abs(s["chunks_per_s"] - 25.0) < 1e-9 and r["overall"]["lost"] == 1
