@@ -14,11 +14,10 @@ $B/physis-bench pipeline --model tiny-wam --workers 2 --plans sequential,step,bl
   --json "$OUT/pipeline_tiny-wam_w2.json" --plot "$OUT/pipeline_tiny-wam_w2.png"
 $B/physis-bench pipeline --model tiny-wam --workers 3 --plans step,block,stage --chunks 150 --no-parallel-limit \
   --json "$OUT/pipeline_tiny-wam_w3.json"
-for W in 1 2; do  # profiled afresh each time: the planner's prediction must see today's machine
-  $B/physis-bench timeshare --model tiny-wam --workers $W --json "$OUT/timeshare_tiny-wam_w$W.json"
+for W in 1 2; do  # profiled afresh before every run: the planner's prediction must see this minute's machine
+  $B/physis-bench timeshare --model tiny-wam --workers $W --repeats 4 --json "$OUT/timeshare_tiny-wam_w$W.json"
 done
-$B/physis-bench timeshare --model base-wam --workers 1 --chunks 40 --profile "$OUT/profile_base-wam.json" \
-  --json "$OUT/timeshare_base-wam_w1.json"
+$B/physis-bench timeshare --model base-wam --workers 1 --chunks 40 --repeats 2 --json "$OUT/timeshare_base-wam_w1.json"
 $B/physis-bench streams --json "$OUT/streams_tiny-wam_w2.json" || true  # exit 1 = an SLO missed: recorded
 $B/physis-bench ros --json "$OUT/ros.json"
 $B/physis-sim --scenario report24 --json "$OUT/sim_report24.json"

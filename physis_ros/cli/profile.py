@@ -1,4 +1,5 @@
-"""``physis-profile``: measure per-stage time vs batch size and the per-hop transfer time.
+"""``physis-profile``: measure per-stage time vs batch size, the per-hop transfer time, the worker's
+own time per forward, the engine's per-chunk work and the co-run slowdown of CPU workers.
 
 The JSON it writes feeds the planner (``physis-bench timeshare --profile``),
 the workers' adaptive batching and the joint scheduler's cost profiles.
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         fail("--batch-sizes must include 1 and at least one larger size")
 
     def progress(done: int, total: int) -> None:
-        print(f"\rprofiling {config.name} on {args.device}: stage {done}/{total}", end="", file=sys.stderr,
+        print(f"\rprofiling {config.name} on {args.device}: round {done}/{total}", end="", file=sys.stderr,
               flush=True)
 
     profile = measure_profile(config, args.device, sizes, args.repeats, progress, corun=args.corun)
@@ -46,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"stage ms at batch 1: median {per_stage[len(per_stage) // 2]:.3f}, max {per_stage[-1]:.3f}; "
           f"batch {sizes[-1]} / {sizes[-1]} x batch 1 = "
           f"{sum(ms[sizes[-1]] for ms in profile.stage_ms.values()) / (sizes[-1] * sum(per_stage)):.2f}; "
-          f"hop {profile.hop_ms:.3f} ms; {args.corun} processes at once run {profile.corun_slowdown:.2f}x slower")
+          f"hop {profile.hop_ms:.3f} ms; worker overhead {profile.overhead_ms_per_call:.3f} ms per forward; engine "
+          f"{profile.engine_ms:.3f} ms per chunk; {args.corun} processes at once run {profile.corun_slowdown:.2f}x "
+          "slower")
     return 0
 
 

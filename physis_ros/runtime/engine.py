@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -64,8 +65,10 @@ class Engine:
             if self.profile is None:
                 log.info("plan 'auto' without a profile: measuring %s on %s", model.name, config.device_of(0))
                 self.profile = measure_profile(model, config.device_of(0))
+            # Workers spawned here share this host's cores with the engine; external ones have their own.
+            host_cpus = (os.cpu_count() or 1) if config.spawn_workers else None
             self.prediction = choose_plan(model.steps, model.blocks, config.workers, self.profile,
-                                          config.batching, config.max_batch)
+                                          config.batching, config.max_batch, host_cpus)
             plan = self.prediction.plan
         self.plan = plan or make_plan(config.plan, model.steps, model.blocks, config.workers)
         if max(self.plan.workers_used) >= config.workers:

@@ -1,11 +1,16 @@
 """Cost-model planner: the partition of a model's stages over workers, with or without batching.
 
-Steady state of a worker that hosts ``n_b`` steps of block ``b``: chunks move
-through its blocks in lockstep, so each chunk costs it, per hosted block, one
-batched forward of size ``n_b`` (batching on), ``n_b`` single forwards
-(batching off), or the cheaper of the two (adaptive). A plan's predicted
-output interval is its busiest worker's per-chunk time, plus the per-forward
-loop overhead and the hidden-state hops it sends.
+Load of a worker that hosts ``n_b`` steps of block ``b``, if chunks moved
+through its blocks in lockstep: per chunk, per hosted block, one batched
+forward of size ``n_b`` (batching on), ``n_b`` single forwards (batching off),
+or the cheaper of the two (adaptive), plus the hidden-state hops it sends.
+That closed form balances the candidate partitions. The predicted output
+interval comes from replaying the plan event by event
+(:mod:`~physis_ros.runtime.pipesim`), because lockstep is not what happens:
+chunks re-entering after the engine's round trip miss their group's batch,
+and plans that ping-pong between workers leave one idle. Where CPU workers
+share a host's cores with the engine, the interval is at least their total
+CPU time per chunk over those cores.
 
 Candidates: the ``stage`` plan (contiguous cut of the pipeline order at the
 measured costs), ``block``-grouped plans (same-block stages of every step
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from physis_ros.runtime.pipesim import SimResult, simulate
 from physis_ros.runtime.plans import Plan, Stage, segment_assignment, linear_partition, make_plan, pipeline_order
 from physis_ros.runtime.profiler import Profile
 
@@ -25,8 +31,10 @@ from physis_ros.runtime.profiler import Profile
 class Prediction:
     plan: Plan
     interval_ms: float
-    worker_ms: dict[int, float]
-    batch_of_block: dict[int, dict[int, int]]  # worker -> block -> batch size used
+    worker_ms: dict[int, float]                # lockstep load per chunk
+    batch_of_block: dict[int, dict[int, int]]  # worker -> block -> batch size used in lockstep
+    simulated: SimResult | None = None
+    cpu_bound_ms: float = 0.0                  # host CPU time per chunk / host cores (0: not bounded)
 
 
 def worker_time(profile: Profile, stages: list[Stage], batching: str, max_batch: int
@@ -53,17 +61,24 @@ def worker_time(profile: Profile, stages: list[Stage], batching: str, max_batch:
     return total, sizes
 
 
-def predict(plan: Plan, profile: Profile, batching: str = "off", max_batch: int = 4) -> Prediction:
+def predict(plan: Plan, profile: Profile, batching: str = "off", max_batch: int = 4,
+            host_cpus: int | None = None) -> Prediction:
+    """``host_cpus``: cores that CPU workers share with the engine (None: workers have their own)."""
     worker_ms, sizes = {}, {}
     hops_out: dict[int, int] = {}
     for w, _ in plan.segments():
         hops_out[w] = hops_out.get(w, 0) + 1
     # CPU workers share the host's cores and memory bandwidth: each runs slower than it did alone.
-    slowdown = profile.corun_slowdown if len(plan.workers_used) > 1 and profile.device == "cpu" else 1.0
+    cpu = profile.device == "cpu"
+    slowdown = profile.corun_slowdown if len(plan.workers_used) > 1 and cpu else 1.0
     for w in plan.workers_used:
         ms, sizes[w] = worker_time(profile, plan.stages_of(w), batching, max_batch)
         worker_ms[w] = ms * slowdown + hops_out.get(w, 0) * profile.hop_ms
-    return Prediction(plan, max(worker_ms.values()), worker_ms, sizes)
+    sim = simulate(plan, profile, batching, max_batch, slowdown=slowdown)
+    cpu_bound = 0.0
+    if cpu and host_cpus:
+        cpu_bound = (sum(sim.busy_ms_per_chunk.values()) + profile.engine_ms) / host_cpus
+    return Prediction(plan, max(sim.interval_ms, cpu_bound), worker_ms, sizes, sim, cpu_bound)
 
 
 def _block_grouped(steps: int, blocks: int, workers: int, profile: Profile, batching: str,
@@ -93,14 +108,15 @@ def candidates(steps: int, blocks: int, workers: int, profile: Profile, batching
 
 
 # A plan with more hops must win by this margin: every extra hop is a chance for the lockstep of
-# batched chunks to slip (a late hidden state splits a batch), which the steady-state model ignores.
+# batched chunks to slip on timing noise (a late hidden state splits a batch), which the
+# simulation, fed the profile's median costs, does not see.
 HOP_MARGIN = 0.10
 
 
 def choose_plan(steps: int, blocks: int, workers: int, profile: Profile, batching: str = "off",
-                max_batch: int = 4) -> Prediction:
+                max_batch: int = 4, host_cpus: int | None = None) -> Prediction:
     """The candidate plan with the lowest predicted interval; fewer hops wins within ``HOP_MARGIN``."""
-    preds = sorted((predict(p, profile, batching, max_batch)
+    preds = sorted((predict(p, profile, batching, max_batch, host_cpus)
                     for p in candidates(steps, blocks, workers, profile, batching, max_batch)),
                    key=lambda p: (p.plan.hops(), p.interval_ms))
     best = preds[0]

@@ -2,11 +2,16 @@
 
 The profile is what the planner and the workers' adaptive batching start from.
 Each stage is timed through the same ``run_stage`` the workers call, with the
-KV slots filled to the window so attention reads a realistic cache. JSON form::
+KV slots filled to the window so attention reads a realistic cache, in the
+pipeline's order so weights are as cold as in service. Beside the stages: one
+hidden-state hop, the worker's own time per forward (a real in-process
+worker), the engine's messages per chunk, and optionally the co-run slowdown
+of CPU workers. JSON form::
 
     {"model": "tiny-wam", "device": "cpu", "source": "measured:<host>",
      "batch_sizes": [1, 2, 4], "stage_ms": {"4,0": {"1": 0.61, "2": 0.80, "4": 1.21}, ...},
-     "hop_ms": 0.21, "hidden_bytes": 16896, "overhead_ms_per_call": 0.05}
+     "hop_ms": 0.21, "hidden_bytes": 16896, "overhead_ms_per_call": 0.036, "corun_slowdown": 1.0,
+     "engine_ms": 0.4}
 """
 
 from __future__ import annotations
@@ -36,10 +41,13 @@ class Profile:
     stage_ms: dict[Stage, dict[int, float]]
     hop_ms: float
     hidden_bytes: int
-    overhead_ms_per_call: float = 0.0
+    overhead_ms_per_call: float = 0.0  # the worker's own time per forward, beyond the model
     # How much slower a stage runs when every core runs a worker at once (memory bandwidth, caches,
     # the engine's own share): what co-located CPU workers see next to this alone-measured profile.
     corun_slowdown: float = 1.0
+    # The engine's own work per chunk (one observation message out, one output message in): CPU
+    # time that competes with CPU workers on a shared host, and part of each chunk's round trip.
+    engine_ms: float = 0.0
     extra: dict = field(default_factory=dict)
 
     def cost(self, stage: Stage, n: int = 1) -> float:
@@ -71,7 +79,8 @@ class Profile:
                              for (k, b), by_n in self.stage_ms.items()},
                 "hop_ms": round(self.hop_ms, 5), "hidden_bytes": self.hidden_bytes,
                 "overhead_ms_per_call": round(self.overhead_ms_per_call, 5),
-                "corun_slowdown": round(self.corun_slowdown, 4), **self.extra}
+                "corun_slowdown": round(self.corun_slowdown, 4), "engine_ms": round(self.engine_ms, 5),
+                **self.extra}
 
     @classmethod
     def from_json(cls, data: dict) -> Profile:
@@ -82,7 +91,8 @@ class Profile:
                        batch_sizes=[int(n) for n in data.get("batch_sizes", [1])], stage_ms=stage_ms,
                        hop_ms=float(data.get("hop_ms", 0.0)), hidden_bytes=int(data.get("hidden_bytes", 0)),
                        overhead_ms_per_call=float(data.get("overhead_ms_per_call", 0.0)),
-                       corun_slowdown=float(data.get("corun_slowdown", 1.0)))
+                       corun_slowdown=float(data.get("corun_slowdown", 1.0)),
+                       engine_ms=float(data.get("engine_ms", 2 * float(data.get("hop_ms", 0.0)))))
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a physis profile ({exc.__class__.__name__}: {exc}); "
                              "write one with physis-profile") from None
@@ -93,107 +103,122 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class StageBench:
+    """A model with full KV caches and a representative input per stage kind, to time stages with."""
+
+    def __init__(self, config: ModelConfig, device: str = "cpu", max_batch: int = 1):
+        self.config = config
+        self.model = model = build_model(config, device=device)
+        scene = SyntheticScene(config.observation_shapes)
+        # Fill every slot with `window` chunks of keys/values so attention reads a full cache.
+        self.tables = [model.new_kv_table(b, max_batch) for b in range(config.blocks)]
+        kv = torch.randn(config.tokens_per_chunk, config.heads, config.head_dim, device=model.device,
+                         dtype=model.dtype)
+        for table in self.tables:
+            for slot in range(max_batch):
+                for _ in range(config.window + int(config.sink)):
+                    table.append(slot, kv, kv)
+        base = chunk_input(model.observation_tensors(scene.observation("profile", 0)), model.noise(0, "profile", 0))
+        with torch.no_grad():
+            cond = model.encode({k[4:]: v for k, v in base.items() if k.startswith("obs/")})
+            h = model.embed(cond, base["x"], model.schedule.timestep(torch.tensor([config.steps], device=model.device)))
+        self.first, self.step0, self.mid = base, {"cond": cond, "x": base["x"]}, {"cond": cond, "x": base["x"], "h": h}
+        self.order = pipeline_order(config.steps, config.blocks)
+
+    def run(self, stage: Stage, n: int) -> float:
+        """One forward of ``stage`` at batch n; wall ms. Appends roll each slot's window, so the cache stays
+        full and every run reads the same amount."""
+        k, b = stage
+        state = self.first if stage == (self.config.steps, 0) else self.step0 if b == 0 else self.mid
+        _sync(self.model.device)
+        start = time.perf_counter()
+        run_stage(self.model, b, [k] * n, [state] * n, KVBatch(self.tables[b], list(range(n))))
+        _sync(self.model.device)
+        return (time.perf_counter() - start) * 1e3
+
+
 def measure_profile(config: ModelConfig, device: str = "cpu", batch_sizes: tuple[int, ...] = (1, 2, 4),
                     repeats: int = 15, progress=None, corun: int = 0) -> Profile:
     """``corun``: also measure the slowdown with that many processes running stages at once (CPU)."""
-    model = build_model(config, device=device)
-    scene = SyntheticScene(config.observation_shapes)
-    nmax = max(batch_sizes)
-    # Fill every slot with `window` chunks of keys/values so attention reads a full cache.
-    tables = [model.new_kv_table(b, nmax) for b in range(config.blocks)]
-    kv = torch.randn(config.tokens_per_chunk, config.heads, config.head_dim, device=model.device, dtype=model.dtype)
-    for table in tables:
-        for slot in range(nmax):
-            for _ in range(config.window + int(config.sink)):
-                table.append(slot, kv, kv)
-    base = chunk_input(model.observation_tensors(scene.observation("profile", 0)), model.noise(0, "profile", 0))
-    states = {}
-    with torch.no_grad():
-        cond = model.encode({k[4:]: v for k, v in base.items() if k.startswith("obs/")})
-        t = model.schedule.timestep(torch.tensor([config.steps], device=model.device))
-        h = model.embed(cond, base["x"], t)
-    states["first"] = base
-    states["mid"] = {"cond": cond, "x": base["x"], "h": h}
-    states["step0"] = {"cond": cond, "x": base["x"]}
-    stage_ms: dict[Stage, dict[int, float]] = {}
-    order = pipeline_order(config.steps, config.blocks)
-    for i, (k, b) in enumerate(order):
-        if (k, b) == (config.steps, 0):
-            state = states["first"]
-        else:
-            state = states["step0"] if b == 0 else states["mid"]
-        stage_ms[(k, b)] = {}
+    bench = StageBench(config, device, max(batch_sizes))
+    # Each round walks the whole pipeline order, as a worker does, so a stage finds its block's weights
+    # as cold as it will in service (timing one stage over and over keeps them in cache: 15-25 % fast
+    # at batch 1 on the dev VM). Sizes alternate within the round so drift hits them alike.
+    times: dict[tuple[Stage, int], list[float]] = {(s, n): [] for s in bench.order for n in batch_sizes}
+    for r in range(repeats + 2):
         for n in batch_sizes:
-            slots = list(range(n))
-            times = []
-            for r in range(repeats + 2):
-                # Appends roll each slot's window; the cache stays full, so every run reads the same amount.
-                _sync(model.device)
-                start = time.perf_counter()
-                run_stage(model, b, [k] * n, [state] * n, KVBatch(tables[b], slots))
-                _sync(model.device)
-                if r >= 2:  # warm-up runs excluded
-                    times.append((time.perf_counter() - start) * 1e3)
-            stage_ms[(k, b)][n] = statistics.median(times)
+            for stage in bench.order:
+                ms = bench.run(stage, n)
+                if r >= 2:  # warm-up rounds excluded
+                    times[(stage, n)].append(ms)
         if progress is not None:
-            progress(i + 1, len(order))
-    hidden_bytes = sum(v.numel() * v.element_size() for v in states["mid"].values())
-    hop_ms = measure_hop(states["mid"])
+            progress(r + 1, repeats + 2)
+    stage_ms = {s: {n: statistics.median(times[(s, n)]) for n in batch_sizes} for s in bench.order}
+    hidden_bytes = sum(v.numel() * v.element_size() for v in bench.mid.values())
+    hop_ms = measure_hop(bench.mid)
+    trace = [[k, b, "w0", 0.0, 1.0, 1] for k, b in bench.order]  # the output carries every stage's trace entry
+    engine_ms = (measure_hop({k: v for k, v in bench.first.items() if k.startswith("obs/")})
+                 + measure_hop({"x": bench.first["x"]}, trace))
     slowdown = measure_corun_slowdown(config, corun) if corun > 1 and device == "cpu" else 1.0
     return Profile(config.name, device, f"measured:{socket.gethostname()}", list(batch_sizes), stage_ms, hop_ms,
-                   hidden_bytes, overhead_ms_per_call=measure_call_overhead(), corun_slowdown=slowdown)
+                   hidden_bytes, overhead_ms_per_call=measure_worker_overhead(config, device), corun_slowdown=slowdown,
+                   engine_ms=engine_ms)
 
 
-def stage_loop_rate(config: ModelConfig, seconds: float) -> float:
-    """Forwards per second of one mid-pipeline stage, looped for ``seconds`` (one thread)."""
+def pipeline_loop_rate(config: ModelConfig, seconds: float, start_at: float = 0.0) -> float:
+    """Rounds per second over every stage in pipeline order at batch 1, looped for ``seconds`` from the
+    wall time ``start_at`` (one thread): the whole model's weights and caches cycle through the CPU's
+    caches, as in service."""
     torch.set_num_threads(1)
-    model = build_model(config)
-    table = model.new_kv_table(1, 1)
-    scene = SyntheticScene(config.observation_shapes)
-    base = chunk_input(model.observation_tensors(scene.observation("corun", 0)), model.noise(0, "corun", 0))
-    with torch.no_grad():
-        cond = model.encode({k[4:]: v for k, v in base.items() if k.startswith("obs/")})
-        h = model.embed(cond, base["x"], model.schedule.timestep(torch.tensor([1])))
-    state = {"cond": cond, "x": base["x"], "h": h}
-    block = min(1, config.blocks - 1)
-    for _ in range(5):
-        run_stage(model, block, [1], [state], KVBatch(table, [0]))
+    bench = StageBench(config)
+    for stage in bench.order:
+        bench.run(stage, 1)
+    time.sleep(max(0.0, start_at - time.time()))
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        run_stage(model, block, [1], [state], KVBatch(table, [0]))
+        for stage in bench.order:
+            bench.run(stage, 1)
         n += 1
     return n / (time.perf_counter() - start)
 
 
-def measure_corun_slowdown(config: ModelConfig, procs: int, seconds: float = 2.0) -> float:
-    """Rate of one process alone over the mean rate of ``procs`` processes running at once."""
+def measure_corun_slowdown(config: ModelConfig, procs: int, seconds: float = 2.0, rounds: int = 2) -> float:
+    """Rate of one process alone over the mean rate of ``procs`` processes running at once, each
+    walking the whole model (median over ``rounds`` interleaved alone/together rounds). Walking every
+    block matters: co-running processes compete for the shared cache, which one block fits beside."""
     import json
     import subprocess
     import sys
 
     from physis_ros.config import to_mapping
     code = ("import json, sys; from physis_ros.config import from_mapping; from physis_ros.model.spec import "
-            "ModelConfig; from physis_ros.runtime.profiler import stage_loop_rate; "
-            "print(stage_loop_rate(from_mapping(ModelConfig, json.loads(sys.argv[1])), float(sys.argv[2])))")
-    args = [sys.executable, "-c", code, json.dumps(to_mapping(config)), str(seconds)]
+            "ModelConfig; from physis_ros.runtime.profiler import pipeline_loop_rate; "
+            "print(pipeline_loop_rate(from_mapping(ModelConfig, json.loads(sys.argv[1])), float(sys.argv[2]), "
+            "float(sys.argv[3])))")
 
     def rates(n: int) -> list[float]:
+        start_at = time.time() + 3.0 + 0.5 * n  # all loops start together, after every model is built
+        args = [sys.executable, "-c", code, json.dumps(to_mapping(config)), str(seconds), str(start_at)]
         ps = [subprocess.Popen(args, stdout=subprocess.PIPE, text=True) for _ in range(n)]
         return [float(p.communicate()[0].strip().splitlines()[-1]) for p in ps]
 
-    alone = rates(1)[0]
-    together = rates(procs)
-    return max(1.0, alone / (sum(together) / len(together)))
+    ratios = []
+    for _ in range(rounds):
+        alone = rates(1)[0]
+        together = rates(procs)
+        ratios.append(alone / (sum(together) / len(together)))
+    return max(1.0, statistics.median(ratios))
 
 
-def measure_hop(state: dict[str, torch.Tensor], repeats: int = 200) -> float:
-    """One hidden-state message through encode, tcp loopback and decode (median, ms)."""
+def measure_hop(state: dict[str, torch.Tensor], trace: list | None = None, repeats: int = 200) -> float:
+    """One message of ``state`` through encode, tcp loopback and decode (median, ms)."""
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     push = ctx.socket(zmq.PUSH)
     push.connect(f"tcp://127.0.0.1:{port}")
-    msg = wire.Message("task", "profile", 0, (1, 0), {k: v.cpu() for k, v in state.items()}, {"trace": []})
+    msg = wire.Message("task", "profile", 0, (1, 0), {k: v.cpu() for k, v in state.items()},
+                       {"trace": trace or []})
     times = []
     try:
         for _ in range(repeats):
@@ -208,18 +233,36 @@ def measure_hop(state: dict[str, torch.Tensor], repeats: int = 200) -> float:
     return statistics.median(times[20:])
 
 
-def measure_call_overhead(repeats: int = 2000) -> float:
-    """The worker loop's per-forward bookkeeping (poll, pick, trace), approximated by an idle poll cycle."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PULL)
-    sock.bind_to_random_port("tcp://127.0.0.1")
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        poller.poll(0)
-        poller.poll(0)
-    elapsed = (time.perf_counter() - start) * 1e3 / repeats
-    sock.close(linger=0)
-    ctx.term()
-    return elapsed
+def measure_worker_overhead(config: ModelConfig, device: str = "cpu", chunks: int = 12) -> float:
+    """The worker's own time per forward beyond the model (accepting and decoding a message, making the
+    noise, picking, tracing, forwarding, encoding the output), ms: a real :class:`Worker` in-process
+    hosting the whole model runs ``chunks`` chunks one at a time; its wall time minus its traced
+    compute, over the forwards it ran."""
+    from physis_ros.config import to_mapping
+    from physis_ros.runtime.worker import Worker
+
+    worker = Worker("tcp://127.0.0.1:9", "profile", device=device)  # the engine address is never reached
+    try:
+        worker.cmd_load({"model": to_mapping(config), "max_streams": 1, "threads": torch.get_num_threads()})
+        order = pipeline_order(config.steps, config.blocks)
+        worker.cmd_start_stream({"stream": "profile", "epoch": 0, "stages": [list(s) for s in order],
+                                 "routes": {f"{k},{b}": "tcp://127.0.0.1:9" for k, b in order}})
+        scene = SyntheticScene(config.observation_shapes)
+        messages = []
+        for c in range(chunks):
+            obs = {f"obs/{k}": torch.from_numpy(v).unsqueeze(0) for k, v in scene.observation("profile", c).items()}
+            messages.append(wire.encode(wire.Message("task", "profile", c, order[0], obs,
+                                                     {"epoch": 0, "order": float(c), "sent": time.perf_counter()})))
+        per_forward = []
+        for c, frames in enumerate(messages):
+            compute, forwards = worker.stats["compute_ms"], worker.stats["batches"]
+            start = time.perf_counter()
+            worker.accept_task(frames)
+            while worker.ready:
+                worker.run_next()
+            wall = (time.perf_counter() - start) * 1e3
+            if c >= 2:  # warm-up chunks excluded
+                per_forward.append((wall - (worker.stats["compute_ms"] - compute)) / (worker.stats["batches"] - forwards))
+        return statistics.median(per_forward)
+    finally:
+        worker.close()

@@ -21,8 +21,20 @@ def test_prediction_of_a_known_plan():
     off = predict(make_plan("sequential", 4, 8, 1), prof, "off")
     on = predict(make_plan("sequential", 4, 8, 1), prof, "on")
     assert off.interval_ms == pytest.approx(32.0 + 0.1)  # plus its one hop (to the engine)
-    assert on.interval_ms == pytest.approx(8 * (1.0 + 0.75) + 0.1)  # one batch of 4 steps per block
+    # one batch of 4 steps per block in lockstep; simulated over a finite window, so within 1 %
+    assert on.interval_ms == pytest.approx(8 * (1.0 + 0.75) + 0.1, rel=0.01)
     assert on.batch_of_block[0] == {b: 4 for b in range(8)}
+    assert on.simulated.task_batch > 3.8
+
+
+def test_workers_sharing_a_hosts_cores_are_bound_by_total_cpu():
+    prof = dataclasses.replace(synthetic(4, 8, 1.0, 0.9), engine_ms=2.0)
+    plan = make_plan("step", 4, 8, 2)
+    alone = predict(plan, prof, "off")
+    shared = predict(plan, prof, "off", host_cpus=1)
+    assert alone.interval_ms == pytest.approx(16.1, rel=0.01) and alone.cpu_bound_ms == 0.0
+    # one core for both workers (32 stages + 2 hops) and the engine's 2 ms per chunk
+    assert shared.interval_ms == pytest.approx(32.2 + 2.0, rel=0.01)
 
 
 def test_adaptive_never_predicts_worse_than_off():
