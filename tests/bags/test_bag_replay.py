@@ -99,7 +99,7 @@ def test_record_cli_sqlite3_with_remap_clock_offset_and_loop(tmp_path):
             replayer = Replayer(bag, ros.node, ReplayOptions(
                 rate=2.0, loop=True, max_loops=2, start_offset_s=0.5, remaps={"/robot0": "/arm"}, clock_hz=50.0,
                 topics=["/robot0/joint_states"], wait_for=["/arm/joint_states"], wait_timeout_s=30.0, delay_s=0.3,
-                progress=False))
+                progress=False, reliable=True))  # reliable: the recorder matches it, so every message counts
             result = replayer.run()
             time.sleep(0.5)
     finally:
