@@ -198,22 +198,23 @@ def _print(r: dict) -> None:
     def f(x):
         return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
+    def q(s: dict, key: str, which: str = "p50_ms"):
+        return (s.get(key) or {}).get(which)
+
     print(f"{'stream':<8} {'emitted':>7} {'recv':>6} {'lost':>4} {'chunks/s':>8} {'emit->cb p50/p99':>17} "
           f"{'handover':>8} {'publish':>8} {'dds':>6} {'exec':>6} {'ROS rx p50/p99':>15} {'traj rx/cb':>12}"
           "   (ms, p50 unless noted)")
-    rows = list(r["streams"].items()) + [("all", r["overall"])]
-    for name, s in rows:
-        g = lambda k, q="p50_ms": (s.get(k) or {}).get(q)
+    for name, s in list(r["streams"].items()) + [("all", r["overall"])]:
         print(f"{name:<8} {s['chunks_emitted']:>7} {s['chunks_received']:>6} {s['lost']:>4} "
-              f"{f(s['chunks_per_s']):>8} {f(g('emit_to_callback')):>8} /{f(g('emit_to_callback', 'p99_ms')):>7} "
-              f"{f(g('engine_handover')):>8} {f(g('node_publish')):>8} {f(g('dds_transport')):>6} "
-              f"{f(g('dds_to_callback')):>6} {f(g('ros_layer_to_receipt')):>7}/{f(g('ros_layer_to_receipt', 'p99_ms')):>7} "
-              f"{f(g('trajectory_emit_to_receipt')):>5}/{f(g('trajectory_emit_to_callback')):>6}")
+              f"{f(s['chunks_per_s']):>8} {f(q(s, 'emit_to_callback')):>8} /{f(q(s, 'emit_to_callback', 'p99_ms')):>7} "
+              f"{f(q(s, 'engine_handover')):>8} {f(q(s, 'node_publish')):>8} {f(q(s, 'dds_transport')):>6} "
+              f"{f(q(s, 'dds_to_callback')):>6} {f(q(s, 'ros_layer_to_receipt')):>7}/"
+              f"{f(q(s, 'ros_layer_to_receipt', 'p99_ms')):>7} "
+              f"{f(q(s, 'trajectory_emit_to_receipt')):>5}/{f(q(s, 'trajectory_emit_to_callback')):>6}")
     o = r["overall"]
-    g = lambda k: (o.get(k) or {}).get("p50_ms")
-    print(f"emit -> DDS receipt p50/p99: {f(g('emit_to_receipt'))} / "
-          f"{f((o.get('emit_to_receipt') or {}).get('p99_ms'))} ms; ROS layer p50 (per chunk, from the node's "
-          f"handover): to DDS receipt {f(g('ros_layer_to_receipt'))} ms, to callback {f(g('ros_layer_to_callback'))} ms")
+    print(f"emit -> DDS receipt p50/p99: {f(q(o, 'emit_to_receipt'))} / {f(q(o, 'emit_to_receipt', 'p99_ms'))} ms; "
+          f"ROS layer p50 (per chunk, from the node's handover): to DDS receipt {f(q(o, 'ros_layer_to_receipt'))} "
+          f"ms, to callback {f(q(o, 'ros_layer_to_callback'))} ms")
 
 
 def main(argv: list[str] | None = None) -> int:

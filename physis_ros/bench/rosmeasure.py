@@ -30,6 +30,7 @@ class Recorder:
         from trajectory_msgs.msg import JointTrajectory
 
         from physis_ros.msg import ActionChunk, ChunkTelemetry
+        from physis_ros.ros.conversions import stamp_ns
 
         reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
         self.chunks: dict[str, dict[int, tuple[int, int, int]]] = defaultdict(dict)  # chunk -> (cb, rx, src)
@@ -58,8 +59,8 @@ class Recorder:
                                                       on_traj, reliable))
 
         def on_tel(msg):
-            self.emits[msg.stream][int(msg.chunk_index)] = (_ns(msg.emit_stamp), msg.output_interval_ms,
-                                                            _ns(msg.handover_stamp))
+            self.emits[msg.stream][int(msg.chunk_index)] = (stamp_ns(msg.emit_stamp), msg.output_interval_ms,
+                                                            stamp_ns(msg.handover_stamp))
 
         self.subs.append(node.create_subscription(ChunkTelemetry, _abs(cfg.telemetry_topic), on_tel,
                                                   QoSProfile(depth=500, reliability=ReliabilityPolicy.RELIABLE)))
@@ -81,10 +82,6 @@ class Recorder:
     @property
     def total(self) -> int:
         return sum(len(v) for v in self.emits.values())
-
-
-def _ns(t) -> int:
-    return t.sec * 1_000_000_000 + t.nanosec
 
 
 def _abs(topic: str) -> str:

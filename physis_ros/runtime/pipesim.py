@@ -44,8 +44,6 @@ class _Worker:
     ready: list[_Task] = field(default_factory=list)
     busy: bool = False
     busy_ms: float = 0.0
-    batches: int = 0
-    tasks: int = 0
 
 
 @dataclass
@@ -66,8 +64,8 @@ def simulate(plan: Plan, profile: Profile, batching: str = "off", max_batch: int
         raise ValueError(f"chunks ({chunks}) must exceed warmup ({warmup}) + 1")
     limit = in_flight or plan.in_flight(batching != "off", max_batch)
     turnaround = profile.engine_ms
-    costs = profile.block_costs([s for s in plan.assignment])
-    workers = {w: _Worker(BatchScheduler("oldest", batching, max_batch, costs)) for w in plan.workers_used}
+    seeds = profile.block_costs(plan.order)  # what the engine seeds every worker's scheduler with
+    workers = {w: _Worker(BatchScheduler("oldest", batching, max_batch, seeds)) for w in plan.workers_used}
     first = plan.first_stage
     events: list[tuple[float, int, str, object]] = []
     seq = 0
@@ -96,11 +94,11 @@ def simulate(plan: Plan, profile: Profile, batching: str = "off", max_batch: int
         for t in batch:
             wk.ready.remove(t)
         n, b = len(batch), batch[0].stage[1]
-        forward = (sum(profile.cost(t.stage, n) for t in batch) / n + profile.overhead_ms_per_call) * slowdown
-        wk.scheduler.observe(b, n, forward)
+        compute = sum(profile.cost(t.stage, n) for t in batch) / n * slowdown
+        wk.scheduler.observe(b, n, compute)  # what the worker's timer sees: the model, not its own loop
         sends = sum(1 for t in batch if plan.assignment.get(plan.next_stage(t.stage)) != w)
-        busy = forward + sends * profile.hop_ms
-        wk.busy, wk.busy_ms, wk.batches, wk.tasks = True, wk.busy_ms + busy, wk.batches + 1, wk.tasks + n
+        busy = compute + profile.overhead_ms_per_call * slowdown + sends * profile.hop_ms
+        wk.busy, wk.busy_ms = True, wk.busy_ms + busy
         batch_sizes.append(n)
         push(now + busy, "done", (w, batch))
 

@@ -42,8 +42,8 @@ class Profile:
     hop_ms: float
     hidden_bytes: int
     overhead_ms_per_call: float = 0.0  # the worker's own time per forward, beyond the model
-    # How much slower a stage runs when every core runs a worker at once (memory bandwidth, caches,
-    # the engine's own share): what co-located CPU workers see next to this alone-measured profile.
+    # How much slower a stage runs in co-located CPU workers that idle between bursts, as pipelined
+    # workers do, than in this profile's one busy process (see measure_corun_slowdown).
     corun_slowdown: float = 1.0
     # The engine's own work per chunk (one observation message out, one output message in): CPU
     # time that competes with CPU workers on a shared host, and part of each chunk's round trip.
@@ -268,7 +268,8 @@ def measure_worker_overhead(config: ModelConfig, device: str = "cpu", chunks: in
                 worker.run_next()
             wall = (time.perf_counter() - start) * 1e3
             if c >= 2:  # warm-up chunks excluded
-                per_forward.append((wall - (worker.stats["compute_ms"] - compute)) / (worker.stats["batches"] - forwards))
+                forwards = worker.stats["batches"] - forwards
+                per_forward.append((wall - (worker.stats["compute_ms"] - compute)) / forwards)
         return statistics.median(per_forward)
     finally:
         worker.close()
