@@ -1,5 +1,7 @@
 """``physis-profile``: measure per-stage time vs batch size, the per-hop transfer time, the worker's
 own time per forward, the engine's per-chunk work and the co-run slowdown of CPU workers.
+``--plan-workers 1,2,40`` also prints the planner's partition and predicted interval for those
+worker counts in each batching mode (and stores them in the JSON under ``plans``).
 
 The JSON it writes feeds the planner (``physis-bench timeshare --profile``),
 the workers' adaptive batching and the joint scheduler's cost profiles.
@@ -8,12 +10,15 @@ the workers' adaptive batching and the joint scheduler's cost profiles.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from physis_ros.cli.common import fail, set_threads, write_json
 from physis_ros.config import ConfigError
 from physis_ros.model import load_model_config
+from physis_ros.runtime.planner import choose_plan
 from physis_ros.runtime.profiler import measure_profile
+from physis_ros.runtime.scheduler import BATCHING
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,14 +30,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--corun", type=int, default=2,
                         help="also measure the slowdown with this many processes at once (CPU; 0: skip)")
+    parser.add_argument("--plan-workers", default="",
+                        help="comma-separated worker counts to plan for from this profile (e.g. 1,2,40)")
+    parser.add_argument("--max-batch", type=int, default=4, help="batch size bound the plans assume")
     parser.add_argument("--json", required=True, help="output path")
     args = parser.parse_args(argv)
     set_threads(args.threads)
     try:
         config = load_model_config(args.model)
         sizes = tuple(sorted({int(x) for x in args.batch_sizes.split(",")}))
+        plan_workers = [int(x) for x in args.plan_workers.split(",") if x.strip()]
     except (ConfigError, ValueError) as exc:
         fail(str(exc))
+    if any(w < 1 for w in plan_workers):
+        fail("--plan-workers takes worker counts >= 1")
     if sizes[0] != 1 or len(sizes) < 2:
         fail("--batch-sizes must include 1 and at least one larger size")
 
@@ -42,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
 
     profile = measure_profile(config, args.device, sizes, args.repeats, progress, corun=args.corun)
     print(file=sys.stderr)
-    write_json(args.json, profile.to_json())
+    plans = plan_report(config, profile, plan_workers, args.max_batch, args.device)
+    write_json(args.json, {**profile.to_json(), **({"plans": plans} if plans else {})})
     per_stage = sorted(ms[1] for ms in profile.stage_ms.values())
     print(f"stage ms at batch 1: median {per_stage[len(per_stage) // 2]:.3f}, max {per_stage[-1]:.3f}; "
           f"batch {sizes[-1]} / {sizes[-1]} x batch 1 = "
@@ -50,7 +62,23 @@ def main(argv: list[str] | None = None) -> int:
           f"hop {profile.hop_ms:.3f} ms; worker overhead {profile.overhead_ms_per_call:.3f} ms per forward; engine "
           f"{profile.engine_ms:.3f} ms per chunk; {args.corun} processes at once run {profile.corun_slowdown:.2f}x "
           "slower")
+    for p in plans:
+        print(f"{p['workers']} worker(s), batching {p['batching']}: {p['plan']}; predicted interval "
+              f"{p['predicted_interval_ms']:.2f} ms, mean batch {p['predicted_mean_batch']:.2f}")
     return 0
+
+
+def plan_report(config, profile, worker_counts: list[int], max_batch: int, device: str) -> list[dict]:
+    """The planner's choice per worker count and batching mode (workers share this host's cores on CPU)."""
+    host_cpus = os.cpu_count() if device == "cpu" else None
+    out = []
+    for workers in worker_counts:
+        for batching in BATCHING:
+            pred = choose_plan(config.steps, config.blocks, workers, profile, batching, max_batch, host_cpus)
+            out.append({"workers": workers, "batching": batching, "plan": pred.plan.describe(),
+                        "workers_used": len(pred.plan.workers_used), "predicted_interval_ms": pred.interval_ms,
+                        "predicted_mean_batch": pred.simulated.task_batch})
+    return out
 
 
 if __name__ == "__main__":

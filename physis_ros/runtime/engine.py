@@ -70,6 +70,8 @@ class Engine:
             self.prediction = choose_plan(model.steps, model.blocks, config.workers, self.profile,
                                           config.batching, config.max_batch, host_cpus)
             plan = self.prediction.plan
+            log.info("plan auto (%s batching): %s; predicted interval %.2f ms", config.batching, plan.describe(),
+                     self.prediction.interval_ms)
         self.plan = plan or make_plan(config.plan, model.steps, model.blocks, config.workers)
         if max(self.plan.workers_used) >= config.workers:
             raise ValueError(f"plan uses worker w{max(self.plan.workers_used)} but only {config.workers} exist")
