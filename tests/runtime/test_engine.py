@@ -1,6 +1,7 @@
 """The engine and real worker processes: equivalence to the reference, batching, faults, shutdown."""
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -18,6 +19,7 @@ from physis_ros.reference import reference_rollout
 from physis_ros.runtime.engine import Engine, EngineError, Observation
 from physis_ros.runtime.offline import run_chunks
 from physis_ros.runtime.plans import Plan, pipeline_order
+from physis_ros.runtime.profiler import Profile
 
 STREAMS = ["robot0", "robot1"]
 _reference_cache: dict = {}
@@ -67,6 +69,25 @@ def test_batched_pipeline_matches_reference_within_tolerance(batching, plan, wor
             assert np.abs(o.output - want).max() <= 1e-5 * np.abs(want).max()
             batched += sum(b > 1 for b in o.record.batch_sizes)
     assert batched > 0  # batching did happen
+
+
+def test_auto_plan_comes_from_the_planner_and_runs(tmp_path):
+    cfg = load_model_config("tiny-wam")
+    # Overhead-bound profile (a batch of 4 costs 1.6 singles): the planner must batch same-block stages.
+    stage_ms = {s: {1: 1.0, 2: 1.2, 4: 1.6} for s in pipeline_order(cfg.steps, cfg.blocks)}
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(Profile(cfg.name, "cpu", "synthetic", [1, 2, 4], stage_ms, hop_ms=0.1,
+                                          hidden_bytes=1000).to_json()))
+    engine = Engine(cfg, EngineConfig(plan="auto", workers=2, batching="on", profile=str(profile)))
+    assert engine.prediction is not None and engine.plan is engine.prediction.plan
+    assert engine.prediction.simulated.task_batch > 1.5 and engine.prediction.interval_ms > 0
+    engine.ctx.term()  # never started: nothing else to close
+    out = run("tiny-wam", 8, plan="auto", workers=2, batching="on", profile=str(profile))
+    ref = reference("tiny-wam", 8)
+    for s in STREAMS:
+        assert [o.chunk for o in out[s]] == list(range(8))
+        assert all(np.abs(o.output - ref[(s, o.chunk)]).max() <= 1e-5 * np.abs(ref[(s, o.chunk)]).max()
+                   for o in out[s])
 
 
 def test_telemetry_records_are_complete():
