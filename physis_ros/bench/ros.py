@@ -118,16 +118,9 @@ def run_scenario(name: str, args: argparse.Namespace, cfg, config: Path, node, e
 
 
 def run(args: argparse.Namespace) -> int:
-    from physis_ros.cli.common import write_json
-    from physis_ros.config import ConfigError
-    from physis_ros.ros.config import default_serve_path, load_serve_config
+    from physis_ros.cli.common import serve_config_or_exit, write_json
 
-    config = Path(args.config or default_serve_path())
-    try:
-        cfg = load_serve_config(config)
-    except ConfigError as exc:
-        print(f"physis-bench ros: error: {exc}", file=sys.stderr)
-        return 2
+    config, cfg = serve_config_or_exit(args.config, "physis-bench ros")
     scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     domain = args.domain or 1 + os.getpid() % 100
     os.environ["ROS_DOMAIN_ID"] = str(domain)  # the children inherit it

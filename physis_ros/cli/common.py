@@ -22,6 +22,20 @@ def write_json(path: str | Path, data: Any) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+def serve_config_or_exit(path: str | None, prog: str):
+    """The serve config a tool was pointed at (the shipped one if None), as (path, ServeConfig); a bad
+    one ends the tool with exit code 2 and the error naming the field."""
+    from physis_ros.config import ConfigError
+    from physis_ros.ros.config import default_serve_path, load_serve_config
+
+    config = Path(path or default_serve_path())
+    try:
+        return config, load_serve_config(config)
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def fail(message: str, code: int = 2) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(code)

@@ -19,8 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from physis_ros.cli.common import write_json
-from physis_ros.config import ConfigError
+from physis_ros.cli.common import serve_config_or_exit, write_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,15 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", help="directory for the children's logs (default: a temporary one)")
     args = p.parse_args(argv)
 
-    from physis_ros.ros.config import default_serve_path, load_serve_config
     from physis_ros.ros.launcher import Child, serve_command, synthetic_command
 
-    config = Path(args.config or default_serve_path())
-    try:
-        cfg = load_serve_config(config)
-    except ConfigError as exc:
-        print(f"physis-demo: error: {exc}", file=sys.stderr)
-        return 2
+    config, cfg = serve_config_or_exit(args.config, "physis-demo")
     telemetry_topic = cfg.telemetry_topic if cfg.telemetry_topic.startswith("/") else "/" + cfg.telemetry_topic
 
     stop = threading.Event()

@@ -49,7 +49,6 @@ class _Worker:
 @dataclass
 class SimResult:
     interval_ms: float                 # mean interval between emits in steady state
-    latency_ms: float                  # mean time from a chunk's entry to its emit (steady state)
     mean_batch: float                  # per forward
     task_batch: float                  # per task: the batch size the average task ran in (as telemetry counts)
     utilisation: dict[int, float]      # busy fraction per worker over the steady-state window
@@ -76,13 +75,11 @@ def simulate(plan: Plan, profile: Profile, batching: str = "off", max_batch: int
         seq += 1
 
     fed = 0
-    entered: dict[int, float] = {}
     emits: dict[int, float] = {}
     batch_sizes: list[int] = []
 
     def feed(now: float) -> None:
         nonlocal fed
-        entered[fed] = now
         push(now + turnaround, "arrive", _Task(fed, first, now))
         fed += 1
 
@@ -134,11 +131,9 @@ def simulate(plan: Plan, profile: Profile, batching: str = "off", max_batch: int
     times = sorted(emits.values())
     lo, hi = times[warmup], times[-1]
     span = hi - lo
-    steady = [c for c in emits if emits[c] >= lo]
     window = {w: wk.busy_ms - window_busy.get(w, 0.0) for w, wk in workers.items()}
     return SimResult(
         interval_ms=span / (len(times) - 1 - warmup),
-        latency_ms=sum(emits[c] - entered[c] for c in steady) / len(steady),
         mean_batch=sum(batch_sizes) / len(batch_sizes),
         task_batch=sum(n * n for n in batch_sizes) / sum(batch_sizes),
         utilisation={w: busy / span if span > 0 else 0.0 for w, busy in window.items()},

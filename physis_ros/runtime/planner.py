@@ -31,7 +31,6 @@ from physis_ros.runtime.profiler import Profile
 class Prediction:
     plan: Plan
     interval_ms: float
-    worker_ms: dict[int, float]                # lockstep load per chunk
     batch_of_block: dict[int, dict[int, int]]  # worker -> block -> batch size used in lockstep
     simulated: SimResult | None = None
     cpu_bound_ms: float = 0.0                  # host CPU time per chunk / host cores (0: not bounded)
@@ -64,21 +63,15 @@ def worker_time(profile: Profile, stages: list[Stage], batching: str, max_batch:
 def predict(plan: Plan, profile: Profile, batching: str = "off", max_batch: int = 4,
             host_cpus: int | None = None) -> Prediction:
     """``host_cpus``: cores that CPU workers share with the engine (None: workers have their own)."""
-    worker_ms, sizes = {}, {}
-    hops_out: dict[int, int] = {}
-    for w, _ in plan.segments():
-        hops_out[w] = hops_out.get(w, 0) + 1
-    # CPU workers share the host's cores and memory bandwidth: each runs slower than it did alone.
+    # Co-located CPU workers run slower than the profile's one busy process (Profile.corun_slowdown).
     cpu = profile.device == "cpu"
     slowdown = profile.corun_slowdown if len(plan.workers_used) > 1 and cpu else 1.0
-    for w in plan.workers_used:
-        ms, sizes[w] = worker_time(profile, plan.stages_of(w), batching, max_batch)
-        worker_ms[w] = ms * slowdown + hops_out.get(w, 0) * profile.hop_ms
+    sizes = {w: worker_time(profile, plan.stages_of(w), batching, max_batch)[1] for w in plan.workers_used}
     sim = simulate(plan, profile, batching, max_batch, slowdown=slowdown)
     cpu_bound = 0.0
     if cpu and host_cpus:
         cpu_bound = (sum(sim.busy_ms_per_chunk.values()) + profile.engine_ms) / host_cpus
-    return Prediction(plan, max(sim.interval_ms, cpu_bound), worker_ms, sizes, sim, cpu_bound)
+    return Prediction(plan, max(sim.interval_ms, cpu_bound), sizes, sim, cpu_bound)
 
 
 def _block_grouped(steps: int, blocks: int, workers: int, profile: Profile, batching: str,
