@@ -1,13 +1,20 @@
 """Pre-serialized output messages: the node's hot path publishes CDR bytes, not message objects.
 
 A stream's ActionChunk and JointTrajectory have a fixed layout (its joint
-names, frame id and horizon never change), so each is serialized once with
-sentinel values in the fields that change per chunk (stamp, chunk index,
-actions / positions / velocities); a chunk then patches those bytes in place
-and publishes them raw (``Publisher.publish(bytes)``). This skips building
-rclpy message objects and converting them field by field to C, the larger part
-of the node's per-chunk cost on a cold CPU. The result deserializes to exactly
-the message :mod:`~physis_ros.ros.conversions` builds (tests/ros/test_raw.py).
+names, frame id and horizon never change), so each is serialized once and a
+chunk then writes only the fields that change (stamp, chunk index, actions /
+positions / velocities) at their known offsets and publishes the bytes raw
+(``Publisher.publish(bytes)``). This skips building rclpy message objects and
+converting them field by field to C, the larger part of the node's per-chunk
+cost on a cold CPU.
+
+The template is written here, not taken from ``rclpy.serialization.serialize_message``:
+with rmw_fastrtps that returns the rmw's *estimated* size (JointTrajectory: 8 bytes
+more per point) with leftover heap memory in the tail and in the alignment padding,
+and strict decoders (rosbags: "CDR message size mismatch") reject the message. The
+writer below emits exactly the message's CDR with zeroed padding; the constructor
+checks all its non-padding bytes against ``serialize_message``. tests/ros/test_raw.py
+compares the bytes with rosbags' serializer.
 """
 
 from __future__ import annotations
@@ -21,49 +28,72 @@ from rclpy.serialization import serialize_message
 from physis_ros.ros import conversions as conv
 from physis_ros.ros.config import StreamConfig
 
-_STAMP = struct.Struct("<iI")     # builtin_interfaces/Time in little-endian CDR
+_ENCAPSULATION = b"\x00\x01\x00\x00"   # CDR little endian, no options: what rmw_fastrtps sends
+_BODY = len(_ENCAPSULATION)            # CDR alignment counts from here
+_STAMP = struct.Struct("<iI")           # builtin_interfaces/Time
 _U64 = struct.Struct("<Q")
-_SENTINEL_SEC, _SENTINEL_NSEC = 0x1357_9BDF, 0x2468_ACE0
-_SENTINEL_CHUNK = 0x0F1E_2D3C_4B5A_6978
 
 
-def _sentinel(n: int, dtype, base: float) -> np.ndarray:
-    return (base + np.arange(1, n + 1, dtype=np.float64) * 1.000123e-3).astype(dtype)
+class CdrWriter:
+    """Plain little-endian CDR (XCDR1, as ROS 2 rmws use) with zeroed padding; remembers where named
+    fields start (byte offsets in :attr:`buf`) and which bytes are alignment padding."""
+
+    def __init__(self):
+        self.buf = bytearray(_ENCAPSULATION)
+        self.at: dict[str, int] = {}
+        self.padding: list[int] = []
+
+    def _align(self, size: int) -> None:
+        pad = -(len(self.buf) - _BODY) % size
+        self.padding += range(len(self.buf), len(self.buf) + pad)
+        self.buf += bytes(pad)
+
+    def put(self, fmt: str, *values, name: str | None = None) -> None:
+        """Primitives of one size (``"Q"``, ``"iI"``), aligned to it."""
+        self._align(struct.calcsize(fmt[-1]))
+        if name:
+            self.at[name] = len(self.buf)
+        self.buf += struct.pack("<" + fmt, *values)
+
+    def string(self, s: str) -> None:
+        data = s.encode() + b"\0"
+        self.put("I", len(data))
+        self.buf += data
+
+    def strings(self, items) -> None:
+        self.put("I", len(items))
+        for s in items:
+            self.string(s)
+
+    def array(self, dtype: str, values, name: str | None = None) -> None:
+        """A sequence of numbers; an empty one has no alignment after its length (Fast CDR, rosbags)."""
+        data = np.asarray(values, dtype=dtype)
+        self.put("I", len(data))
+        if len(data):
+            self._align(data.itemsize)
+            if name:
+                self.at[name] = len(self.buf)
+            self.buf += data.tobytes()
+
+    def header(self, h) -> None:
+        self.put("iI", h.stamp.sec, h.stamp.nanosec, name="stamp")
+        self.string(h.frame_id)
+
+    def check_against_rmw(self, msg) -> None:
+        """Every byte but the padding equals the rmw's own serialization (whose length is only an upper bound)."""
+        rmw = np.frombuffer(serialize_message(msg), np.uint8)
+        ours = np.frombuffer(self.buf, np.uint8)
+        keep = np.ones(len(ours), bool)
+        keep[self.padding] = False
+        keep[2:4] = False   # encapsulation options: rmws may note end padding there (ours needs none)
+        if len(rmw) < len(ours) or not np.array_equal(rmw[:len(ours)][keep], ours[keep]):
+            raise RuntimeError(f"CDR template of {type(msg).__name__} ({len(ours)} bytes) disagrees with the "
+                               f"rmw's serialization ({len(rmw)} bytes, encapsulation {rmw[:4].tobytes()!r})")
 
 
-class RawTemplate:
-    """A serialized message whose sentinel byte runs are patched in place."""
-
-    def __init__(self, msg, sentinels: dict[str, bytes]):
-        self.buf = bytearray(serialize_message(msg))
-        if self.buf[:2] != b"\x00\x01":  # CDR little endian (what struct formats above assume)
-            raise RuntimeError(f"unexpected CDR encapsulation {bytes(self.buf[:4])!r}")
-        self.slots: dict[str, tuple[int, int]] = {}
-        for name, data in sentinels.items():
-            at = self.buf.find(data)
-            if at < 0 or self.buf.find(data, at + 1) >= 0:
-                raise RuntimeError(f"sentinel of '{name}' not found exactly once in the serialized template")
-            self.slots[name] = (at, len(data))
-
-    def patch(self, name: str, data: bytes) -> None:
-        at, n = self.slots[name]
-        if len(data) != n:
-            raise ValueError(f"'{name}' takes {n} bytes, got {len(data)}")
-        self.buf[at:at + n] = data
-
-    def gather_index(self, names: list[str]) -> np.ndarray:
-        """Byte positions of several slots, concatenated (for one vectorised patch)."""
-        return np.concatenate([np.arange(at, at + n) for at, n in (self.slots[k] for k in names)])
-
-    def patch_index(self, index: np.ndarray, data: np.ndarray) -> None:
-        np.frombuffer(self.buf, dtype=np.uint8)[index] = data.view(np.uint8).reshape(-1)
-
-    def bytes(self) -> bytes:
-        return bytes(self.buf)
-
-
-def _stamp_bytes(t: Time) -> bytes:
-    return _STAMP.pack(t.sec, t.nanosec)
+def _f_view(buf: bytearray, at: int, n: int, dtype: str) -> np.ndarray:
+    """A writable numpy view of ``n`` numbers at byte offset ``at`` of ``buf`` (pins its size)."""
+    return np.frombuffer(buf, dtype=dtype, count=n, offset=at)
 
 
 class ActionChunkRaw:
@@ -71,19 +101,26 @@ class ActionChunkRaw:
 
     def __init__(self, stream_name: str, stream: StreamConfig, horizon: int, dof: int):
         self.shape = (horizon, dof)
-        actions = _sentinel(horizon * dof, np.float32, 7.0).reshape(horizon, dof)
-        msg = conv.action_chunk_msg(stream_name, stream, _SENTINEL_CHUNK, actions,
-                                    Time(sec=_SENTINEL_SEC, nanosec=_SENTINEL_NSEC))
-        self.t = RawTemplate(msg, {"stamp": _STAMP.pack(_SENTINEL_SEC, _SENTINEL_NSEC),
-                                   "chunk": _U64.pack(_SENTINEL_CHUNK), "actions": actions.tobytes()})
+        msg = conv.action_chunk_msg(stream_name, stream, 0, np.ones(self.shape, np.float32), Time())
+        w = CdrWriter()                     # msg/ActionChunk.msg, field by field
+        w.header(msg.header)
+        w.string(msg.stream)
+        w.put("Q", msg.chunk_index, name="chunk")
+        w.put("d", msg.control_period)
+        w.strings(msg.joint_names)
+        w.put("II", msg.horizon, msg.dof)
+        w.array("<f4", msg.actions, name="actions")
+        w.check_against_rmw(msg)
+        self.buf, self.stamp_at, self.chunk_at = w.buf, w.at["stamp"], w.at["chunk"]
+        self.actions = _f_view(self.buf, w.at["actions"], horizon * dof, "<f4").reshape(self.shape)
 
     def render(self, chunk: int, actions: np.ndarray, obs_stamp: Time) -> bytes:
         if actions.shape != self.shape:
             raise ValueError(f"actions of shape {actions.shape}, template made for {self.shape}")
-        self.t.patch("stamp", _stamp_bytes(obs_stamp))
-        self.t.patch("chunk", _U64.pack(chunk))
-        self.t.patch("actions", np.ascontiguousarray(actions, dtype="<f4").tobytes())
-        return self.t.bytes()
+        _STAMP.pack_into(self.buf, self.stamp_at, obs_stamp.sec, obs_stamp.nanosec)
+        _U64.pack_into(self.buf, self.chunk_at, chunk)
+        self.actions[...] = actions
+        return bytes(self.buf)   # a snapshot: the next render must not change what was handed out
 
 
 class TrajectoryRaw:
@@ -93,23 +130,31 @@ class TrajectoryRaw:
     def __init__(self, stream: StreamConfig, horizon: int, dof: int):
         self.shape = (horizon, dof)
         self.period = stream.control_period
-        pos = _sentinel(horizon * dof, np.float64, 11.0).reshape(horizon, dof)
-        vel = _sentinel(horizon * dof, np.float64, 23.0).reshape(horizon, dof)
-        msg = conv.trajectory_msg(stream, pos, Time(sec=_SENTINEL_SEC, nanosec=_SENTINEL_NSEC))
-        for p, v in zip(msg.points, vel):
-            p.velocities = v.tolist()
-        sentinels = {"stamp": _STAMP.pack(_SENTINEL_SEC, _SENTINEL_NSEC)}
-        for i in range(horizon):
-            sentinels[f"p{i}"] = pos[i].tobytes()
-            sentinels[f"v{i}"] = vel[i].tobytes()
-        self.t = RawTemplate(msg, sentinels)
-        self.index = self.t.gather_index([f"p{i}" for i in range(horizon)] + [f"v{i}" for i in range(horizon)])
+        msg = conv.trajectory_msg(stream, np.ones(self.shape), Time())
+        w = CdrWriter()                     # trajectory_msgs/JointTrajectory, field by field
+        w.header(msg.header)
+        w.strings(msg.joint_names)
+        w.put("I", len(msg.points))
+        for i, p in enumerate(msg.points):
+            w.array("<f8", p.positions, name=f"p{i}")
+            w.array("<f8", p.velocities, name=f"v{i}")
+            w.array("<f8", p.accelerations)
+            w.array("<f8", p.effort)
+            w.put("iI", p.time_from_start.sec, p.time_from_start.nanosec)
+        w.check_against_rmw(msg)
+        self.buf, self.stamp_at = w.buf, w.at["stamp"]
+        # Each point's arrays sit at their own offsets (the padding between points alternates), but all
+        # float64 data is 8-aligned after the encapsulation: one float64 view, indexed per element.
+        self.f8 = _f_view(self.buf, _BODY, (len(self.buf) - _BODY) // 8, "<f8")
+        cols = np.arange(dof)
+        self.pos_index = np.array([(w.at[f"p{i}"] - _BODY) // 8 + cols for i in range(horizon)])
+        self.vel_index = np.array([(w.at[f"v{i}"] - _BODY) // 8 + cols for i in range(horizon)])
 
     def render(self, actions: np.ndarray, start: Time) -> bytes:
         if actions.shape != self.shape:
             raise ValueError(f"actions of shape {actions.shape}, template made for {self.shape}")
-        pos = np.ascontiguousarray(actions, dtype="<f8")
-        vel = np.ascontiguousarray(conv.trajectory_velocities(pos, self.period), dtype="<f8")
-        self.t.patch("stamp", _stamp_bytes(start))
-        self.t.patch_index(self.index, np.concatenate([pos.reshape(-1), vel.reshape(-1)]))
-        return self.t.bytes()
+        pos = np.asarray(actions, dtype=np.float64)
+        _STAMP.pack_into(self.buf, self.stamp_at, start.sec, start.nanosec)
+        self.f8[self.pos_index] = pos
+        self.f8[self.vel_index] = conv.trajectory_velocities(pos, self.period)
+        return bytes(self.buf)   # a snapshot: the next render must not change what was handed out

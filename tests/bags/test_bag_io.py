@@ -82,6 +82,8 @@ def test_custom_types_round_trip(tmp_path, storage):
     msgs = read_all(out)
     assert [m[0] for m in msgs] == ["/robot0/action_chunk"] * 3 + ["/telemetry"]
     # rosbags decodes with the definitions it registered from msg/ (no rclpy involved) ...
+    for _, msgtype, _, raw in msgs:    # strict: rosbags rejects bytes after the message (not rclpy)
+        typestore().deserialize_cdr(raw, msgtype)
     decoded = typestore().deserialize_cdr(msgs[2][3], "physis_ros/msg/ActionChunk")
     assert decoded.chunk_index == 2 and decoded.actions.tolist() == [2, 3, 4, 5, 6, 7]
     assert deserialize_message(msgs[3][3], ChunkTelemetry).chunk_index == 2**40
