@@ -9,7 +9,7 @@ at start-up instead of deep inside a worker.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
 import types
 import typing
 from pathlib import Path
@@ -31,9 +31,15 @@ class ConfigError(ValueError):
 
 
 def bounded(*, ge: float | None = None, le: float | None = None, gt: float | None = None,
-            choices: tuple[Any, ...] | None = None) -> dict[str, Any]:
-    """Field metadata for range/choice validation: ``field(default=1, metadata=bounded(ge=1))``."""
-    return {"ge": ge, "le": le, "gt": gt, "choices": choices}
+            choices: tuple[Any, ...] | None = None, doc: str = "") -> dict[str, Any]:
+    """Field metadata for range/choice validation and a one-line description (what ``ros2 param
+    describe`` shows): ``field(default=1, metadata=bounded(ge=1, doc="..."))``."""
+    return {"ge": ge, "le": le, "gt": gt, "choices": choices, "doc": doc}
+
+
+def described(doc: str) -> dict[str, Any]:
+    """Field metadata with only a description."""
+    return bounded(doc=doc)
 
 
 def _type_name(tp: Any) -> str:
@@ -87,6 +93,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, f"expected a number, got {value!r}")
+        if not math.isfinite(value):  # YAML's .inf/.nan would defeat every range check downstream
+            raise ConfigError(key, f"expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -184,50 +192,3 @@ def repo_config_dir() -> Path:
         if c.is_dir():
             return c
     raise ConfigError("<config dir>", f"no config/ directory found (looked in {', '.join(map(str, candidates))})")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How the engine runs a model: workers, placement plan, transport, limits."""
-
-    workers: int = dataclasses.field(default=2, metadata=bounded(ge=1, le=64))
-    # "auto": the cost-model planner picks the plan from `profile` (measured at start if not given).
-    plan: str = dataclasses.field(default="stage",
-                                  metadata=bounded(choices=("sequential", "step", "block", "stage", "auto")))
-    profile: str | None = None  # physis-profile JSON: seeds adaptive batching and the planner
-    devices: list[str] = dataclasses.field(default_factory=lambda: ["cpu"])  # one per worker, or one for all
-    transport: str = dataclasses.field(default="tcp", metadata=bounded(choices=("tcp", "ipc")))
-    bind_host: str = "127.0.0.1"
-    threads_per_worker: int = dataclasses.field(default=1, metadata=bounded(ge=1))
-    max_in_flight: int = dataclasses.field(default=0, metadata=bounded(ge=0))  # 0: derived from the plan
-    # Merging same-block tasks changes fp32 rounding (results within 1e-5 relative of the reference);
-    # "off" keeps outputs bit-identical to the sequential reference.
-    batching: str = dataclasses.field(default="off", metadata=bounded(choices=("off", "on", "adaptive")))
-    max_batch: int = dataclasses.field(default=4, metadata=bounded(ge=1, le=64))
-    policy: str = dataclasses.field(default="oldest", metadata=bounded(choices=("oldest", "edf")))
-    max_streams: int = dataclasses.field(default=8, metadata=bounded(ge=1))
-    seed: int = 0
-    checkpoint: str | None = None
-    start_timeout_s: float = dataclasses.field(default=60.0, metadata=bounded(gt=0))
-    heartbeat_timeout_s: float = dataclasses.field(default=1.0, metadata=bounded(gt=0))
-    restart_workers: bool = True  # restart a lost worker and re-admit its streams with fresh KV
-    # Workers on other hosts: the engine does not start them; `physis-worker --connect` does, by hand.
-    spawn_workers: bool = True
-    ctrl_port: int = dataclasses.field(default=0, metadata=bounded(ge=0, le=65535))  # 0: any free port
-    curve_keys: str | None = None  # physis-keys directory; required to bind anything but loopback
-    max_message_mb: int = dataclasses.field(default=256, metadata=bounded(ge=1))
-
-    def validate(self) -> None:
-        if len(self.devices) not in (1, self.workers):
-            raise ConfigError("devices", f"give one device for all workers or one per worker "
-                                         f"({self.workers}), got {len(self.devices)}")
-        for d in self.devices:
-            if not (d == "cpu" or d.startswith("cuda")):
-                raise ConfigError("devices", f"{d!r} is not a device; use 'cpu' or 'cuda:N'")
-        from physis_ros.runtime.security import is_loopback
-        if self.transport == "tcp" and not is_loopback(self.bind_host) and not self.curve_keys:
-            raise ConfigError("curve_keys", f"binding {self.bind_host} (not loopback) requires CurveZMQ keys: "
-                                            "generate them with 'physis-keys DIR' and set curve_keys: DIR")
-
-    def device_of(self, worker: int) -> str:
-        return self.devices[0] if len(self.devices) == 1 else self.devices[worker]

@@ -55,11 +55,11 @@ class ReferenceRollout:
         cond = model.encode(model.observation_tensors(obs))
         for k in range(cfg.steps, 0, -1):
             ks = torch.tensor([k], dtype=torch.long, device=x.device)
-            t = model.schedule.timestep(ks)
+            t = model.timesteps.timestep(ks)
             h = model.embed(cond, x, t)
             for b in range(cfg.blocks):
                 h = model.block(b, h, t, KVBatch(tables[b], [k - 1]))
-            x = model.schedule.update(x, model.head(h, t), ks)
+            x = model.timesteps.update(x, model.head(h, t), ks)
         ms = (time.perf_counter() - start) * 1e3
         self._next_chunk[stream] = c + 1
         return ReferenceChunk(stream, c, x[0].float().cpu(), ms)

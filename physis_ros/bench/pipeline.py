@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from physis_ros.cli.common import write_json
-from physis_ros.config import EngineConfig
+from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import build_model, load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.reference import reference_rollout

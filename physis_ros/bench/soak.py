@@ -18,10 +18,11 @@ import torch
 import uvloop
 
 from physis_ros.cli.common import write_json
-from physis_ros.config import EngineConfig
+from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.runtime.engine import ChunkOutput, Engine, Observation
+from physis_ros.runtime.planner import resolve_plan
 from physis_ros.telemetry import percentile
 
 
@@ -67,7 +68,9 @@ class Tally:
 async def soak(args: argparse.Namespace) -> dict:
     cfg = load_model_config(args.model)
     scene = SyntheticScene(cfg.observation_shapes)
-    engine = Engine(cfg, EngineConfig(workers=args.workers, plan=args.plan, batching=args.batching))
+    engine_cfg = EngineConfig(workers=args.workers, plan=args.plan, batching=args.batching)
+    resolved = resolve_plan(cfg, engine_cfg)
+    engine = Engine(cfg, engine_cfg, resolved.plan, profile=resolved.profile)
     await engine.start()
     tallies = {f"robot{i}": Tally() for i in range(args.streams)}
     samples = []
@@ -85,7 +88,7 @@ async def soak(args: argparse.Namespace) -> dict:
             sample = {
                 "t_s": round(time.monotonic() - start, 2),
                 "rss_mb": {"engine": rss_mb(os.getpid()),
-                           **{w.name: rss_mb(w.proc.pid) for w in engine.workers.values() if w.proc}},
+                           **{w.name: rss_mb(w.proc.pid) for w in engine.pool.workers.values() if w.proc}},
                 "chunks": {n: t.next for n, t in tallies.items()},
                 "interval_ms_p99": percentile(window, 99),
                 "interval_ms_p50": percentile(window, 50),

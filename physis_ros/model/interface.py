@@ -11,7 +11,7 @@ computed as in DESIGN.md section 2 and that the model exposes these pieces:
   :class:`~physis_ros.model.kv.KVBatch` (per-sample slots of a stage-local
   cache: read, then append);
 - ``head(h, t)``: velocity of the chunk (epilogue of stage ``(k, L-1)``);
-- ``schedule``: flow-matching timesteps and the Euler update;
+- ``timesteps``: flow-matching timesteps and the Euler update;
 - ``noise(seed, stream, chunk)``: the deterministic initial noise;
 - metadata: :class:`~physis_ros.model.spec.ModelConfig` (shapes, tokens per
   chunk, KV bytes per slot).
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from physis_ros.model.kv import KVBatch, KVTable
-from physis_ros.model.schedule import FlowMatchingSchedule
+from physis_ros.model.timesteps import FlowMatchingTimesteps
 from physis_ros.model.spec import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,7 +50,7 @@ class ServableModel(nn.Module, ABC):
     def __init__(self, config: ModelConfig, hosted_blocks: Iterable[int] | None = None):
         super().__init__()
         self.config = config
-        self.schedule = FlowMatchingSchedule(config.steps, config.timestep_shift)
+        self.timesteps = FlowMatchingTimesteps(config.steps, config.timestep_shift)
         blocks = range(config.blocks) if hosted_blocks is None else hosted_blocks
         self.hosted_blocks = frozenset(int(b) for b in blocks)
         bad = sorted(b for b in self.hosted_blocks if not 0 <= b < config.blocks)

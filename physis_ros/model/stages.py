@@ -8,10 +8,14 @@ Only this state moves between workers; KV caches stay with their stage.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
+import numpy as np
 import torch
 
 from physis_ros.model.interface import ServableModel
 from physis_ros.model.kv import KVBatch
+from physis_ros.model.spec import ModelConfig
 
 OBS_PREFIX = "obs/"
 
@@ -21,6 +25,43 @@ def chunk_input(obs: dict[str, torch.Tensor], noise: torch.Tensor) -> dict[str, 
     state = {OBS_PREFIX + name: value for name, value in obs.items()}
     state["x"] = noise
     return state
+
+
+def observation_payload(obs: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """One unbatched observation as the tensors a chunk's first task carries (float32, batch 1)."""
+    return {OBS_PREFIX + k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)).unsqueeze(0)
+            for k, v in obs.items()}
+
+
+def first_state(payload: Mapping[str, torch.Tensor], noise: torch.Tensor,
+                to_device: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state of stage ``(K, 0)`` from a first task's payload and the chunk's noise."""
+    return chunk_input({k[len(OBS_PREFIX):]: to_device(v) for k, v in payload.items()}, noise)
+
+
+def expected_payload(config: ModelConfig, first: bool, block: int) -> dict[str, tuple[int, ...] | None]:
+    """Tensor names a task carries into a stage, with their shapes (None: any shape of batch 1).
+    The first task carries the observation; later ones the travelling state."""
+    if first:
+        return {OBS_PREFIX + k: (1, *shape) for k, shape in config.observation_shapes.items()}
+    state: dict[str, tuple[int, ...] | None] = {"cond": None, "x": (1, *config.output_shape)}
+    if block > 0:
+        state["h"] = (1, config.tokens_per_chunk, config.hidden)
+    return state
+
+
+def check_payload(config: ModelConfig, first: bool, block: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    """ValueError naming what is wrong unless ``tensors`` is exactly what the stage expects."""
+    want = expected_payload(config, first, block)
+    if set(tensors) != set(want):
+        raise ValueError(f"carries tensors {sorted(tensors)}, stage expects {sorted(want)}")
+    for name, shape in want.items():
+        got = tuple(tensors[name].shape)
+        if (shape is None and (len(got) != 3 or got[0] != 1 or got[2] != config.hidden)) or \
+                (shape is not None and got != shape):
+            raise ValueError(f"tensor '{name}' has shape {list(got)}, expected {list(shape or (1, '*', config.hidden))}")
+        if tensors[name].dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"tensor '{name}' has dtype {tensors[name].dtype}, expected a float type")
 
 
 def _encode_pending(model: ServableModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -56,11 +97,11 @@ def run_stage(model: ServableModel, b: int, steps: list[int], states: list[dict[
         states = [_encode_pending(model, s) for s in states]
     state = stack_states(states)
     k = torch.tensor(steps, dtype=torch.long, device=state["x"].device)
-    t = model.schedule.timestep(k)
+    t = model.timesteps.timestep(k)
     h = model.embed(state["cond"], state["x"], t) if b == 0 else state["h"]
     h = model.block(b, h, t, kv)
     if b == last:
-        x = model.schedule.update(state["x"], model.head(h, t), k)
+        x = model.timesteps.update(state["x"], model.head(h, t), k)
         out = {"cond": state["cond"], "x": x}
     else:
         out = {"cond": state["cond"], "x": state["x"], "h": h}

@@ -1,11 +1,11 @@
-"""Flow-matching timestep schedule and its Euler update."""
+"""Flow-matching timesteps of the denoising loop and its Euler update."""
 
 from __future__ import annotations
 
 import torch
 
 
-class FlowMatchingSchedule:
+class FlowMatchingTimesteps:
     """Timesteps ``t_K > ... > t_0 = 0`` (index ``k`` = denoising step) and ``x <- x + (t_{k-1} - t_k) v``.
 
     ``shift`` warps the uniform grid as in SD3 / Wan (``t' = s t / (1 + (s - 1) t)``);

@@ -38,7 +38,7 @@ class Schedulable(Protocol):
     def deadline(self) -> float: ...
 
 
-class BatchScheduler:
+class BatchPolicy:
     def __init__(self, policy: str = "oldest", batching: str = "off", max_batch: int = 4,
                  profile: dict[str, dict[str, float]] | None = None):
         if policy not in POLICIES:

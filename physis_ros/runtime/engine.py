@@ -5,76 +5,65 @@ every chunk's input (observation tensors + noise seed) to the worker of the
 stream's first stage and receives the finished chunk from the worker of its
 last stage; hidden states travel worker to worker and never pass through here.
 
-Each stream has its own placement plan (by default the engine's plan), keeps
-at most ``max_in_flight`` chunks in its pipeline, and takes its latest
-observation at the moment a chunk enters. Outputs are delivered in chunk
-order with a :class:`~physis_ros.telemetry.ChunkRecord`.
+Each stream has its own placement plan, keeps at most its in-flight limit of
+chunks in its pipeline, and takes its latest observation at the moment a chunk
+enters. Outputs are delivered in chunk order with a
+:class:`~physis_ros.telemetry.ChunkRecord`, and only if every value is finite.
 
-Faults: when a worker is lost, only the streams placed on it fail (they stop
-publishing, the failure is recorded with worker and streams named); the
-others carry on untouched. With ``restart_workers`` the worker is started
-again and the failed streams are re-admitted with fresh KV, under a new
-*epoch* so that nothing of the old incarnation can leak into the new one.
+Liveness is measured, not assumed (:mod:`~physis_ros.runtime.recovery`): every
+chunk in flight has a bound, and a chunk that misses it or is lost for any
+reason (a dropped task, a refused send, a malformed or non-finite output, a
+lost worker) resets its stream: new epoch, fresh KV, lost chunks counted,
+feeding resumed. Nothing stalls silently.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
-import torch
 import zmq
 import zmq.asyncio
 
-from physis_ros.config import EngineConfig, to_mapping
+from physis_ros.config import to_mapping
+from physis_ros.logs import Throttle
 from physis_ros.model.spec import ModelConfig
+from physis_ros.model.stages import observation_payload
+from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
-from physis_ros.runtime.planner import choose_plan
-from physis_ros.runtime.plans import Plan, make_plan
-from physis_ros.runtime.profiler import Profile, measure_profile
+from physis_ros.runtime.plans import Plan
+from physis_ros.runtime.profiler import Profile
+from physis_ros.runtime.recovery import Recovery
 from physis_ros.runtime.security import CurveKeys
-from physis_ros.runtime.streams import ChunkOutput, Observation, ObserveFn, OutputFn, StreamEvent, StreamState
+from physis_ros.runtime.settings import EngineConfig
+from physis_ros.runtime.streams import (ChunkOutput, EngineHealth, InFlight, Observation, ObserveFn, OutputFn,
+                                        StreamEvent, StreamState)
 from physis_ros.runtime.workers import EngineError, WorkerPool, WorkerProc
 from physis_ros.telemetry import ChunkRecord
 
 log = logging.getLogger("physis.engine")
-__all__ = ["ChunkOutput", "Engine", "EngineError", "Observation", "ObserveFn", "OutputFn", "StreamEvent"]
+__all__ = ["ChunkOutput", "Engine", "EngineError", "EngineHealth", "Observation", "ObserveFn", "OutputFn",
+           "StreamEvent"]
+BURST = 64  # output messages handled per turn before yielding to the monitor, feeders and control plane
 
 
 class Engine:
-    def __init__(self, model: ModelConfig, config: EngineConfig, plan: Plan | None = None,
+    def __init__(self, model: ModelConfig, config: EngineConfig, plan: Plan,
                  clock: Callable[[], float] = time.monotonic, profile: Profile | None = None,
                  on_event: Callable[[StreamEvent], None] | None = None):
-        """``profile`` (or ``config.profile``, a physis-profile JSON) seeds the workers' adaptive
-        batching and lets plan ``auto`` choose the partition. ``on_event`` hears stream failures
-        and re-admissions."""
+        """``plan``: the default placement of streams (see ``planner.resolve_plan``). ``profile`` seeds
+        the workers' adaptive batching. ``on_event`` hears stream failures and re-admissions."""
+        if max(plan.workers_used) >= config.workers:
+            raise ValueError(f"plan uses worker w{max(plan.workers_used)} but only {config.workers} exist")
         self.model = model
         self.config = config
-        if profile is None and config.profile:
-            profile = Profile.from_json(json.loads(Path(config.profile).read_text()))
+        self.plan = plan
         self.profile = profile
-        self.prediction = None
-        if plan is None and config.plan == "auto":
-            if self.profile is None:
-                log.info("plan 'auto' without a profile: measuring %s on %s", model.name, config.device_of(0))
-                self.profile = measure_profile(model, config.device_of(0))
-            # Workers spawned here share this host's cores with the engine; external ones have their own.
-            host_cpus = (os.cpu_count() or 1) if config.spawn_workers else None
-            self.prediction = choose_plan(model.steps, model.blocks, config.workers, self.profile,
-                                          config.batching, config.max_batch, host_cpus)
-            plan = self.prediction.plan
-            log.info("plan auto (%s batching): %s; predicted interval %.2f ms", config.batching, plan.describe(),
-                     self.prediction.interval_ms)
-        self.plan = plan or make_plan(config.plan, model.steps, model.blocks, config.workers)
-        if max(self.plan.workers_used) >= config.workers:
-            raise ValueError(f"plan uses worker w{max(self.plan.workers_used)} but only {config.workers} exist")
         self.clock = clock
         self.on_event = on_event
         self.events: list[StreamEvent] = []
@@ -83,6 +72,9 @@ class Engine:
         self.streams: dict[str, StreamState] = {}
         self.failure: EngineError | None = None
         self.pool: WorkerPool | None = None
+        self.dropped: Counter = Counter()   # outputs dropped: malformed, stale
+        self.throttle = Throttle(5.0)
+        self.recovery = Recovery(self)
         self._push: dict[str, zmq.asyncio.Socket] = {}
         self._tasks: list[asyncio.Task] = []
         self._ipc_dir: tempfile.TemporaryDirectory | None = None
@@ -93,13 +85,9 @@ class Engine:
         """Chunks a stream placed by ``plan`` may have in flight (config override, else from the plan)."""
         return self.config.max_in_flight or plan.in_flight(self.config.batching != "off", self.config.max_batch)
 
-    @property
-    def workers(self) -> dict[str, WorkerProc]:
-        return self.pool.workers if self.pool is not None else {}
-
-    @property
-    def errors(self) -> list[str]:
-        return self.pool.errors if self.pool is not None else []
+    def health(self) -> EngineHealth:
+        """The latest snapshot (refreshed several times a second on the engine's loop)."""
+        return self.recovery.snapshot
 
     # ---- life cycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -112,6 +100,7 @@ class Engine:
         self.out.setsockopt(zmq.LINGER, 0)
         self.out.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
         if cfg.transport == "ipc":
+            # A directory only this user can open (mkdtemp: 0700): other local users cannot reach the sockets.
             self._ipc_dir = tempfile.TemporaryDirectory(prefix="physis-")
             ctrl_base = f"ipc://{self._ipc_dir.name}/ctrl"
             self.out_addr = f"ipc://{self._ipc_dir.name}/out"
@@ -119,47 +108,51 @@ class Engine:
         else:
             ctrl_base = f"tcp://{cfg.bind_host}"
             self.out_addr = f"tcp://{cfg.bind_host}:{self.out.bind_to_random_port(ctrl_base)}"
-        self.pool = WorkerPool(self.ctx, cfg, ctrl_base, self._ipc_dir.name if self._ipc_dir else None,
-                               self._worker_lost, self.keys)
+        self.pool = WorkerPool(self.ctx, cfg, ctrl_base, self._ipc_dir.name if self._ipc_dir else None, self.keys)
+        self.pool.on_started = self._load
+        self.recovery.attach(self.pool)
         self._tasks.append(asyncio.create_task(self.pool.control_loop(), name="engine-control"))
         self._tasks.append(asyncio.create_task(self._output_loop(), name="engine-output"))
         try:
-            if cfg.spawn_workers:
-                procs = [await self.pool.spawn(i) for i in range(cfg.workers)]
-            else:
-                procs = [self.pool.expect(i) for i in range(cfg.workers)]
+            procs = [self.pool.start(i) for i in range(cfg.workers)]
+            if not cfg.spawn_workers:
                 log.warning("waiting for %d workers: physis-worker --connect %s --id w<N>", cfg.workers,
                             self.pool.ctrl_addr)
             for w in procs:
                 await self.pool.wait_hello(w)
             await asyncio.gather(*(self._load(w) for w in procs))
+            for w in procs:
+                self.pool.mark_up(w)
         except BaseException:
             await self.stop()
             raise
         self._tasks.append(asyncio.create_task(self.pool.monitor_loop(), name="engine-monitor"))
+        self._tasks.append(asyncio.create_task(self.recovery.watch(), name="engine-watchdog"))
         self._started = True
 
     async def _load(self, w: WorkerProc) -> None:
         cfg = self.config
-        await self.pool.request(w.name, "load", {
-            "model": to_mapping(self.model),
-            "blocks": sorted({b for _, b in self.plan.stages_of(w.index)}),
-            "threads": cfg.threads_per_worker, "max_streams": cfg.max_streams,
-            "batching": cfg.batching, "max_batch": cfg.max_batch, "policy": cfg.policy,
-            "profile": None if self.profile is None else self.profile.block_costs(self.plan.order),
-            "checkpoint": cfg.checkpoint}, timeout=cfg.start_timeout_s)
+        faults = cfg.faults
+        drop = faults.drop_task if faults.worker in ("", w.name) else 0
+        await self.pool.request(w.name, p.Load(
+            req=0, model=to_mapping(self.model), blocks=sorted({b for _, b in self.plan.stages_of(w.index)}),
+            threads=cfg.threads_per_worker, max_streams=cfg.max_streams, max_ready=cfg.max_ready,
+            batching=cfg.batching, max_batch=cfg.max_batch, policy=cfg.policy,
+            profile=None if self.profile is None else self.profile.block_costs(self.plan.order),
+            checkpoint=cfg.checkpoint, faults=p.FaultInjection(drop_task=drop)), timeout=cfg.start_timeout_s)
 
     async def stop(self) -> None:
         """Stop streams and workers; leaves no processes or ipc files behind."""
         for s in self.streams.values():
-            if s.feeder is not None:
-                s.feeder.cancel()
-        if self.pool is not None:
-            await self.pool.stop()
+            for t in (s.feeder, s.readmission):
+                if t is not None:
+                    t.cancel()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self.pool is not None:
+            await self.pool.stop()
         for sock in [getattr(self, "out", None), *self._push.values()]:
             if sock is not None:
                 sock.close(linger=0)
@@ -176,9 +169,6 @@ class Engine:
     async def __aexit__(self, *exc) -> None:
         await self.stop()
 
-    async def request(self, worker: str, kind: str, body: dict, timeout: float = 10.0) -> dict:
-        return await self.pool.request(worker, kind, body, timeout)
-
     # ---- streams -----------------------------------------------------------------------------
     async def add_stream(self, name: str, observe: ObserveFn, on_output: OutputFn | None = None, *,
                          chunks: int | None = None, slo_interval_ms: float | None = None,
@@ -193,41 +183,50 @@ class Engine:
         whenever the response latency stays under the delay (the latency is the price)."""
         if not self._started:
             raise EngineError("start the engine before adding streams")
+        if self.failure is not None:
+            raise EngineError(f"the engine has failed: {self.failure}")
         if name in self.streams:
             raise ValueError(f"stream '{name}' already exists")
+        if len(self.streams) >= self.config.max_streams:
+            raise ValueError(f"the engine holds max_streams={self.config.max_streams} streams already")
         plan = plan or self.plan
         limit = self.in_flight_limit(plan)
+        held = sum(self.in_flight_limit(s.plan) for s in self.streams.values())
+        if held + limit > self.config.max_ready:
+            raise ValueError(f"stream '{name}' would bring the chunks in flight to {held + limit}, beyond a "
+                             f"worker's ready queue (max_ready {self.config.max_ready})")
         s = StreamState(name, plan, observe, on_output, chunks, slo_interval_ms, asyncio.Semaphore(limit),
-                    keep_outputs=keep_outputs)
+                        keep_outputs=keep_outputs)
         if release_interval_ms:
             s.release_interval_s = release_interval_ms / 1e3
             s.release_t0 = time.monotonic()
             if emit_delay_ms is not None:
                 s.emit_delay_s = emit_delay_ms / 1e3
-        await self._place(s)
+        await self.place(s)
         self.streams[name] = s
         s.feeder = asyncio.create_task(self._feed(s), name=f"feed-{name}")
 
-    def _workers_of(self, s: StreamState) -> list[WorkerProc]:
-        by_index = {w.index: w for w in self.workers.values()}
+    def workers_of(self, s: StreamState) -> list[WorkerProc]:
+        by_index = {w.index: w for w in self.pool.workers.values()}
         return [by_index[i] for i in s.plan.workers_used]
 
-    async def _place(self, s: StreamState) -> None:
-        """Tell each of the stream's workers its stages (fresh KV) and where to send each stage's output."""
-        procs = self._workers_of(s)
-        dead = [w.name for w in procs if not w.alive]
-        if dead:
-            raise EngineError(f"stream '{s.name}' needs worker(s) {', '.join(dead)}, which are down")
+    async def place(self, s: StreamState) -> None:
+        """Tell each of the stream's workers its stages (fresh KV, current epoch) and where to send each
+        stage's output."""
+        procs = self.workers_of(s)
+        down = [w.name for w in procs if not w.alive]
+        if down:
+            raise EngineError(f"stream '{s.name}' needs worker(s) {', '.join(down)}, which are down")
         addr = {w.index: w.data_addr for w in procs}
         requests = []
         for w in procs:
             stages = s.plan.stages_of(w.index)
-            routes = {}
+            routes = []
             for st in stages:
                 nxt = s.plan.next_stage(st)
-                routes[f"{st[0]},{st[1]}"] = self.out_addr if nxt is None else addr[s.plan.assignment[nxt]]
-            requests.append(self.request(w.name, "start_stream", {
-                "stream": s.name, "epoch": s.epoch, "stages": [list(st) for st in stages], "routes": routes}))
+                routes.append(p.Route(st, self.out_addr if nxt is None else addr[s.plan.assignment[nxt]]))
+            requests.append(self.pool.request(w.name, p.StartStream(req=0, stream=s.name, epoch=s.epoch,
+                                                                     stages=list(stages), routes=routes)))
         await asyncio.gather(*requests)
         first = addr[s.plan.assignment[s.plan.first_stage]]
         if first not in self._push:
@@ -241,26 +240,29 @@ class Engine:
 
     async def remove_stream(self, name: str) -> None:
         s = self.streams.pop(name)
-        if s.feeder is not None:
-            s.feeder.cancel()
+        for t in (s.feeder, s.readmission):
+            if t is not None:
+                t.cancel()
         s.done.set()
-        await asyncio.gather(*(self.request(w.name, "stop_stream", {"stream": name})
-                               for w in self._workers_of(s) if w.alive), return_exceptions=True)
+        await asyncio.gather(*(self.pool.request(w.name, p.StopStream(req=0, stream=name))
+                               for w in self.workers_of(s) if w.alive), return_exceptions=True)
 
     async def wait_stream(self, name: str) -> list[ChunkOutput]:
-        """Wait until a finite stream has emitted all its chunks; raises if it failed."""
+        """Wait until a finite stream has emitted all its chunks; raises if it failed for good."""
         s = self.streams[name]
         await s.done.wait()
-        if s.failed is not None:
+        if s.gone:
             raise EngineError(s.failed)
         return s.outputs
 
     def stream_status(self, name: str) -> dict:
         s = self.streams[name]
         return {"failed": s.failed, "epoch": s.epoch, "lost_chunks": s.lost_chunks, "next_chunk": s.next_chunk,
-                "in_flight": len(s.entered), "workers": [f"w{i}" for i in s.plan.workers_used]}
+                "in_flight": len(s.inflight), "resets": dict(s.resets),
+                "workers": [f"w{i}" for i in s.plan.workers_used]}
 
     async def _feed(self, s: StreamState) -> None:
+        bound_s = self.recovery.chunk_bound_s(s)
         while s.limit is None or s.next_chunk < s.limit:
             await s.credits.acquire()
             if s.release_interval_s is not None:
@@ -273,39 +275,61 @@ class Engine:
                 obs = s.observe(s.next_chunk)
             c = s.next_chunk
             s.next_chunk += 1
-            enqueue = self.clock()
-            s.entered[c] = (obs.stamp, enqueue)
-            tensors = {f"obs/{k}": torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)).unsqueeze(0)
-                       for k, v in obs.data.items()}
+            bound = bound_s + (0.0 if s.epoch_started else self.config.warmup_grace_s)
+            s.inflight[c] = InFlight(obs.stamp, self.clock(), obs.tag, bound, time.monotonic() + bound)
             order = time.perf_counter()
             slo_s = (s.slo_interval_ms or 1000.0) / 1e3
-            msg = wire.Message("task", s.name, c, s.plan.first_stage, tensors,
-                               {"seed": self.config.seed, "epoch": s.epoch, "sent": order, "order": order,
-                                "deadline": order + slo_s})
-            await self._push[s.first_addr].send_multipart(wire.encode(msg), copy=False)
+            task = p.Task(stream=s.name, chunk=c, stage=s.plan.first_stage, epoch=s.epoch, seed=self.config.seed,
+                          order=order, deadline=order + slo_s, sent=order)
+            await self._push[s.first_addr].send_multipart(wire.encode(task, observation_payload(obs.data)),
+                                                          copy=False)
 
+    # ---- outputs -----------------------------------------------------------------------------
     async def _output_loop(self) -> None:
         while True:
-            frames = await self.out.recv_multipart(copy=False)
-            received = time.perf_counter()
-            emit = self.clock()
-            try:
-                msg = wire.decode(frames, self.max_bytes)
-            except wire.WireError as exc:
-                log.warning("malformed output message: %s", exc)
-                continue
-            s = self.streams.get(msg.stream)
-            ts = msg.ts
-            if s is None or ts.get("epoch", 0) != s.epoch or msg.chunk not in s.entered:
-                continue  # a removed stream, or an incarnation before a failure
-            hops = list(ts.get("hops", []))
-            if "sent" in ts:
-                hops.append((received - ts["sent"]) * 1e3)
-            obs_stamp, enqueue = s.entered.pop(msg.chunk)
-            record = ChunkRecord.from_trace(s.name, msg.chunk, obs_stamp, enqueue, emit, ts.get("trace", []), hops)
-            s.pending[msg.chunk] = ChunkOutput(s.name, msg.chunk, msg.tensors["x"][0].float().numpy().copy(), record)
-            s.credits.release()
-            self._deliver(s)
+            await self.out.poll(flags=zmq.POLLIN)
+            for _ in range(BURST):
+                try:
+                    frames = await self.out.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._on_output(frames)
+            await asyncio.sleep(0)  # a flood of outputs (or garbage) must not starve the other tasks
+
+    def _on_output(self, frames: list) -> None:
+        received, emit = time.perf_counter(), self.clock()
+        try:
+            rec = wire.decode(frames, wire.OUTPUT, self.max_bytes)
+        except wire.WireError as exc:
+            self.dropped["malformed"] += 1
+            self.throttle.log(log, logging.WARNING, "malformed_output", f"malformed output message dropped: {exc}")
+            return
+        msg = rec.msg
+        s = self.streams.get(msg.stream)
+        if s is None or msg.epoch != s.epoch or msg.chunk not in s.inflight:
+            self.dropped["stale"] += 1  # a removed stream, or an incarnation before a reset
+            return
+        try:
+            wire.expect_tensors(rec, {"x": (1, *self.model.output_shape)})
+        except wire.WireError as exc:
+            self.recovery.reset(s, f"chunk {msg.chunk} arrived malformed from {msg.worker}: {exc}", "malformed_output")
+            return
+        output = rec.tensors["x"][0].float().numpy().copy()
+        if not np.isfinite(output).all():  # never publish it; the stream's KV may be poisoned: reset
+            self.recovery.reset(s, f"chunk {msg.chunk} has non-finite values ({int((~np.isfinite(output)).sum())} "
+                                   f"of {output.size})", "nonfinite_output")
+            return
+        hops = list(msg.hops)
+        if msg.sent:
+            hops.append(max(0.0, (received - msg.sent) * 1e3))
+        f = s.inflight.pop(msg.chunk)
+        trace = [[e.step, e.block, e.worker, e.queue_ms, e.compute_ms, e.batch] for e in msg.trace]
+        record = ChunkRecord.from_trace(s.name, msg.chunk, f.obs_stamp, f.enqueue, emit, trace, hops)
+        s.pending[msg.chunk] = ChunkOutput(s.name, msg.chunk, output, record, f.tag)
+        s.epoch_started = True
+        s.last_output_mono = time.monotonic()
+        s.credits.release()
+        self._deliver(s)
 
     def _deliver(self, s: StreamState) -> None:
         while s.next_emit in s.pending:
@@ -331,7 +355,9 @@ class Engine:
                 try:
                     s.on_output(out)
                 except Exception:  # a consumer's bug must not stop the pipeline
-                    log.exception("output callback of stream %s failed", s.name)
+                    self.throttle.log(log, logging.ERROR, f"on_output:{s.name}",
+                                      f"output callback of stream {s.name} failed")
+                    log.debug("output callback of stream %s failed", s.name, exc_info=True)
             if s.limit is not None and s.next_emit >= s.limit:
                 s.done.set()
 
@@ -340,8 +366,7 @@ class Engine:
         if self.streams.get(s.name) is s:
             self._deliver(s)
 
-    # ---- faults --------------------------------------------------------------------------------
-    def _event(self, event: StreamEvent) -> None:
+    def event(self, event: StreamEvent) -> None:
         event.time = self.clock()
         self.events.append(event)
         del self.events[:-1000]  # bounded
@@ -350,51 +375,3 @@ class Engine:
                 self.on_event(event)
             except Exception:
                 log.exception("event callback failed")
-
-    async def _worker_lost(self, w: WorkerProc, reason: str) -> None:
-        affected = [s for s in self.streams.values() if w.index in s.plan.workers_used and s.failed is None]
-        names = ", ".join(s.name for s in affected) or "none"
-        log.error("%s; streams affected: %s", reason, names)
-        for s in affected:
-            if s.feeder is not None:
-                s.feeder.cancel()
-            lost = len(s.entered) + len(s.pending)
-            s.lost_chunks += lost
-            s.failed = reason
-            self._event(StreamEvent(s.name, "failed", f"{reason} (streams on it: {names})", lost))
-        if not (self.config.restart_workers and self.config.spawn_workers):
-            if self.failure is None:
-                self.failure = EngineError(reason)
-            for s in affected:
-                s.done.set()
-            return
-        self._tasks.append(asyncio.create_task(self._recover(w, affected), name=f"recover-{w.name}"))
-
-    async def _recover(self, w: WorkerProc, affected: list[StreamState]) -> None:
-        try:
-            fresh = await self.pool.spawn(w.index)
-            await self.pool.wait_hello(fresh)
-            await self._load(fresh)
-            for s in affected:
-                if self.streams.get(s.name) is not s:
-                    continue  # removed meanwhile
-                # Drop the old incarnation everywhere, then place it again with fresh KV.
-                await asyncio.gather(*(self.request(p.name, "stop_stream", {"stream": s.name})
-                                       for p in self._workers_of(s) if p.alive and p is not fresh),
-                                     return_exceptions=True)
-                s.epoch += 1
-                s.entered.clear()
-                s.pending.clear()
-                s.next_emit = s.next_chunk  # the chunks in flight are lost; counted in lost_chunks
-                s.credits = asyncio.Semaphore(self.in_flight_limit(s.plan))
-                await self._place(s)
-                s.failed = None
-                self._event(StreamEvent(s.name, "readmitted", f"worker {w.name} restarted (pid {fresh.pid})"))
-                s.feeder = asyncio.create_task(self._feed(s), name=f"feed-{s.name}")
-        except Exception as exc:  # recovery failed: the streams stay failed, loudly
-            text = f"could not restart worker {w.name}: {exc}"
-            log.error(text)
-            self.failure = EngineError(text)
-            for s in affected:
-                s.failed = f"{s.failed}; {text}"
-                s.done.set()

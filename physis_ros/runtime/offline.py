@@ -12,11 +12,12 @@ from collections.abc import Callable
 import numpy as np
 import uvloop
 
-from physis_ros.config import EngineConfig
 from physis_ros.model.spec import ModelConfig
 from physis_ros.runtime.engine import ChunkOutput, Engine, Observation
+from physis_ros.runtime.planner import resolve_plan
 from physis_ros.runtime.plans import Plan
 from physis_ros.runtime.profiler import Profile
+from physis_ros.runtime.settings import EngineConfig
 
 Source = Callable[[str, int], dict[str, np.ndarray]]
 
@@ -24,6 +25,9 @@ Source = Callable[[str, int], dict[str, np.ndarray]]
 async def run_chunks_async(model: ModelConfig, config: EngineConfig, streams: list[str], chunks: int,
                            source: Source, plan: Plan | None = None, profile: Profile | None = None
                            ) -> dict[str, list[ChunkOutput]]:
+    if plan is None:
+        resolved = resolve_plan(model, config, profile)
+        plan, profile = resolved.plan, resolved.profile
     async with Engine(model, config, plan, profile=profile) as engine:
         for s in streams:
             def observe(c: int, s: str = s) -> Observation:

@@ -6,7 +6,7 @@ perfect lockstep. They do not always: a chunk that re-enters the pipeline
 after the engine's round trip arrives too late to join its group's batch, and
 plans that ping-pong between workers idle one while the other computes. So the
 planner replays the pipeline here, event by event, with the profile's costs
-and the workers' own scheduler (:class:`~physis_ros.runtime.scheduler.BatchScheduler`,
+and the workers' own batch policy (:class:`~physis_ros.runtime.batching.BatchPolicy`,
 the same pick and adaptive rule), and reads the interval off the simulated
 emits.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from physis_ros.runtime.plans import Plan, Stage
 from physis_ros.runtime.profiler import Profile
-from physis_ros.runtime.scheduler import BatchScheduler
+from physis_ros.runtime.batching import BatchPolicy
 
 
 @dataclass
@@ -40,7 +40,7 @@ class _Task:
 
 @dataclass
 class _Worker:
-    scheduler: BatchScheduler
+    policy: BatchPolicy
     ready: list[_Task] = field(default_factory=list)
     busy: bool = False
     busy_ms: float = 0.0
@@ -63,8 +63,8 @@ def simulate(plan: Plan, profile: Profile, batching: str = "off", max_batch: int
         raise ValueError(f"chunks ({chunks}) must exceed warmup ({warmup}) + 1")
     limit = in_flight or plan.in_flight(batching != "off", max_batch)
     turnaround = profile.engine_ms
-    seeds = profile.block_costs(plan.order)  # what the engine seeds every worker's scheduler with
-    workers = {w: _Worker(BatchScheduler("oldest", batching, max_batch, seeds)) for w in plan.workers_used}
+    seeds = profile.block_costs(plan.order)  # what the engine seeds every worker's batch policy with
+    workers = {w: _Worker(BatchPolicy("oldest", batching, max_batch, seeds)) for w in plan.workers_used}
     first = plan.first_stage
     events: list[tuple[float, int, str, object]] = []
     seq = 0
@@ -87,12 +87,12 @@ def simulate(plan: Plan, profile: Profile, batching: str = "off", max_batch: int
         wk = workers[w]
         if wk.busy or not wk.ready:
             return
-        batch = wk.scheduler.pick(wk.ready, lambda t: t.stage)
+        batch = wk.policy.pick(wk.ready, lambda t: t.stage)
         for t in batch:
             wk.ready.remove(t)
         n, b = len(batch), batch[0].stage[1]
         compute = sum(profile.cost(t.stage, n) for t in batch) / n * slowdown
-        wk.scheduler.observe(b, n, compute)  # what the worker's timer sees: the model, not its own loop
+        wk.policy.observe(b, n, compute)  # what the worker's timer sees: the model, not its own loop
         sends = sum(1 for t in batch if plan.assignment.get(plan.next_stage(t.stage)) != w)
         busy = compute + profile.overhead_ms_per_call * slowdown + sends * profile.hop_ms
         wk.busy, wk.busy_ms = True, wk.busy_ms + busy

@@ -20,11 +20,20 @@ co-located so they batch, block ranges balanced at their batched costs) and
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
+from physis_ros.config import ConfigError
+from physis_ros.model.spec import ModelConfig
 from physis_ros.runtime.pipesim import SimResult, simulate
-from physis_ros.runtime.plans import Plan, Stage, segment_assignment, linear_partition, make_plan, pipeline_order
-from physis_ros.runtime.profiler import Profile
+from physis_ros.runtime.plans import Plan, Stage, linear_partition, make_plan, pipeline_order, segment_assignment
+from physis_ros.runtime.profiler import Profile, measure_profile
+from physis_ros.runtime.settings import EngineConfig
+
+log = logging.getLogger("physis.engine")
 
 
 @dataclass
@@ -117,3 +126,35 @@ def choose_plan(steps: int, blocks: int, workers: int, profile: Profile, batchin
         if p.interval_ms < best.interval_ms * (1 - HOP_MARGIN):
             best = p
     return best
+
+
+@dataclass
+class ResolvedPlan:
+    """The default placement an engine serves with, the profile behind it and, for ``auto``, the planner's
+    prediction."""
+
+    plan: Plan
+    profile: Profile | None
+    prediction: Prediction | None = None
+
+
+def resolve_plan(model: ModelConfig, config: EngineConfig, profile: Profile | None = None) -> ResolvedPlan:
+    """``config.plan`` made concrete: a named plan, or for ``auto`` the planner's choice from ``profile``
+    (or ``config.profile``, or a profile measured here). Done before an Engine is built."""
+    if profile is None and config.profile:
+        try:
+            profile = Profile.from_json(json.loads(Path(config.profile).read_text()))
+        except (OSError, ValueError) as exc:
+            raise ConfigError("engine.profile", f"cannot read {config.profile}: {exc}") from None
+    if config.plan != "auto":
+        return ResolvedPlan(make_plan(config.plan, model.steps, model.blocks, config.workers), profile)
+    if profile is None:
+        log.info("plan 'auto' without a profile: measuring %s on %s", model.name, config.device_of(0))
+        profile = measure_profile(model, config.device_of(0))
+    # Workers spawned here share this host's cores with the engine; external ones have their own.
+    host_cpus = (os.cpu_count() or 1) if config.spawn_workers else None
+    prediction = choose_plan(model.steps, model.blocks, config.workers, profile, config.batching, config.max_batch,
+                             host_cpus)
+    log.info("plan auto (%s batching): %s; predicted interval %.2f ms", config.batching, prediction.plan.describe(),
+             prediction.interval_ms)
+    return ResolvedPlan(prediction.plan, profile, prediction)

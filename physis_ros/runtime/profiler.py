@@ -26,8 +26,9 @@ import zmq
 
 from physis_ros.model import KVBatch, build_model
 from physis_ros.model.spec import ModelConfig
-from physis_ros.model.stages import chunk_input, run_stage
+from physis_ros.model.stages import chunk_input, observation_payload, run_stage
 from physis_ros.observations import SyntheticScene
+from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
 from physis_ros.runtime.plans import Stage, pipeline_order
 
@@ -109,7 +110,7 @@ class StageBench:
     def __init__(self, config: ModelConfig, device: str = "cpu", max_batch: int = 1):
         self.config = config
         self.model = model = build_model(config, device=device)
-        scene = SyntheticScene(config.observation_shapes)
+        self.scene = scene = SyntheticScene(config.observation_shapes)
         # Fill every slot with `window` chunks of keys/values so attention reads a full cache.
         self.tables = [model.new_kv_table(b, max_batch) for b in range(config.blocks)]
         kv = torch.randn(config.tokens_per_chunk, config.heads, config.head_dim, device=model.device,
@@ -120,8 +121,8 @@ class StageBench:
                     table.append(slot, kv, kv)
         base = chunk_input(model.observation_tensors(scene.observation("profile", 0)), model.noise(0, "profile", 0))
         with torch.no_grad():
-            cond = model.encode({k[4:]: v for k, v in base.items() if k.startswith("obs/")})
-            h = model.embed(cond, base["x"], model.schedule.timestep(torch.tensor([config.steps], device=model.device)))
+            cond = model.encode(model.observation_tensors(scene.observation("profile", 0)))
+            h = model.embed(cond, base["x"], model.timesteps.timestep(torch.tensor([config.steps], device=model.device)))
         self.first, self.step0, self.mid = base, {"cond": cond, "x": base["x"]}, {"cond": cond, "x": base["x"], "h": h}
         self.order = pipeline_order(config.steps, config.blocks)
 
@@ -157,7 +158,7 @@ def measure_profile(config: ModelConfig, device: str = "cpu", batch_sizes: tuple
     hidden_bytes = sum(v.numel() * v.element_size() for v in bench.mid.values())
     hop_ms = measure_hop(bench.mid)
     trace = [[k, b, "w0", 0.0, 1.0, 1] for k, b in bench.order]  # the output carries every stage's trace entry
-    engine_ms = (measure_hop({k: v for k, v in bench.first.items() if k.startswith("obs/")})
+    engine_ms = (measure_hop(observation_payload(bench.scene.observation("profile", 0)))
                  + measure_hop({"x": bench.first["x"]}, trace))
     slowdown = measure_corun_slowdown(config, corun) if corun > 1 and device == "cpu" else 1.0
     return Profile(config.name, device, f"measured:{socket.gethostname()}", list(batch_sizes), stage_ms, hop_ms,
@@ -210,7 +211,7 @@ def measure_corun_slowdown(config: ModelConfig, procs: int, seconds: float = 2.0
         start_at = time.time() + 3.0 + 0.5 * n  # all loops start together, after every model is built
         args = [sys.executable, "-c", code, json.dumps(to_mapping(config)), str(seconds), str(start_at), str(wait_ms)]
         ps = [subprocess.Popen(args, stdout=subprocess.PIPE, text=True) for _ in range(n)]
-        return statistics.fmean(float(p.communicate()[0].strip().splitlines()[-1]) for p in ps)
+        return statistics.fmean(float(proc.communicate()[0].strip().splitlines()[-1]) for proc in ps)
 
     ratios = [pass_ms(procs, CORUN_WAIT_MS) / pass_ms(1, 0.0) for _ in range(rounds)]
     return max(1.0, statistics.median(ratios))
@@ -223,14 +224,15 @@ def measure_hop(state: dict[str, torch.Tensor], trace: list | None = None, repea
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     push = ctx.socket(zmq.PUSH)
     push.connect(f"tcp://127.0.0.1:{port}")
-    msg = wire.Message("task", "profile", 0, (1, 0), {k: v.cpu() for k, v in state.items()},
-                       {"trace": trace or []})
+    msg = p.Task(stream="profile", chunk=0, stage=(1, 0), epoch=0,
+                 trace=[p.TraceEntry(*entry) for entry in trace or []])
+    tensors = {k: v.cpu() for k, v in state.items()}
     times = []
     try:
         for _ in range(repeats):
             start = time.perf_counter()
-            push.send_multipart(wire.encode(msg), copy=False)
-            wire.decode(pull.recv_multipart(copy=False))
+            push.send_multipart(wire.encode(msg, tensors), copy=False)
+            wire.decode(pull.recv_multipart(copy=False), wire.DATA)
             times.append((time.perf_counter() - start) * 1e3)
     finally:
         push.close(linger=0)
@@ -247,29 +249,33 @@ def measure_worker_overhead(config: ModelConfig, device: str = "cpu", chunks: in
     from physis_ros.config import to_mapping
     from physis_ros.runtime.worker import Worker
 
-    worker = Worker("tcp://127.0.0.1:9", "profile", device=device)  # the engine address is never reached
+    # The engine's control address is never reached; outputs go to a real socket drained at the end.
+    worker = Worker("tcp://127.0.0.1:9", "profile", device=device, forward_logs=False)
+    sink = worker.ctx.socket(zmq.PULL)
+    sink_addr = f"tcp://127.0.0.1:{sink.bind_to_random_port('tcp://127.0.0.1')}"
     try:
-        worker.cmd_load({"model": to_mapping(config), "max_streams": 1, "threads": torch.get_num_threads()})
+        worker.cmd_load(p.Load(req=0, model=to_mapping(config), max_streams=1, threads=torch.get_num_threads()))
         order = pipeline_order(config.steps, config.blocks)
-        worker.cmd_start_stream({"stream": "profile", "epoch": 0, "stages": [list(s) for s in order],
-                                 "routes": {f"{k},{b}": "tcp://127.0.0.1:9" for k, b in order}})
+        worker.cmd_start_stream(p.StartStream(req=0, stream="profile", epoch=0, stages=order,
+                                              routes=[p.Route(s, sink_addr) for s in order]))
+        time.sleep(0.1)  # let the output connection come up (the worker sends with IMMEDIATE)
         scene = SyntheticScene(config.observation_shapes)
         messages = []
         for c in range(chunks):
-            obs = {f"obs/{k}": torch.from_numpy(v).unsqueeze(0) for k, v in scene.observation("profile", c).items()}
-            messages.append(wire.encode(wire.Message("task", "profile", c, order[0], obs,
-                                                     {"epoch": 0, "order": float(c), "sent": time.perf_counter()})))
+            task = p.Task(stream="profile", chunk=c, stage=order[0], epoch=0, order=float(c), sent=time.perf_counter())
+            messages.append(wire.encode(task, observation_payload(scene.observation("profile", c))))
         per_forward = []
         for c, frames in enumerate(messages):
-            compute, forwards = worker.stats["compute_ms"], worker.stats["batches"]
+            compute, forwards = worker.stats.compute_ms, worker.stats.batches
             start = time.perf_counter()
             worker.accept_task(frames)
             while worker.ready:
                 worker.run_next()
             wall = (time.perf_counter() - start) * 1e3
             if c >= 2:  # warm-up chunks excluded
-                forwards = worker.stats["batches"] - forwards
-                per_forward.append((wall - (worker.stats["compute_ms"] - compute)) / forwards)
+                forwards = worker.stats.batches - forwards
+                per_forward.append((wall - (worker.stats.compute_ms - compute)) / forwards)
         return statistics.median(per_forward)
     finally:
+        sink.close(linger=0)
         worker.close()

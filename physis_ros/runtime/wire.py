@@ -1,42 +1,26 @@
-"""Wire format: a msgpack header frame followed by raw tensor frames, sent zero-copy.
+"""Wire format: one msgpack header frame (a typed message of :mod:`~physis_ros.runtime.protocol`)
+followed by raw tensor frames, sent zero-copy.
 
-Nothing is pickled. Everything about a tensor (dtype, shape, byte size) is
-validated against the limits before any buffer is allocated or viewed, so a
-malformed or hostile message raises :class:`WireError` with a clear reason and
-the receiver carries on.
-
-Header fields (a msgpack map with short keys, version ``VERSION``):
-
-=========  =================================================================
-``v``      format version
-``kind``   message kind, one of ``KINDS``
-``stream`` stream name (data plane) or ``""``
-``chunk``  chunk index (data plane) or -1
-``stage``  ``[k, b]`` the stage this task is for, or ``None``
-``t``      list of ``[name, dtype, shape]``, one per tensor frame, in order
-``ts``     timestamps and per-stage trace (kind-specific, plain numbers)
-``body``   kind-specific plain data (control plane arguments, errors)
-=========  =================================================================
+Nothing is pickled. The header is decoded into the message types the receiving
+socket accepts (a :class:`Channel`), with every field's type and range checked;
+everything about a tensor (dtype, shape, byte size) is validated against the
+limits before any buffer is viewed, so a malformed or hostile message raises
+:class:`WireError` with a clear reason and the receiver carries on.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-import msgpack
+import msgspec
 import numpy as np
 import torch
 
-VERSION = 1
-KINDS = frozenset({
-    # data plane
-    "task", "output",
-    # control plane
-    "hello", "load", "assign", "start_stream", "stop_stream", "heartbeat", "stats", "shutdown",
-    "ack", "error",
-})
+from physis_ros.runtime import protocol as p
+
 # dtype name -> (numpy storage dtype, torch dtype). bfloat16 travels as its raw 16-bit pattern.
 DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
     "float32": (np.dtype("<f4"), torch.float32),
@@ -48,25 +32,35 @@ DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
     "uint8": (np.dtype("u1"), torch.uint8),
 }
 TORCH_TO_NAME = {tdt: name for name, (_, tdt) in DTYPES.items()}
-MAX_RANK = 8
-MAX_TENSORS = 64
-MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADER_BYTES = 256 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+_ENCODER = msgspec.msgpack.Encoder()
+
+M = TypeVar("M")
 
 
 class WireError(ValueError):
     """A message that cannot be accepted; the text says which field and why."""
 
 
+class Channel(Generic[M]):
+    """The message kinds one socket accepts, with their decoder."""
+
+    def __init__(self, name: str, kinds: Any):
+        self.name = name
+        self.decoder = msgspec.msgpack.Decoder(kinds)
+
+
+DATA: Channel[p.Task] = Channel("data", p.Task)
+OUTPUT: Channel[p.Output] = Channel("output", p.Output)
+TO_WORKER: Channel[p.ToWorker] = Channel("control (to worker)", p.ToWorker)
+TO_ENGINE: Channel[p.ToEngine] = Channel("control (to engine)", p.ToEngine)
+
+
 @dataclass
-class Message:
-    kind: str
-    stream: str = ""
-    chunk: int = -1
-    stage: tuple[int, int] | None = None
+class Received(Generic[M]):
+    msg: M
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    ts: dict[str, Any] = field(default_factory=dict)
-    body: dict[str, Any] = field(default_factory=dict)
 
 
 def _as_frame(t: torch.Tensor) -> tuple[str, memoryview]:
@@ -82,19 +76,16 @@ def _as_frame(t: torch.Tensor) -> tuple[str, memoryview]:
     return name, memoryview(t.numpy().reshape(-1).view(np.uint8))
 
 
-def encode(msg: Message) -> list[Any]:
-    """Frames for ``socket.send_multipart(frames, copy=False)``; tensor frames are views, not copies."""
-    if msg.kind not in KINDS:
-        raise WireError(f"unknown message kind '{msg.kind}'")
+def encode(msg: p.Message, tensors: Mapping[str, torch.Tensor] | None = None) -> list[Any]:
+    """Frames for ``socket.send_multipart(frames, copy=False)``; tensor frames are views, not copies.
+    ``msg.tensors`` is filled in from ``tensors``."""
     specs, frames = [], []
-    for name, tensor in msg.tensors.items():
+    for name, tensor in (tensors or {}).items():
         dtype, frame = _as_frame(tensor)
-        specs.append([name, dtype, list(tensor.shape)])
+        specs.append(p.TensorSpec(name, dtype, list(tensor.shape)))
         frames.append(frame)
-    header = {"v": VERSION, "kind": msg.kind, "stream": msg.stream, "chunk": msg.chunk,
-              "stage": list(msg.stage) if msg.stage is not None else None,
-              "t": specs, "ts": msg.ts, "body": msg.body}
-    return [msgpack.packb(header, use_bin_type=True), *frames]
+    msg.tensors = specs
+    return [_ENCODER.encode(msg), *frames]
 
 
 def _frame_bytes(frame: Any) -> memoryview:
@@ -102,78 +93,50 @@ def _frame_bytes(frame: Any) -> memoryview:
     return memoryview(buf).cast("B")
 
 
-def _check_header(header: Any) -> None:
-    if not isinstance(header, dict):
-        raise WireError("header is not a map")
-    if type(header.get("v")) is not int or header["v"] != VERSION:
-        raise WireError(f"unknown format version {header.get('v')!r}; this build speaks version {VERSION}")
-    if not isinstance(header.get("kind"), str) or header["kind"] not in KINDS:
-        raise WireError(f"unknown message kind {header.get('kind')!r}")
-    if not isinstance(header.get("stream", ""), str):
-        raise WireError("field 'stream' must be a string")
-    chunk = header.get("chunk", -1)
-    if not isinstance(chunk, int) or isinstance(chunk, bool):
-        raise WireError("field 'chunk' must be an integer")
-    stage = header.get("stage")
-    if stage is not None and not (isinstance(stage, list) and len(stage) == 2
-                                  and all(isinstance(x, int) and not isinstance(x, bool) for x in stage)):
-        raise WireError("field 'stage' must be null or [step, block]")
-    for key in ("ts", "body"):
-        if not isinstance(header.get(key, {}), dict):
-            raise WireError(f"field '{key}' must be a map")
-    if not isinstance(header.get("t", []), list):
-        raise WireError("field 't' must be a list of tensor specs")
-
-
-def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
-    """Validate and decode frames; tensors are zero-copy views of the received buffers."""
+def decode(frames: list[Any], channel: Channel[M], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Received[M]:
+    """Validate and decode frames as one of ``channel``'s kinds; tensors are zero-copy views."""
     if not frames:
         raise WireError("empty message")
-    views = [_frame_bytes(f) for f in frames]
+    try:
+        views = [_frame_bytes(f) for f in frames]
+    except (TypeError, ValueError) as exc:
+        raise WireError(f"frame is not a byte buffer: {exc}") from None
     total = sum(v.nbytes for v in views)
     if total > max_bytes:
         raise WireError(f"message of {total} bytes exceeds the limit of {max_bytes} bytes")
     if views[0].nbytes > MAX_HEADER_BYTES:
         raise WireError(f"header of {views[0].nbytes} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = msgpack.unpackb(views[0], raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise WireError(f"header is not valid msgpack: {exc.__class__.__name__}") from None
-    _check_header(header)
-    specs = header.get("t", [])
-    if len(specs) > MAX_TENSORS:
-        raise WireError(f"{len(specs)} tensors exceed the limit of {MAX_TENSORS}")
+        msg = channel.decoder.decode(views[0])
+    except msgspec.ValidationError as exc:
+        raise WireError(f"invalid {channel.name} message: {exc}") from None
+    except Exception as exc:  # DecodeError, and e.g. UnicodeDecodeError for bad utf-8: garbage either way
+        raise WireError(f"{channel.name} header is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    specs = msg.tensors
     if len(specs) != len(views) - 1:
         raise WireError(f"header announces {len(specs)} tensor frames but {len(views) - 1} arrived "
                         "(truncated or extra frames)")
-    tensors = {}
-    for i, (spec, view) in enumerate(zip(specs, views[1:])):
-        tensors.update([_decode_tensor(i, spec, view, max_bytes)])
-    stage = header.get("stage")
-    return Message(kind=header["kind"], stream=header.get("stream", ""), chunk=header.get("chunk", -1),
-                   stage=tuple(stage) if stage is not None else None, tensors=tensors,
-                   ts=header.get("ts", {}), body=header.get("body", {}))
+    tensors: dict[str, torch.Tensor] = {}
+    for spec, view in zip(specs, views[1:]):
+        if spec.name in tensors:
+            raise WireError(f"tensor '{spec.name}' appears twice")
+        tensors[spec.name] = _decode_tensor(spec, view, max_bytes)
+    return Received(msg, tensors)
 
 
-def _decode_tensor(i: int, spec: Any, view: memoryview, max_bytes: int) -> tuple[str, torch.Tensor]:
-    if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)):
-        raise WireError(f"tensor spec {i} must be [name, dtype, shape]")
-    name, dtype, shape = spec
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise WireError(f"tensor '{name}' has unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
-    if not (isinstance(shape, list) and len(shape) <= MAX_RANK
-            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= max_bytes for d in shape)):
-        raise WireError(f"tensor '{name}' has an invalid shape {shape!r} (at most {MAX_RANK} non-negative dims)")
-    np_dtype, torch_dtype = DTYPES[dtype]
+def _decode_tensor(spec: p.TensorSpec, view: memoryview, max_bytes: int) -> torch.Tensor:
+    np_dtype, torch_dtype = DTYPES[spec.dtype]
     count = 1
-    for d in shape:
+    for d in spec.shape:
         count *= d
         if count * np_dtype.itemsize > max_bytes:
-            raise WireError(f"tensor '{name}' of shape {shape} exceeds the message limit of {max_bytes} bytes")
+            raise WireError(f"tensor '{spec.name}' of shape {spec.shape} exceeds the message limit of "
+                            f"{max_bytes} bytes")
     expected = count * np_dtype.itemsize
     if view.nbytes != expected:
-        raise WireError(f"tensor '{name}' {dtype}{shape} needs {expected} bytes but its frame has {view.nbytes}")
-    array = np.frombuffer(view, dtype=np_dtype).reshape(shape)
+        raise WireError(f"tensor '{spec.name}' {spec.dtype}{spec.shape} needs {expected} bytes but its frame has "
+                        f"{view.nbytes}")
+    array = np.frombuffer(view, dtype=np_dtype).reshape(spec.shape)
     with warnings.catch_warnings():
         # Received zmq buffers are read-only and torch warns about that. The view stays
         # zero-copy: nothing writes into a received tensor (every stage makes new ones).
@@ -181,4 +144,12 @@ def _decode_tensor(i: int, spec: Any, view: memoryview, max_bytes: int) -> tuple
         t = torch.from_numpy(array)
     if torch_dtype == torch.bfloat16:
         t = t.view(torch.bfloat16)
-    return name, t
+    return t
+
+
+def expect_tensors(received: Received, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise WireError unless the message carries exactly these tensors with these shapes."""
+    got = {k: tuple(v.shape) for k, v in received.tensors.items()}
+    want = {k: tuple(s) for k, s in shapes.items()}
+    if got != want:
+        raise WireError(f"expected tensors {want}, got {got}")

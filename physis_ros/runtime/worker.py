@@ -2,10 +2,11 @@
 
 Sockets (all owned by this single-threaded process):
 
-- control: DEALER connected to the engine's ROUTER. Commands in (load, assign,
-  start/stop stream, stats, shutdown), acks, errors and heartbeats out.
-- data in: PULL bound on this worker's own address (loopback tcp by default,
-  or ipc). Tasks arrive here from the engine or from the previous stage's worker.
+- control: DEALER connected to the engine's ROUTER. Requests in (load, start/stop
+  stream, stats, shutdown); acks, failures, lost-task reports, log lines and
+  heartbeats out.
+- data in: PULL bound on this worker's own address (loopback tcp or ipc). Tasks
+  arrive here from the engine or from the previous stage's worker.
 - data out: one PUSH per peer worker (next stage elsewhere) and one PUSH to the
   engine's output PULL (the chunk leaves the last stage).
 
@@ -13,12 +14,19 @@ A task runs all consecutive stages this worker hosts before it leaves, so a
 hidden state crosses the network only where the plan changes worker. KV caches
 never move: each hosted block has a persistent table with one slot per
 (stream, step).
+
+Nothing a peer sends can stop the loop: every message is decoded into its
+declared type or dropped and counted, each turn handles a bounded number of
+messages so stages and heartbeats keep running under a flood, and a chunk this
+worker cannot pass on (queue full, send refused, stage failed) is reported to
+the engine at once so that its stream is reset rather than stalled.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,39 +35,52 @@ import torch
 import zmq
 
 from physis_ros.config import from_mapping
+from physis_ros.logs import Throttle
 from physis_ros.model import KVBatch, KVTable, build_model
 from physis_ros.model.checkpoint import load_checkpoint
 from physis_ros.model.dit import DiTModel
 from physis_ros.model.spec import ModelConfig
-from physis_ros.model.stages import OBS_PREFIX, chunk_input, run_stage
+from physis_ros.model.stages import check_payload, first_state, run_stage
+from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
+from physis_ros.runtime.batching import BatchPolicy
 from physis_ros.runtime.device import DeviceIO
 from physis_ros.runtime.plans import Stage, next_stage
-from physis_ros.runtime.scheduler import BatchScheduler
 from physis_ros.runtime.security import CurveKeys
 
 log = logging.getLogger("physis.worker")
 HEARTBEAT_S = 0.2
-MAX_READY = 1024  # tasks; the engine's in-flight credits keep real loads far below this
+DATA_BURST = 32   # data messages accepted per loop turn: a flood cannot starve stages or heartbeats
+CTRL_BURST = 16
 
 
 @dataclass
-class Task:
-    stream: str
-    chunk: int
-    stage: Stage
+class Job:
+    """A chunk's task while it is on this worker: its header, travelling state and arrival time."""
+
+    task: p.Task
     state: dict[str, torch.Tensor]
-    ts: dict
     received: float = field(default_factory=time.perf_counter)
 
     @property
+    def stream(self) -> str:
+        return self.task.stream
+
+    @property
+    def chunk(self) -> int:
+        return self.task.chunk
+
+    @property
+    def stage(self) -> Stage:
+        return self.task.stage
+
+    @property
     def order(self) -> float:
-        """When the chunk entered the pipeline (engine clock): oldest chunk first."""
-        return float(self.ts.get("order", 0.0))
+        return self.task.order
 
     @property
     def deadline(self) -> float:
-        return float(self.ts.get("deadline", self.order + 1.0))
+        return self.task.deadline
 
 
 class SlotMap:
@@ -93,13 +114,30 @@ class StreamPlacement:
 
     stages: set[Stage]
     routes: dict[Stage, str]  # next stage's worker data address, or the engine's after the last stage
-    epoch: int = 0  # the stream's incarnation: tasks of an earlier one (before a failure) are dropped
+    epoch: int = 0  # the stream's incarnation: tasks of an earlier one (before a reset) are dropped
+
+
+class _ForwardToEngine(logging.Handler):
+    """Sends this worker's log lines to the engine, which logs them under the worker's name."""
+
+    def __init__(self, worker: Worker, level: int):
+        super().__init__(level)
+        self.worker = worker
+
+    def emit(self, record: logging.LogRecord) -> None:
+        level = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warning"}.get(record.levelno, "error")
+        try:
+            self.worker.send_ctrl(p.LogRecord(worker=self.worker.id, level=level,
+                                              text=p.clip_text(self.format(record))))
+        except Exception:  # never let logging take the worker down
+            pass
 
 
 class Worker:
     def __init__(self, engine_ctrl: str, worker_id: str, *, device: str = "cpu", bind_host: str = "127.0.0.1",
                  transport: str = "tcp", ipc_dir: str | None = None,
-                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, curve_keys: str | None = None):
+                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, curve_keys: str | None = None,
+                 forward_logs: bool = True):
         self.id = worker_id
         self.device = device
         self.io = DeviceIO(device)
@@ -113,6 +151,7 @@ class Worker:
         self.ctrl.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.ctrl.setsockopt(zmq.LINGER, 0)
         self.ctrl.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self.ctrl.setsockopt(zmq.SNDHWM, 10000)
         self.ctrl.connect(engine_ctrl)
         self.data_in = self.ctx.socket(zmq.PULL)
         if self.keys:
@@ -129,15 +168,19 @@ class Worker:
             self.data_addr = f"tcp://{bind_host}:{port}"
         self.peers: dict[str, zmq.Socket] = {}
         self.model: DiTModel | None = None
-        self.load_args: dict = {}
+        self.load: p.Load | None = None
         self.tables: dict[int, KVTable] = {}
         self.slots: SlotMap | None = None
         self.placements: dict[str, StreamPlacement] = {}
-        self.ready: list[Task] = []
-        self.scheduler: BatchScheduler | None = None
+        self.ready: list[Job] = []
+        self.policy: BatchPolicy | None = None
         self.running = True
-        self.stats = {"tasks": 0, "stages": 0, "batches": 0, "bad_messages": 0, "errors": 0, "stale": 0,
-                      "dropped_sends": 0, "dropped_tasks": 0, "compute_ms": 0.0}
+        self.accepted = 0
+        self.stats = p.WorkerStats()
+        self.throttle = Throttle(5.0)
+        self._log_handler = _ForwardToEngine(self, logging.INFO) if forward_logs else None
+        if self._log_handler is not None:
+            log.addHandler(self._log_handler)
 
     # ---- sockets -------------------------------------------------------------------------
     def _push(self, address: str) -> zmq.Socket:
@@ -153,36 +196,50 @@ class Worker:
             self.peers[address] = sock
         return sock
 
-    def _send_ctrl(self, kind: str, body: dict | None = None, **fields) -> None:
-        msg = wire.Message(kind=kind, body={"worker": self.id, **(body or {})}, **fields)
-        self.ctrl.send_multipart(wire.encode(msg), copy=False)
+    def send_ctrl(self, msg: p.Message) -> None:
+        try:
+            self.ctrl.send_multipart(wire.encode(msg), zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # the engine is not reading: it will notice the silence itself
+            pass
+
+    def _warn(self, key: str, text: str) -> None:
+        self.throttle.log(log, logging.WARNING, key, f"worker {self.id}: {text}")
+
+    def _lost(self, task: p.Task, reason: str, detail: str) -> None:
+        """Report a chunk this worker cannot pass on, so the engine resets its stream now."""
+        self._warn(f"lost:{reason}", f"chunk {task.chunk} of stream '{task.stream}' lost ({reason}): {detail}")
+        self.send_ctrl(p.TaskLost(worker=self.id, stream=task.stream, chunk=task.chunk, epoch=task.epoch,
+                                  reason=reason, detail=p.clip_text(detail)))
 
     # ---- control plane ---------------------------------------------------------------------
-    def handle_control(self, msg: wire.Message) -> None:
-        req = msg.body.get("req")
+    def handle_control(self, rec: wire.Received) -> None:
+        msg = rec.msg
+        handler = {p.Load: self.cmd_load, p.StartStream: self.cmd_start_stream, p.StopStream: self.cmd_stop_stream,
+                   p.Stats: self.cmd_stats, p.Shutdown: self.cmd_shutdown}[type(msg)]
         try:
-            result = getattr(self, f"cmd_{msg.kind}")(msg.body) or {}
-        except AttributeError:
-            self._send_ctrl("error", {"req": req, "error": f"worker cannot handle control kind '{msg.kind}'"})
-            return
+            fields = handler(msg) or {}
         except Exception as exc:  # reported to the engine, the worker stays up
-            log.exception("control command %s failed", msg.kind)
-            self._send_ctrl("error", {"req": req, "error": f"{msg.kind} failed: {exc}"})
+            log.warning("worker %s: %s failed: %s", self.id, msg.kind if hasattr(msg, "kind") else type(msg).__name__,
+                        exc)
+            self.send_ctrl(p.Failed(req=msg.req, worker=self.id,
+                                    error=p.clip_text(f"{type(msg).__name__} failed: {exc}")))
             return
-        self._send_ctrl("ack", {"req": req, **result})
+        self.send_ctrl(p.Ack(req=msg.req, worker=self.id, **fields))
 
-    def cmd_load(self, body: dict) -> dict:
+    def cmd_load(self, msg: p.Load) -> dict:
         """Model, device and scheduling settings; ``blocks`` preloads what the first streams need."""
-        torch.set_num_threads(int(body.get("threads", 1)))
-        self.load_args = body
-        config = from_mapping(ModelConfig, body["model"])
+        config = from_mapping(ModelConfig, msg.model)
+        torch.set_num_threads(msg.threads)
+        self.load = msg
         self.model = None
         self.tables = {}
         self.placements = {}
-        self.slots = SlotMap(int(body.get("max_streams", 8)), config.steps)
-        self.scheduler = BatchScheduler(policy=body.get("policy", "oldest"), batching=body.get("batching", "off"),
-                                        max_batch=int(body.get("max_batch", 4)), profile=body.get("profile"))
-        self._ensure_blocks(config, set(body.get("blocks", [])))
+        self.ready = []
+        self.accepted = 0
+        self.slots = SlotMap(msg.max_streams, config.steps)
+        self.policy = BatchPolicy(policy=msg.policy, batching=msg.batching, max_batch=msg.max_batch,
+                                  profile=msg.profile)
+        self._ensure_blocks(config, set(msg.blocks))
         return {"blocks": sorted(self.tables), "kv_bytes": self.kv_bytes()}
 
     def _ensure_blocks(self, config: ModelConfig, blocks: set[int]) -> None:
@@ -191,9 +248,8 @@ class Worker:
         if blocks <= have and self.model is not None:
             return
         wanted = sorted(have | blocks)
-        ckpt = self.load_args.get("checkpoint")
-        if ckpt:
-            self.model = load_checkpoint(ckpt, config=config, device=self.device, hosted_blocks=wanted)
+        if self.load.checkpoint:
+            self.model = load_checkpoint(self.load.checkpoint, config=config, device=self.device, hosted_blocks=wanted)
         else:
             self.model = build_model(config, device=self.device, hosted_blocks=wanted)
         for b in wanted:
@@ -203,135 +259,162 @@ class Worker:
     def kv_bytes(self) -> int:
         return sum(t.slot_bytes() * t.slots for t in self.tables.values())
 
-    def cmd_start_stream(self, body: dict) -> dict:
-        """Host a stream's stages (fresh KV) and learn where each of them sends its output."""
-        stream = body["stream"]
-        stages = {tuple(s) for s in body["stages"]}
-        routes = {tuple(map(int, key.split(","))): addr for key, addr in body["routes"].items()}
+    def cmd_start_stream(self, msg: p.StartStream) -> dict:
+        """Host a stream's stages (fresh KV) under a new epoch; drop whatever it had queued here."""
+        if self.model is None:
+            raise RuntimeError("no model loaded")
+        stages = set(msg.stages)
+        routes = {r.stage: r.address for r in msg.routes}
+        cfg = self.model.config
+        bad = sorted(s for s in stages if not (1 <= s[0] <= cfg.steps and 0 <= s[1] < cfg.blocks))
+        if bad:
+            raise ValueError(f"stages {bad} do not exist in model '{cfg.name}' ({cfg.steps} steps x {cfg.blocks} "
+                             f"blocks)")
         missing = sorted(s for s in stages if s not in routes)
         if missing:
-            raise ValueError(f"no route for stages {missing} of stream '{stream}'")
-        self._ensure_blocks(self.model.config, {b for _, b in stages})
-        self.slots.add(stream)
+            raise ValueError(f"no route for stages {missing} of stream '{msg.stream}'")
+        self._ensure_blocks(cfg, {b for _, b in stages})
+        self.slots.add(msg.stream)
         for k, b in stages:
-            self.tables[b].reset(self.slots.slot(stream, k))
-        self.placements[stream] = StreamPlacement(stages, routes, int(body.get("epoch", 0)))
+            self.tables[b].reset(self.slots.slot(msg.stream, k))
+        self.ready = [j for j in self.ready if j.stream != msg.stream]
+        self.placements[msg.stream] = StreamPlacement(stages, routes, msg.epoch)
         for addr in set(routes.values()):
             if addr != self.data_addr:
                 self._push(addr)
-        return {"slot": self.slots.index[stream], "kv_bytes": self.kv_bytes()}
+        return {"slot": self.slots.index[msg.stream], "kv_bytes": self.kv_bytes()}
 
-    def cmd_stop_stream(self, body: dict) -> dict:
-        stream = body["stream"]
-        self.slots.remove(stream)
-        self.placements.pop(stream, None)
-        self.ready = [t for t in self.ready if t.stream != stream]
+    def cmd_stop_stream(self, msg: p.StopStream) -> dict:
+        if self.slots is not None:
+            self.slots.remove(msg.stream)
+        self.placements.pop(msg.stream, None)
+        self.ready = [j for j in self.ready if j.stream != msg.stream]
         return {}
 
-    def cmd_stats(self, body: dict) -> dict:
-        return dict(self.stats)
+    def cmd_stats(self, msg: p.Stats) -> dict:
+        return {"stats": self._stats()}
 
-    def cmd_shutdown(self, body: dict) -> dict:
+    def cmd_shutdown(self, msg: p.Shutdown) -> dict:
         self.running = False
         return {}
+
+    def _stats(self) -> p.WorkerStats:
+        self.stats.kv_bytes = self.kv_bytes()
+        return self.stats
 
     # ---- data plane ------------------------------------------------------------------------
     def accept_task(self, frames: list) -> None:
         try:
-            msg = wire.decode(frames, self.max_message_bytes)
-            if msg.kind != "task" or msg.stage is None:
-                raise wire.WireError(f"data socket accepts 'task' messages with a stage, got '{msg.kind}'")
-            placement = self.placements.get(msg.stream)
-            if placement is None:  # stopped (or never started) here: late tasks of a removed stream
-                self.stats["stale"] += 1
-                return
-            if msg.stage not in placement.stages:
-                raise wire.WireError(f"stage {list(msg.stage)} of stream '{msg.stream}' is not hosted by "
-                                     f"worker {self.id}")
+            rec = wire.decode(frames, wire.DATA, self.max_message_bytes)
         except wire.WireError as exc:
-            self.stats["bad_messages"] += 1
-            log.warning("worker %s dropped a malformed message: %s", self.id, exc)
-            self._send_ctrl("error", {"error": f"malformed data message: {exc}", "bad_message": True})
+            self.stats.bad_messages += 1
+            self._warn("bad_data", f"dropped a malformed data message: {exc}")
             return
-        ts = msg.ts
-        if ts.get("epoch", 0) != placement.epoch:
-            self.stats["stale"] += 1  # from before the stream was re-admitted: its KV is gone
+        task = rec.msg
+        placement = self.placements.get(task.stream)
+        if placement is None or task.epoch < placement.epoch:  # a stopped stream, or an earlier incarnation
+            self.stats.stale += 1
             return
-        if "sent" in ts:
-            ts.setdefault("hops", []).append((time.perf_counter() - ts.pop("sent")) * 1e3)
-        model, state = self.model, msg.tensors
-        if "x" not in state:  # the chunk's first stage: observation in, noise made here
-            obs = {k[len(OBS_PREFIX):]: self.io.to_device(v, model.dtype)
-                   for k, v in state.items() if k.startswith(OBS_PREFIX)}
-            state = chunk_input(obs, model.noise(int(ts.get("seed", 0)), msg.stream, msg.chunk))
+        if task.epoch > placement.epoch:
+            self._lost(task, "epoch_ahead", f"task of epoch {task.epoch}, this worker hosts epoch {placement.epoch}")
+            return
+        if task.stage not in placement.stages:
+            self.stats.bad_messages += 1
+            self._warn("not_hosted", f"dropped a task for stage {list(task.stage)} of stream '{task.stream}', "
+                                     f"which is not hosted here")
+            return
+        model = self.model
+        first = task.stage == (model.config.steps, 0)
+        try:
+            check_payload(model.config, first, task.stage[1], rec.tensors)
+        except ValueError as exc:
+            self.stats.bad_messages += 1
+            self._lost(task, "task_failed", f"malformed payload: {exc}")
+            return
+        self.accepted += 1
+        if self.load.faults.drop_task and self.accepted == self.load.faults.drop_task:
+            self.stats.injected_drops += 1  # fault injection: vanish without a word, as a lost message would
+            return
+        if task.sent:
+            task.hops.append(min(max(0.0, (time.perf_counter() - task.sent) * 1e3), 1e9))
+        if first:  # the chunk's first stage: observation in, noise made here
+            state = first_state(rec.tensors, model.noise(task.seed, task.stream, task.chunk),
+                                lambda t: self.io.to_device(t, model.dtype))
         else:
-            state = {k: self.io.to_device(v) for k, v in state.items()}
-        self.ready.append(Task(msg.stream, msg.chunk, msg.stage, state, ts))
-        if len(self.ready) > MAX_READY:  # bounded: a flood costs the oldest work, never memory
-            dropped = min(self.ready, key=lambda t: t.order)
+            state = {k: self.io.to_device(v) for k, v in rec.tensors.items()}
+        self.ready.append(Job(task, state))
+        if len(self.ready) > self.load.max_ready:  # bounded: a burst costs the oldest chunk, reported
+            dropped = min(self.ready, key=lambda j: j.order)
             self.ready.remove(dropped)
-            self.stats["dropped_tasks"] += 1
-            self._send_ctrl("error", {"error": f"ready queue full ({MAX_READY}); dropped chunk {dropped.chunk} "
-                                               f"of stream '{dropped.stream}'", "stream": dropped.stream})
+            self.stats.dropped_tasks += 1
+            self._lost(dropped.task, "queue_full", f"ready queue full ({self.load.max_ready} tasks)")
 
     def run_next(self) -> None:
         """Run one stage for the task the policy picks, batched with same-block tasks if that pays."""
         model = self.model
-        batch = self.scheduler.pick(self.ready, self._slot_key)
-        for t in batch:
-            self.ready.remove(t)
+        batch = self.policy.pick(self.ready, self._slot_key)
+        for j in batch:
+            self.ready.remove(j)
         b = batch[0].stage[1]
-        slots = [self.slots.slot(t.stream, t.stage[0]) for t in batch]
+        slots = [self.slots.slot(j.stream, j.stage[0]) for j in batch]
         try:
             with self.io.timer() as timer:
-                states = run_stage(model, b, [t.stage[0] for t in batch], [t.state for t in batch],
+                states = run_stage(model, b, [j.stage[0] for j in batch], [j.state for j in batch],
                                    KVBatch(self.tables[b], slots))
         except Exception as exc:  # a failing task must not take the worker down
-            self.stats["errors"] += 1
-            log.exception("stage %s of %d task(s) failed", batch[0].stage, len(batch))
-            for t in batch:
-                self._send_ctrl("error", {"error": f"task failed: {exc}", "stream": t.stream, "chunk": t.chunk})
+            self.stats.errors += 1
+            log.exception("worker %s: stage %s of %d task(s) failed", self.id, batch[0].stage, len(batch))
+            for j in batch:
+                self._lost(j.task, "task_failed", f"stage {list(j.stage)} raised {type(exc).__name__}: {exc}")
             return
         start, end, batch_ms = timer.wall_start, timer.wall_end, timer.ms
-        self.scheduler.observe(b, len(batch), batch_ms)
-        self.stats["stages"] += len(batch)
-        self.stats["batches"] += 1
-        self.stats["compute_ms"] += batch_ms
+        self.policy.observe(b, len(batch), batch_ms)
+        self.stats.stages += len(batch)
+        self.stats.batches += 1
+        self.stats.compute_ms += batch_ms
         share = batch_ms / len(batch)  # each chunk is charged its share of the batched forward
-        for t, state in zip(batch, states):
-            t.ts.setdefault("trace", []).append(
-                [t.stage[0], b, self.id, round((start - t.received) * 1e3, 4), round(share, 4), len(batch)])
-            t.state = state
-            self._forward(t, end)
+        for j, state in zip(batch, states):
+            j.task.trace.append(p.TraceEntry(j.stage[0], b, self.id, round(max(0.0, start - j.received) * 1e3, 4),
+                                             round(share, 4), len(batch)))
+            j.state = state
+            self._forward(j, end)
 
-    def _forward(self, task: Task, now: float) -> None:
-        """Queue the task's next stage here, or send it to the next worker or the engine."""
+    def _forward(self, job: Job, now: float) -> None:
+        """Queue the job's next stage here, or send it to the next worker or the engine."""
         cfg = self.model.config
+        task = job.task
         placement = self.placements.get(task.stream)
-        if placement is None:  # the stream was stopped while this task ran
+        if placement is None or placement.epoch != task.epoch:  # stopped or reset while this task ran
             return
         nxt = next_stage(task.stage, cfg.steps, cfg.blocks)
         if nxt is not None and nxt in placement.stages:
-            task.stage, task.received = nxt, now
-            self.ready.append(task)
+            task.stage, job.received = nxt, now
+            self.ready.append(job)
             return
-        self.stats["tasks"] += 1
-        tensors = self.io.to_host({"x": task.state["x"]} if nxt is None else task.state)
-        task.ts["sent"] = time.perf_counter()
-        kind = "output" if nxt is None else "task"
-        out = wire.Message(kind, task.stream, task.chunk, nxt, tensors, task.ts, {"worker": self.id})
+        self.stats.tasks += 1
+        route = placement.routes[task.stage]
+        sent = time.perf_counter()
+        if nxt is None:
+            out: p.Message = p.Output(stream=task.stream, chunk=task.chunk, epoch=task.epoch, worker=self.id,
+                                      sent=sent, hops=task.hops, trace=task.trace)
+            tensors = self.io.to_host({"x": job.state["x"]})
+        else:
+            task.stage, task.sent, out = nxt, sent, task
+            tensors = self.io.to_host(job.state)
         try:
-            # Never block on a peer that is gone (a lost worker): drop, count, and let the engine recover.
-            self._push(placement.routes[task.stage]).send_multipart(wire.encode(out), zmq.NOBLOCK, copy=False)
+            # Never block on a peer that is gone (a lost worker): drop, report, and let the engine recover.
+            self._push(route).send_multipart(wire.encode(out, tensors), zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            self.stats["dropped_sends"] += 1
+            self.stats.dropped_sends += 1
+            self._lost(task, "send_failed", "the next stage's worker did not take the message")
 
-    def _slot_key(self, task: Task) -> tuple[str, int, int]:
-        return (task.stream, task.stage[0], task.stage[1])
+    def _slot_key(self, job: Job) -> tuple[str, int, int]:
+        return (job.stream, job.stage[0], job.stage[1])
 
     # ---- main loop ---------------------------------------------------------------------------
     def serve(self) -> None:
-        self._send_ctrl("hello", {"data": self.data_addr, "pid": os.getpid(), "device": self.device})
+        self.send_ctrl(p.Hello(worker=self.id, data=self.data_addr, pid=os.getpid(), device=self.device,
+                               host=socket.gethostname()[:128]))
         poller = zmq.Poller()
         poller.register(self.ctrl, zmq.POLLIN)
         poller.register(self.data_in, zmq.POLLIN)
@@ -341,38 +424,39 @@ class Worker:
                 timeout = 0 if self.ready else max(0.0, next_beat - time.monotonic()) * 1e3
                 events = dict(poller.poll(timeout))
                 if self.ctrl in events:
-                    self._drain_ctrl()
+                    self._drain(self.ctrl, CTRL_BURST, self._on_ctrl)
                 if self.data_in in events:
-                    while True:
-                        try:
-                            frames = self.data_in.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self.accept_task(frames)
+                    self._drain(self.data_in, DATA_BURST, self.accept_task)
                 if self.ready:
                     self.run_next()
                 now = time.monotonic()
                 if now >= next_beat:
-                    self._send_ctrl("heartbeat", {"stats": self.stats, "queue": len(self.ready)})
+                    self.send_ctrl(p.Heartbeat(worker=self.id, queue=len(self.ready), stats=self._stats()))
                     next_beat = now + HEARTBEAT_S
         finally:
             self.close()
 
-    def _drain_ctrl(self) -> None:
-        while True:
+    @staticmethod
+    def _drain(sock: zmq.Socket, limit: int, handle) -> None:
+        for _ in range(limit):
             try:
-                frames = self.ctrl.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            try:
-                msg = wire.decode(frames, self.max_message_bytes)
-            except wire.WireError as exc:
-                self.stats["bad_messages"] += 1
-                log.warning("worker %s dropped a malformed control message: %s", self.id, exc)
-                continue
-            self.handle_control(msg)
+            handle(frames)
+
+    def _on_ctrl(self, frames: list) -> None:
+        try:
+            rec = wire.decode(frames, wire.TO_WORKER, self.max_message_bytes)
+        except wire.WireError as exc:
+            self.stats.bad_messages += 1
+            self._warn("bad_ctrl", f"dropped a malformed control message: {exc}")
+            return
+        self.handle_control(rec)
 
     def close(self) -> None:
+        if self._log_handler is not None:
+            log.removeHandler(self._log_handler)
         for sock in self.peers.values():
             sock.close(linger=1000)
         self.data_in.close(linger=0)

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from physis_ros.config import EngineConfig
+from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model.presets import load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.runtime.plans import Plan
@@ -68,7 +68,7 @@ async def _run(cfg, placed: list[PlacedStream], slo_ms: float, pace_ms: float, w
     scene = SyntheticScene(cfg.observation_shapes)
     engine_cfg = EngineConfig(workers=workers, devices=["cpu"], batching="off", policy="edf",
                               max_streams=max(8, len(placed) * cfg.steps))
-    async with Engine(cfg, engine_cfg) as engine:
+    async with Engine(cfg, engine_cfg, plan_of(placed[0], cfg.steps, cfg.blocks)) as engine:
         for p in placed:
             def observe(c: int, name: str = p.stream) -> Observation:
                 return Observation(scene.observation(name, c), engine.clock())

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import torch
 
-from physis_ros.config import EngineConfig
+from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.runtime.offline import run_chunks

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from physis_ros.runtime.scheduler import BatchScheduler
+from physis_ros.runtime.batching import BatchPolicy
 
 
 @dataclass
@@ -30,12 +30,12 @@ def slot(t):
 def test_oldest_first_and_edf():
     a = T("a", 5, (4, 0), {"order": 1.0, "deadline": 9.0})
     b = T("b", 2, (4, 3), {"order": 2.0, "deadline": 3.0})
-    assert BatchScheduler("oldest").pick([b, a], slot) == [a]
-    assert BatchScheduler("edf").pick([a, b], slot) == [b]
+    assert BatchPolicy("oldest").pick([b, a], slot) == [a]
+    assert BatchPolicy("edf").pick([a, b], slot) == [b]
 
 
 def test_no_starvation_under_continuous_arrivals():
-    sched = BatchScheduler("oldest")
+    sched = BatchPolicy("oldest")
     ready = [T("slow", 0, (4, 0), {"order": 0.5})]
     ran = []
     for i in range(20):
@@ -49,7 +49,7 @@ def test_no_starvation_under_continuous_arrivals():
 
 
 def test_batches_same_block_only_and_never_two_tasks_of_one_slot():
-    sched = BatchScheduler(batching="on", max_batch=4)
+    sched = BatchPolicy(batching="on", max_batch=4)
     ready = [T("a", 0, (3, 2)), T("a", 1, (4, 2)), T("a", 2, (4, 2)), T("b", 0, (3, 2)), T("a", 3, (4, 5))]
     batch = sched.pick(ready, slot)
     assert [(t.stream, t.chunk) for t in batch] == [("a", 0), ("b", 0), ("a", 1)]
@@ -58,20 +58,20 @@ def test_batches_same_block_only_and_never_two_tasks_of_one_slot():
 
 def test_max_batch_and_off():
     ready = [T(f"s{i}", 0, (4, 0)) for i in range(6)]
-    assert len(BatchScheduler(batching="on", max_batch=4).pick(ready, slot)) == 4
-    assert len(BatchScheduler(batching="off").pick(ready, slot)) == 1
+    assert len(BatchPolicy(batching="on", max_batch=4).pick(ready, slot)) == 4
+    assert len(BatchPolicy(batching="off").pick(ready, slot)) == 1
 
 
 @pytest.mark.parametrize("batched_ms, expect", [(2.0, 4), (4.4, 1)])
 def test_adaptive_uses_measured_costs(batched_ms, expect):
     # Overhead-bound: 4 tasks in 2.0 ms beat 4 x 1.0 ms; compute-bound: 4.4 ms loses.
-    sched = BatchScheduler(batching="adaptive", max_batch=4, profile={"0": {"1": 1.0, "4": batched_ms}})
+    sched = BatchPolicy(batching="adaptive", max_batch=4, profile={"0": {"1": 1.0, "4": batched_ms}})
     ready = [T(f"s{i}", 0, (4, 0)) for i in range(4)]
     assert len(sched.pick(ready, slot)) == expect
 
 
 def test_adaptive_explores_then_learns_online():
-    sched = BatchScheduler(batching="adaptive", max_batch=2)
+    sched = BatchPolicy(batching="adaptive", max_batch=2)
     ready = [T("a", 0, (4, 0)), T("b", 0, (4, 0))]
     sizes = []
     for _ in range(8):
@@ -83,14 +83,14 @@ def test_adaptive_explores_then_learns_online():
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="unknown policy 'lifo'"):
-        BatchScheduler("lifo")
+        BatchPolicy("lifo")
     with pytest.raises(ValueError, match="unknown batching mode 'always'"):
-        BatchScheduler(batching="always")
+        BatchPolicy(batching="always")
 
 
 def test_adaptive_recovers_from_a_stale_estimate():
     # A disturbance made batching look slow; it is in fact faster. Periodic probes find out.
-    sched = BatchScheduler(batching="adaptive", max_batch=2, profile={"0": {"1": 1.0, "2": 9.0}})
+    sched = BatchPolicy(batching="adaptive", max_batch=2, profile={"0": {"1": 1.0, "2": 9.0}})
     ready = [T("a", 0, (4, 0)), T("b", 0, (4, 0))]
     sizes = []
     for _ in range(400):

@@ -12,16 +12,23 @@ import torch
 import uvloop
 import zmq
 
-from physis_ros.config import EngineConfig
+from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import build_model, load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.reference import reference_rollout
+from physis_ros.runtime import protocol as p
 from physis_ros.runtime.engine import Engine, EngineError, Observation
 from physis_ros.runtime.offline import run_chunks
+from physis_ros.runtime.planner import resolve_plan
 from physis_ros.runtime.plans import Plan, pipeline_order
 from physis_ros.runtime.profiler import Profile
 
 STREAMS = ["robot0", "robot1"]
+
+
+def new_engine(cfg, engine_cfg: EngineConfig, **kw) -> Engine:
+    resolved = resolve_plan(cfg, engine_cfg)
+    return Engine(cfg, engine_cfg, resolved.plan, profile=resolved.profile, **kw)
 _reference_cache: dict = {}
 
 
@@ -78,10 +85,9 @@ def test_auto_plan_comes_from_the_planner_and_runs(tmp_path):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(Profile(cfg.name, "cpu", "synthetic", [1, 2, 4], stage_ms, hop_ms=0.1,
                                           hidden_bytes=1000).to_json()))
-    engine = Engine(cfg, EngineConfig(plan="auto", workers=2, batching="on", profile=str(profile)))
-    assert engine.prediction is not None and engine.plan is engine.prediction.plan
-    assert engine.prediction.simulated.task_batch > 1.5 and engine.prediction.interval_ms > 0
-    engine.ctx.term()  # never started: nothing else to close
+    resolved = resolve_plan(cfg, EngineConfig(plan="auto", workers=2, batching="on", profile=str(profile)))
+    assert resolved.prediction is not None and resolved.plan is resolved.prediction.plan
+    assert resolved.prediction.simulated.task_batch > 1.5 and resolved.prediction.interval_ms > 0
     out = run("tiny-wam", 8, plan="auto", workers=2, batching="on", profile=str(profile))
     ref = reference("tiny-wam", 8)
     for s in STREAMS:
@@ -103,7 +109,7 @@ def test_telemetry_records_are_complete():
 
 async def _engine_with_stream(cfg, engine_cfg, chunks=None):
     scene = SyntheticScene(cfg.observation_shapes)
-    engine = Engine(cfg, engine_cfg)
+    engine = new_engine(cfg, engine_cfg)
     await engine.start()
     got = []
     await engine.add_stream("robot0", lambda c: Observation(scene.observation("robot0", c), engine.clock()),
@@ -111,7 +117,7 @@ async def _engine_with_stream(cfg, engine_cfg, chunks=None):
     return engine, got
 
 
-def test_malformed_message_is_dropped_and_worker_keeps_serving():
+def test_malformed_message_is_dropped_and_worker_keeps_serving(caplog):
     cfg = load_model_config("tiny-wam")
 
     async def main():
@@ -119,21 +125,23 @@ def test_malformed_message_is_dropped_and_worker_keeps_serving():
         try:
             ctx = zmq.Context.instance()
             sock = ctx.socket(zmq.PUSH)
-            sock.connect(engine.workers["w1"].data_addr)
+            sock.connect(engine.pool.workers["w1"].data_addr)
             for frames in ([b"\x00garbage"], [b"\x81\xa1v\x01"], []):
                 if frames:
                     sock.send_multipart(frames)
             sock.close(linger=1000)
             await engine.wait_stream("robot0")
-            stats = await engine.request("w1", "stats", {})
-            return got, stats, list(engine.errors)
+            stats = (await engine.pool.request("w1", p.Stats(req=0))).stats
+            return got, stats
         finally:
             await engine.stop()
 
-    got, stats, errors = uvloop.run(main())
+    with caplog.at_level("WARNING", logger="physis.worker"):
+        got, stats = uvloop.run(main())
     assert [o.chunk for o in got] == list(range(8))
-    assert stats["bad_messages"] == 2
-    assert any("malformed data message" in e for e in errors)
+    assert stats.bad_messages == 2
+    # The worker's log line reached the engine's log, under the worker's name.
+    assert any("[w1]" in r.getMessage() and "malformed data message" in r.getMessage() for r in caplog.records)
 
 
 def test_shutdown_leaves_no_processes_or_ipc_files():
@@ -143,7 +151,7 @@ def test_shutdown_leaves_no_processes_or_ipc_files():
         engine, got = await _engine_with_stream(cfg, EngineConfig(workers=2, plan="stage", transport="ipc"))
         while len(got) < 3:
             await asyncio.sleep(0.01)
-        pids = [w.proc.pid for w in engine.workers.values()]
+        pids = [w.proc.pid for w in engine.pool.workers.values()]
         ipc_dir = engine._ipc_dir.name
         assert any(os.scandir(ipc_dir))
         await engine.stop()
@@ -165,10 +173,10 @@ def test_killed_worker_is_reported_by_name_without_hanging():
         try:
             while len(got) < 2:
                 await asyncio.sleep(0.01)
-            victim = engine.workers["w1"].proc
+            victim = engine.pool.workers["w1"].proc
             os.kill(victim.pid, signal.SIGKILL)
             killed = time.monotonic()
-            with pytest.raises(EngineError, match=rf"worker w1 \(pid {victim.pid}\) exited with code -9"):
+            with pytest.raises(EngineError, match=rf"worker w1 \(pid {victim.pid}\) exited with code -9 .*restart"):
                 await asyncio.wait_for(engine.wait_stream("robot0"), timeout=10)
             return time.monotonic() - killed
         finally:
@@ -183,10 +191,10 @@ def test_worker_that_cannot_load_is_named():
         pytest.skip("needs a machine without CUDA to provoke a load failure")
 
     async def main():
-        engine = Engine(cfg, EngineConfig(workers=1, plan="sequential", devices=["cuda:0"]))
+        engine = new_engine(cfg, EngineConfig(workers=1, plan="sequential", devices=["cuda:0"]))
         await engine.start()
 
-    with pytest.raises(EngineError, match="worker w0: load failed"):
+    with pytest.raises(EngineError, match="worker w0: Load failed"):
         uvloop.run(main())
 
 
@@ -199,7 +207,7 @@ def test_lost_worker_fails_only_its_streams_and_they_come_back(fault):
 
     async def main():
         events = []
-        engine = Engine(cfg, EngineConfig(workers=2, heartbeat_timeout_s=0.5), on_event=events.append)
+        engine = new_engine(cfg, EngineConfig(workers=2, heartbeat_timeout_s=0.5), on_event=events.append)
         await engine.start()
         got = {"a": [], "b": []}
         try:
@@ -208,7 +216,7 @@ def test_lost_worker_fails_only_its_streams_and_they_come_back(fault):
                                         got[name].append, plan=plan)
             while len(got["b"]) < 3:
                 await asyncio.sleep(0.01)
-            victim = engine.workers["w1"]
+            victim = engine.pool.workers["w1"]
             os.kill(victim.proc.pid, fault)  # SIGSTOP: hung, not dead, only heartbeats can tell
             stopped = time.monotonic()
             while not any(e.kind == "failed" for e in events):
@@ -239,7 +247,7 @@ def test_slow_worker_shows_as_deadline_misses_not_silence():
 
     async def main():
         scene = SyntheticScene(cfg.observation_shapes)
-        engine = Engine(cfg, EngineConfig(workers=1, plan="sequential", heartbeat_timeout_s=2.0))
+        engine = new_engine(cfg, EngineConfig(workers=1, plan="sequential", heartbeat_timeout_s=2.0))
         await engine.start()
         got = []
         try:
@@ -247,7 +255,7 @@ def test_slow_worker_shows_as_deadline_misses_not_silence():
                                     got.append, slo_interval_ms=300.0)
             while len(got) < 3:
                 await asyncio.sleep(0.01)
-            pid = engine.workers["w0"].proc.pid
+            pid = engine.pool.workers["w0"].proc.pid
             os.kill(pid, signal.SIGSTOP)  # a stall shorter than the heartbeat timeout: slow, not lost
             await asyncio.sleep(0.8)
             os.kill(pid, signal.SIGCONT)
@@ -267,14 +275,16 @@ def test_slow_worker_shows_as_deadline_misses_not_silence():
 
 ENGINE_THAT_HANGS = """
 import asyncio, sys, uvloop
-from physis_ros.config import EngineConfig
+from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import load_model_config
 from physis_ros.runtime.engine import Engine
+from physis_ros.runtime.plans import make_plan
 
 async def main():
-    engine = Engine(load_model_config("tiny-wam"), EngineConfig(workers=2))
+    cfg = load_model_config("tiny-wam")
+    engine = Engine(cfg, EngineConfig(workers=2), make_plan("stage", cfg.steps, cfg.blocks, 2))
     await engine.start()
-    print(" ".join(str(w.proc.pid) for w in engine.workers.values()), flush=True)
+    print(" ".join(str(w.proc.pid) for w in engine.pool.workers.values()), flush=True)
     await asyncio.sleep(3600)
 
 uvloop.run(main())

@@ -12,21 +12,23 @@ import torch
 import uvloop
 import zmq
 
-from physis_ros.config import ConfigError, EngineConfig, from_mapping
+from physis_ros.config import ConfigError, from_mapping
+from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import build_model, load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.reference import ReferenceRollout
+from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
 from physis_ros.runtime.engine import Engine, Observation
+from physis_ros.runtime.plans import make_plan
 from physis_ros.runtime.security import CurveKeys, generate_keys, is_loopback
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def rogue_task(stream: str) -> list:
-    x = torch.zeros(1, 33, 128)
-    return wire.encode(wire.Message("task", stream, 0, (4, 0), {"obs/state": torch.zeros(1, 7), "x": x},
-                                    {"epoch": 0}))
+    obs = {"obs/image": torch.zeros(1, 3, 32, 32), "obs/state": torch.zeros(1, 7)}
+    return wire.encode(p.Task(stream=stream, chunk=0, stage=(4, 0), epoch=0), obs)
 
 
 def test_curve_engine_serves_and_refuses_strangers(tmp_path):
@@ -36,7 +38,7 @@ def test_curve_engine_serves_and_refuses_strangers(tmp_path):
     scene = SyntheticScene(cfg.observation_shapes)
 
     async def main():
-        engine = Engine(cfg, EngineConfig(workers=2, curve_keys=str(keys_dir)))
+        engine = Engine(cfg, EngineConfig(workers=2, curve_keys=str(keys_dir)), make_plan("stage", 4, 8, 2))
         await engine.start()
         try:
             got = []
@@ -46,7 +48,7 @@ def test_curve_engine_serves_and_refuses_strangers(tmp_path):
             ctx = zmq.Context()
             attempts = {"plain": None, "wrong key": CurveKeys.load(stranger_dir)}
             for label, keys in attempts.items():
-                for target in (engine.workers["w0"].data_addr, engine.out_addr):
+                for target in (engine.pool.workers["w0"].data_addr, engine.out_addr):
                     sock = ctx.socket(zmq.PUSH)
                     sock.setsockopt(zmq.LINGER, 0)
                     if keys is not None:
@@ -59,7 +61,7 @@ def test_curve_engine_serves_and_refuses_strangers(tmp_path):
                     await asyncio.sleep(0.3)
                     sock.close()
             ctx.term()
-            stats = await engine.request("w0", "stats", {})
+            stats = (await engine.pool.request("w0", p.Stats(req=0))).stats
             return got, stats, engine.streams["robot0"].next_emit
         finally:
             await engine.stop()
@@ -68,7 +70,7 @@ def test_curve_engine_serves_and_refuses_strangers(tmp_path):
     ref = ReferenceRollout(build_model(cfg))
     for o in got:
         assert np.array_equal(o.output, ref.step("robot0", scene.observation("robot0", o.chunk)).output.numpy())
-    assert stats["tasks"] == 4 and stats["bad_messages"] == 0 and stats["stale"] == 0
+    assert stats.tasks == 4 and stats.bad_messages == 0 and stats.stale == 0
     assert emitted == 4
 
 

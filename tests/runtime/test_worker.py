@@ -1,29 +1,66 @@
-"""A worker in-process (no serve loop): slots, placement checks, and the bounded ready queue."""
+"""A worker in-process (no serve loop): slots, placement checks, the bounded ready queue, lost-task
+reports, fault injection, and headers with fields of the wrong type (which once crashed a worker)."""
 
+import msgpack
 import pytest
 import torch
+import zmq
 
 from physis_ros.config import to_mapping
 from physis_ros.model import load_model_config
-from physis_ros.runtime import wire, worker as worker_module
+from physis_ros.runtime import protocol as p
+from physis_ros.runtime import wire
 from physis_ros.runtime.worker import SlotMap, Worker
+
+CFG = load_model_config("tiny-wam")
+
+
+class EngineEnd:
+    """The engine's side of the worker's control socket: what the worker reports."""
+
+    def __init__(self):
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.addr = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def received(self, timeout_ms: int = 300) -> list:
+        out = []
+        while self.router.poll(timeout_ms):
+            _, *frames = self.router.recv_multipart()
+            out.append(wire.decode(frames, wire.TO_ENGINE).msg)
+            timeout_ms = 50
+        return out
+
+    def close(self):
+        self.router.close(linger=0)
+        self.ctx.term()
 
 
 @pytest.fixture
-def worker():
-    w = Worker("tcp://127.0.0.1:9", "w0")  # the engine address is never reached in these tests
-    cfg = load_model_config("tiny-wam")
-    w.cmd_load({"model": to_mapping(cfg), "max_streams": 2})
-    w.cmd_start_stream({"stream": "robot0", "epoch": 0, "stages": [[4, 0], [4, 1]],
-                        "routes": {"4,0": w.data_addr, "4,1": "tcp://127.0.0.1:9"}})
+def engine_end():
+    end = EngineEnd()
+    yield end
+    end.close()
+
+
+def make_worker(engine_end, **load) -> Worker:
+    w = Worker(engine_end.addr, "w0", forward_logs=False)
+    w.cmd_load(p.Load(req=0, model=to_mapping(CFG), max_streams=2, **load))
+    w.cmd_start_stream(p.StartStream(req=0, stream="robot0", epoch=0, stages=[(4, 0), (4, 1)],
+                                     routes=[p.Route((4, 0), w.data_addr), p.Route((4, 1), "tcp://127.0.0.1:9")]))
+    return w
+
+
+@pytest.fixture
+def worker(engine_end):
+    w = make_worker(engine_end)
     yield w
     w.close()
 
 
 def task(stream="robot0", chunk=0, stage=(4, 0), epoch=0):
-    return wire.encode(wire.Message("task", stream, chunk, stage, {"obs/image": torch.zeros(1, 3, 32, 32),
-                                                                   "obs/state": torch.zeros(1, 7)},
-                                    {"epoch": epoch, "order": float(chunk)}))
+    obs = {"obs/image": torch.zeros(1, 3, 32, 32), "obs/state": torch.zeros(1, 7)}
+    return wire.encode(p.Task(stream=stream, chunk=chunk, stage=stage, epoch=epoch, order=float(chunk)), obs)
 
 
 def test_slots_are_stable_per_stream_and_step():
@@ -36,19 +73,74 @@ def test_slots_are_stable_per_stream_and_step():
         slots.add("d")
 
 
-def test_tasks_are_checked_against_the_streams_placement(worker):
+def test_tasks_are_checked_against_the_streams_placement(worker, engine_end):
     worker.accept_task(task(stage=(3, 0)))  # not hosted here for this stream
     worker.accept_task(task(stream="nobody"))  # a stream that was never started (or was stopped)
-    worker.accept_task(task(epoch=1))  # from an incarnation the worker has not seen
+    worker.accept_task(task(epoch=1))  # from an incarnation the worker has not seen: reported lost
     worker.accept_task(task())
-    assert worker.stats["bad_messages"] == 1 and worker.stats["stale"] == 2
-    assert [t.chunk for t in worker.ready] == [0]
+    assert worker.stats.bad_messages == 1 and worker.stats.stale == 1
+    assert [j.chunk for j in worker.ready] == [0]
     assert set(worker.ready[0].state) == {"obs/image", "obs/state", "x"}  # the noise is made here
+    lost = [m for m in engine_end.received() if isinstance(m, p.TaskLost)]
+    assert [(m.stream, m.chunk, m.epoch, m.reason) for m in lost] == [("robot0", 0, 1, "epoch_ahead")]
 
 
-def test_ready_queue_is_bounded_and_drops_the_oldest(worker, monkeypatch):
-    monkeypatch.setattr(worker_module, "MAX_READY", 8)
-    for c in range(12):
-        worker.accept_task(task(chunk=c))
-    assert len(worker.ready) == 8 and worker.stats["dropped_tasks"] == 4
-    assert sorted(t.chunk for t in worker.ready) == list(range(4, 12))
+def test_a_payload_of_the_wrong_shape_is_reported_not_run(worker, engine_end):
+    bad = wire.encode(p.Task(stream="robot0", chunk=4, stage=(4, 0), epoch=0),
+                      {"obs/image": torch.zeros(1, 3, 16, 16), "obs/state": torch.zeros(1, 7)})
+    worker.accept_task(bad)
+    assert not worker.ready and worker.stats.bad_messages == 1
+    lost = [m for m in engine_end.received() if isinstance(m, p.TaskLost)]
+    assert lost and lost[0].chunk == 4 and "obs/image" in lost[0].detail
+
+
+@pytest.mark.parametrize("field, value", [("seed", "7"), ("sent", "now"), ("hops", "x"), ("order", [1]),
+                                          ("seed", 1.5), ("sent", None), ("hops", [None]), ("order", float("nan")),
+                                          ("trace", [[1, 2]]), ("epoch", -1), ("chunk", 2**63 - 1)])
+def test_a_header_field_of_the_wrong_type_is_dropped_and_counted(worker, field, value):
+    frames = [bytes(f) for f in task()]
+    header = msgpack.unpackb(frames[0])
+    header[field] = value
+    worker.accept_task([msgpack.packb(header), *frames[1:]])  # must not raise
+    assert worker.stats.bad_messages == 1 and not worker.ready
+
+
+def test_ready_queue_is_bounded_drops_the_oldest_and_reports_it(engine_end):
+    worker = make_worker(engine_end, max_ready=8)
+    try:
+        for c in range(12):
+            worker.accept_task(task(chunk=c))
+        assert len(worker.ready) == 8 and worker.stats.dropped_tasks == 4
+        assert sorted(j.chunk for j in worker.ready) == list(range(4, 12))
+        lost = [m for m in engine_end.received() if isinstance(m, p.TaskLost)]
+        assert [(m.chunk, m.reason) for m in lost] == [(c, "queue_full") for c in range(4)]
+    finally:
+        worker.close()
+
+
+def test_fault_injection_drops_the_nth_task_silently(engine_end):
+    worker = make_worker(engine_end, faults=p.FaultInjection(drop_task=3))
+    try:
+        for c in range(5):
+            worker.accept_task(task(chunk=c))
+        assert [j.chunk for j in worker.ready] == [0, 1, 3, 4] and worker.stats.injected_drops == 1
+        assert not [m for m in engine_end.received() if isinstance(m, p.TaskLost)]  # silence: a lost message
+    finally:
+        worker.close()
+
+
+def test_a_failed_send_is_reported_as_lost(worker, engine_end):
+    worker.accept_task(task(chunk=2))
+    worker.run_next()  # (4, 0) here, then (4, 1) here
+    worker.run_next()  # its output goes to a peer that does not exist: the send is refused
+    assert worker.stats.dropped_sends == 1
+    lost = [m for m in engine_end.received() if isinstance(m, p.TaskLost)]
+    assert [(m.chunk, m.reason) for m in lost] == [(2, "send_failed")]
+
+
+def test_control_requests_are_typed_and_failures_answered(worker, engine_end):
+    worker.handle_control(wire.Received(p.StartStream(req=9, stream="robot1", epoch=0, stages=[(9, 0)], routes=[])))
+    worker.handle_control(wire.Received(p.Stats(req=10)))
+    replies = {m.req: m for m in engine_end.received() if isinstance(m, (p.Ack, p.Failed))}
+    assert isinstance(replies[9], p.Failed) and "do not exist" in replies[9].error
+    assert isinstance(replies[10], p.Ack) and replies[10].stats.kv_bytes > 0

@@ -1,0 +1,163 @@
+"""Liveness and recovery of the engine's streams.
+
+Every chunk in flight has a bound: ``chunk_timeout_factor`` x the stream's
+in-flight limit x its SLO interval (1 s without one), at least
+``chunk_timeout_floor_s``, plus ``warmup_grace_s`` until the stream's current
+incarnation has emitted its first chunk. A chunk past its bound, or reported
+lost (a worker dropped it, could not send it, or its stage failed), or one that
+arrives malformed or non-finite, resets its stream exactly as a lost worker
+does: the epoch advances (so nothing of the old incarnation can leak into the
+new one), the chunks in flight are counted as lost, and the stream is placed
+again with fresh KV as soon as all of its workers are up; then feeding resumes.
+A stream only fails for good when a worker it needs cannot be brought back
+(the pool's restart budget).
+
+The watcher also publishes the engine's health snapshot several times a
+second, so readers in other threads never touch the engine's live state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from typing import TYPE_CHECKING
+
+from physis_ros.runtime import protocol as p
+from physis_ros.runtime.streams import EngineHealth, StreamEvent, StreamHealth, StreamState, WorkerHealth
+from physis_ros.runtime.workers import EngineError, WorkerPool, WorkerProc
+
+if TYPE_CHECKING:
+    from physis_ros.runtime.engine import Engine
+
+log = logging.getLogger("physis.engine")
+WATCH_PERIOD_S = 0.05
+SNAPSHOT_PERIOD_S = 0.1
+READMIT_BACKOFF_S = (0.05, 2.0)
+
+
+class Recovery:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.snapshot = EngineHealth(time.monotonic(), None, [], {}, {})
+
+    def attach(self, pool: WorkerPool) -> None:
+        pool.on_lost = self.worker_lost
+        pool.on_gone = self.worker_gone
+        pool.on_task_lost = self.task_lost
+
+    # ---- bounds ----------------------------------------------------------------------------------
+    def chunk_bound_s(self, s: StreamState) -> float:
+        cfg = self.engine.config
+        interval_s = (s.slo_interval_ms or 1000.0) / 1e3
+        return max(cfg.chunk_timeout_floor_s, cfg.chunk_timeout_factor * self.engine.in_flight_limit(s.plan)
+                   * interval_s)
+
+    async def watch(self) -> None:
+        next_snapshot = 0.0
+        while True:
+            now = time.monotonic()
+            for s in list(self.engine.streams.values()):
+                if s.failed is not None or not s.inflight:
+                    continue
+                c = min(s.inflight)
+                f = s.inflight[c]
+                if now > f.deadline:
+                    self.reset(s, f"chunk {c} did not come out of its pipeline within {f.bound_s:.2f} s",
+                               "chunk_timeout")
+            if now >= next_snapshot:
+                self.snapshot = self.take_snapshot()
+                next_snapshot = now + SNAPSHOT_PERIOD_S
+            await asyncio.sleep(WATCH_PERIOD_S)
+
+    # ---- resets ----------------------------------------------------------------------------------
+    def reset(self, s: StreamState, reason: str, cause: str) -> None:
+        """Drop a stream's current incarnation and place it again (see the module docstring)."""
+        engine = self.engine
+        s.resets[cause] += 1
+        if s.failed is not None:  # a reset is already under way (or the stream failed for good)
+            return
+        if s.feeder is not None:
+            s.feeder.cancel()
+        lost = len(s.inflight) + len(s.pending)
+        s.lost_chunks += lost
+        s.failed = reason
+        s.epoch += 1
+        s.inflight.clear()
+        s.pending.clear()
+        s.next_emit = s.next_chunk  # the chunks in flight are lost; counted in lost_chunks
+        s.epoch_started = False
+        engine.throttle.log(log, logging.ERROR, f"reset:{s.name}:{cause}",
+                            f"stream {s.name} reset ({cause}): {reason}; {lost} chunk(s) lost")
+        engine.event(StreamEvent(s.name, "failed", reason, lost, cause))
+        if s.limit is not None and s.next_emit >= s.limit:
+            s.done.set()
+            return
+        s.readmission = asyncio.create_task(self._readmit(s), name=f"readmit-{s.name}")
+
+    async def _readmit(self, s: StreamState) -> None:
+        engine = self.engine
+        delay = READMIT_BACKOFF_S[0]
+        while engine.streams.get(s.name) is s and not s.gone:
+            await engine.pool.wait_up([w.name for w in engine.workers_of(s)])
+            try:
+                await engine.place(s)  # start_stream under the new epoch: fresh KV, old tasks dropped
+            except EngineError as exc:
+                engine.throttle.log(log, logging.WARNING, f"readmit:{s.name}",
+                                    f"re-admitting stream {s.name} failed, retrying: {exc}")
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, READMIT_BACKOFF_S[1])
+                continue
+            s.credits = asyncio.Semaphore(engine.in_flight_limit(s.plan))
+            s.failed = None
+            engine.event(StreamEvent(s.name, "readmitted", f"epoch {s.epoch}: fresh KV on "
+                                                           f"{', '.join(w.name for w in engine.workers_of(s))}"))
+            s.feeder = asyncio.create_task(engine._feed(s), name=f"feed-{s.name}")
+            return
+
+    def task_lost(self, msg: p.TaskLost) -> None:
+        s = self.engine.streams.get(msg.stream)
+        if s is not None and msg.epoch == s.epoch and msg.chunk in s.inflight:
+            self.reset(s, f"chunk {msg.chunk} lost on {msg.worker} ({msg.reason}): {msg.detail}", msg.reason)
+
+    def worker_lost(self, w: WorkerProc, reason: str) -> None:
+        for s in list(self.engine.streams.values()):
+            if w.index in s.plan.workers_used:
+                self.reset(s, reason, "worker_lost")
+
+    def worker_gone(self, w: WorkerProc, reason: str) -> None:
+        """A worker that cannot come back: its streams fail for good and the engine reports failure."""
+        engine = self.engine
+        log.error("%s", reason)
+        if engine.failure is None:
+            engine.failure = EngineError(reason)
+        for s in list(engine.streams.values()):
+            if w.index in s.plan.workers_used:
+                s.gone = True
+                s.failed = reason
+                if s.readmission is not None:
+                    s.readmission.cancel()
+                s.done.set()
+
+    # ---- health ----------------------------------------------------------------------------------
+    def take_snapshot(self) -> EngineHealth:
+        engine, now = self.engine, time.monotonic()
+        host = socket.gethostname()
+        workers = []
+        if engine.pool is not None:
+            for w in engine.pool.workers.values():
+                state = "up" if w.alive else "restarting" if w.restarting else \
+                    "starting" if not engine._started else "down"
+                stats = {f: getattr(w.stats, f) for f in w.stats.__struct_fields__}
+                workers.append(WorkerHealth(w.name, state, w.host or host, w.device or engine.config.device_of(w.index),
+                                            w.pid, now - w.last_seen if w.last_seen else float("inf"), w.restarts,
+                                            w.queue, stats))
+        streams = {s.name: StreamHealth(s.name, s.failed, s.gone, s.epoch, s.lost_chunks, dict(s.resets),
+                                        len(s.inflight), [f"w{i}" for i in s.plan.workers_used],
+                                        None if s.last_output_mono is None else now - s.last_output_mono)
+                   for s in engine.streams.values()}
+        dropped = dict(engine.dropped)
+        if engine.pool is not None:
+            dropped.update(engine.pool.counts)
+        return EngineHealth(now, None if engine.failure is None else str(engine.failure), workers, streams, dropped)
