@@ -164,6 +164,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError("<file>", f"cannot read {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError:
+        raise ConfigError("<file>", f"{path} is not a text (UTF-8) YAML file") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -1,18 +1,22 @@
 """Analyse a deterministic replay: inputs from the replayed bag, outputs from the recorded bag.
 
 Deterministic mode promises that chunk ``c`` of a stream used the ``c``-th
-complete observation of that stream (image + joint state paired as the node
-pairs them, :func:`physis_ros.ros.inputs.pair_observations`). So from the
-input bag alone we know how many chunks each stream must emit, which header
-stamp each must carry, and (through the node's own preprocessing,
-:func:`physis_ros.ros.conversions.observation_from_msgs`) exactly what the
-sequential reference must compute for it.
+complete observation of that stream: of the messages the node accepts
+(:mod:`physis_ros.ros.acceptance`, the node's own rule: encoding, sizes,
+finite joint positions, every configured joint present), the image plus the
+joint state paired as the node pairs them
+(:func:`physis_ros.ros.inputs.pair_observations`). So from the input bag alone
+we know which inputs the server must reject (and why: its counters must agree),
+how many chunks each stream must emit, which header stamp each must carry, and,
+from the accepted tensors, exactly what the sequential reference must compute
+for it. Whatever the reference says, an output with a NaN or infinite value
+(ActionChunk actions, JointTrajectory positions or velocities) fails the check.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +35,33 @@ class InputObservation:
     image_topic: str
     joint_topic: str
     joint_stamp_ns: int
+    image: np.ndarray | None = None    # the accepted model inputs (what the node stores), if computed
+    state: np.ndarray | None = None
+
+
+@dataclass
+class Rejection:
+    """An input message the server must not use, and why (the node's counter name)."""
+    stream: str
+    topic: str
+    kind: str            # image | joint_states
+    stamp_ns: int
+    reason: str          # a node reason (conversions.REASONS: encoding, size, too_large, ...), unpaired; undecodable
+    detail: str
+
+
+# Not a counter of the node: CDR that rclpy cannot decode never reaches the node's callbacks.
+UNDECODABLE = "undecodable"
+
+
+@dataclass
+class Inputs:
+    observations: dict[str, list[InputObservation]]
+    rejected: dict[str, list[Rejection]]
+
+    def expected_rejections(self, stream: str) -> Counter:
+        """Per reason, what the node's counters must show for this stream (undecodable messages aside)."""
+        return Counter(r.reason for r in self.rejected.get(stream, []) if r.reason != UNDECODABLE)
 
 
 @dataclass
@@ -49,6 +80,7 @@ class Outputs:
     trajectories: dict[str, list[tuple[int, int]]]           # stream -> (header stamp ns, points)
     telemetry: list[dict]
     diagnostics: int
+    nonfinite_trajectories: dict[str, list[int]] = field(default_factory=dict)  # stream -> receive positions
 
 
 @dataclass
@@ -73,24 +105,62 @@ class Analysis:
 
 def input_observations(bag, serve: ServeInfo) -> dict[str, list[InputObservation]]:
     """Per stream, the observations chunk 0, 1, ... must consume (bag arrival order)."""
+    return collect_inputs(bag, serve).observations
+
+
+def collect_inputs(bag, serve: ServeInfo) -> Inputs:
+    """The bag's camera frames and joint states through the server's acceptance rule and pairing rule:
+    per stream the observations chunk 0, 1, ... must consume, and the inputs the server must reject."""
+    from rclpy.serialization import deserialize_message
+    from sensor_msgs.msg import CompressedImage, Image, JointState
+
+    from physis_ros.model import load_model_config
+    from physis_ros.ros.acceptance import InputRejected, accept_image, accept_joints
     from physis_ros.ros.inputs import pair_observations
 
+    model = load_model_config(serve.model)
     images: dict[str, list] = defaultdict(list)
     joints: dict[str, list] = defaultdict(list)
+    rejected: dict[str, list[Rejection]] = {s.name: [] for s in serve.streams}
     by_topic = {}
     for s in serve.streams:
-        by_topic[s.topics["image"]] = (s.name, images)
-        by_topic[s.topics["joint_states"]] = (s.name, joints)
+        by_topic[s.topics["image"]] = (s.name, "image")
+        by_topic[s.topics["joint_states"]] = (s.name, "joint_states")
     for topic, _, _, raw in read_all(bag, list(by_topic)):
-        name, sink = by_topic[topic]
-        sink[name].append((header_stamp_ns(raw), (topic, raw)))
+        name, kind = by_topic[topic]
+        cfg = serve.config.streams[name]
+        try:
+            stamp = header_stamp_ns(raw)
+        except Exception as exc:  # struct.error: fewer bytes than a header
+            rejected[name].append(Rejection(name, topic, kind, -1, UNDECODABLE, f"no header stamp: {exc}"))
+            continue
+        try:
+            if kind == "image":
+                msg = deserialize_message(raw, CompressedImage if cfg.compressed else Image)
+            else:
+                msg = deserialize_message(raw, JointState)
+        except Exception as exc:  # rclpy raises several types for bytes it cannot decode
+            rejected[name].append(Rejection(name, topic, kind, stamp, UNDECODABLE,
+                                            f"CDR does not decode ({type(exc).__name__}: {exc})"))
+            continue
+        try:
+            data = accept_image(msg, cfg, model) if kind == "image" else accept_joints(msg, cfg)
+        except InputRejected as exc:
+            rejected[name].append(Rejection(name, topic, kind, stamp, exc.reason, exc.detail))
+            continue
+        (images if kind == "image" else joints)[name].append((stamp, (topic, raw, data)))
     out = {}
     for s in serve.streams:
         pairs = pair_observations(images[s.name], joints[s.name])
+        paired = {id(img) for img, _ in pairs}
+        for ns, img in images[s.name]:
+            if id(img) not in paired:
+                rejected[s.name].append(Rejection(s.name, img[0], "image", ns, "unpaired",
+                                                  "no accepted joint state at or before its stamp"))
         out[s.name] = [InputObservation(s.name, i, header_stamp_ns(img[1]), img[1], jnt[1], img[0], jnt[0],
-                                        header_stamp_ns(jnt[1]))
+                                        header_stamp_ns(jnt[1]), image=img[2], state=jnt[2])
                        for i, (img, jnt) in enumerate(pairs)]
-    return out
+    return Inputs(out, rejected)
 
 
 def _ns(t) -> int:
@@ -116,7 +186,11 @@ def load_outputs(recorded, serve: ServeInfo) -> Outputs:
                 OutputChunk(m.stream, int(m.chunk_index), _ns(m.header.stamp), actions, log_ns, list(m.joint_names)))
         elif topic in traj_topics:
             m = deserialize_message(raw, JointTrajectory)
-            outputs.trajectories[traj_topics[topic]].append((_ns(m.header.stamp), len(m.points)))
+            name = traj_topics[topic]
+            values = [v for p in m.points for v in (*p.positions, *p.velocities)]
+            if not np.all(np.isfinite(np.asarray(values, dtype=np.float64))):
+                outputs.nonfinite_trajectories.setdefault(name, []).append(len(outputs.trajectories[name]))
+            outputs.trajectories[name].append((_ns(m.header.stamp), len(m.points)))
         elif topic == serve.telemetry_topic:
             m = deserialize_message(raw, ChunkTelemetry)
             outputs.telemetry.append(telemetry_row(m, log_ns))
@@ -147,23 +221,75 @@ def _describe(values: list[float]) -> dict[str, float]:
     return {"p50": pct(values, 50), "p99": pct(values, 99), "max": max(values) if values else float("nan")}
 
 
-def analyse(inputs: dict[str, list[InputObservation]], outputs: Outputs, serve: ServeInfo, *,
-            published_stamp=None, completed_wall_ns=None, reference: bool = True) -> Analysis:
+def _counts(counter) -> str:
+    return ", ".join(f"{reason} {n}" for reason, n in sorted(counter.items()) if n) or "none"
+
+
+def _check_rejections(result: Analysis, name: str, rejected: list[Rejection],
+                      server_rejected: dict[str, dict[str, int]] | None) -> None:
+    """The inputs the checker excluded, by reason, beside the server's own counters."""
+    expected = Counter(r.reason for r in rejected if r.reason != UNDECODABLE)
+    undecodable = [r for r in rejected if r.reason == UNDECODABLE]
+    examples = {}
+    for r in rejected:
+        examples.setdefault(r.reason, f"{r.kind} {r.stamp_ns}: {r.detail}")
+    listing = f"excluded {len(rejected)} input(s): {_counts(Counter(r.reason for r in rejected))}"
+    if examples:
+        listing += " (" + "; ".join(f"{k}: {v}" for k, v in sorted(examples.items())) + ")"
+    if undecodable:
+        listing += f"; {len(undecodable)} undecodable message(s) the server never sees"
+    if server_rejected is None:
+        result.add(f"{name}: rejected inputs", True, f"{listing}; server's counters not available "
+                                                     f"(it wrote no --summary-json): not compared")
+        return
+    server = Counter({k: int(v) for k, v in server_rejected.get(name, {}).items() if int(v)})
+    if server == expected:
+        result.add(f"{name}: rejected inputs", True, f"{listing}; the server counted the same: {_counts(server)}")
+    else:
+        result.add(f"{name}: rejected inputs", False,
+                   f"the checker and the server disagree: checker expects {_counts(expected)}, server counted "
+                   f"{_counts(server)}; {listing}")
+
+
+def _check_finite(result: Analysis, name: str, got: list[OutputChunk], outputs: Outputs) -> None:
+    bad_chunks = [c.index for c in got if not np.all(np.isfinite(c.actions))]
+    bad_traj = outputs.nonfinite_trajectories.get(name, [])
+    parts = []
+    if bad_chunks:
+        parts.append(f"{len(bad_chunks)} action_chunk(s) with NaN/inf actions (chunks {_span(bad_chunks)})")
+    if bad_traj:
+        parts.append(f"{len(bad_traj)} joint_trajectory message(s) with NaN/inf positions or velocities "
+                     f"(received {_span(bad_traj)})")
+    result.add(f"{name}: outputs finite", not parts,
+               "; ".join(parts) if parts else f"{len(got)} chunks and their trajectories hold finite values only")
+
+
+def analyse(inputs: dict[str, list[InputObservation]] | Inputs, outputs: Outputs, serve: ServeInfo, *,
+            published_stamp=None, completed_wall_ns=None, reference: bool = True,
+            server_rejected: dict[str, dict[str, int]] | None = None) -> Analysis:
     """All checks of a deterministic replay.
 
-    ``published_stamp(stream, bag_stamp_ns)``: the stamp the observation carried on the wire (the
-    replay may restamp); ``completed_wall_ns(obs)``: when its last part was published (for the
-    harness-measured end-to-end latency). Both optional.
+    ``inputs``: :func:`collect_inputs` (or only its observations); ``server_rejected``: the server's
+    rejected-input counters per stream (``physis-serve --summary-json``), compared with the inputs
+    the checker excluded; None: not available. ``published_stamp(stream, bag_stamp_ns)``: the stamp
+    the observation carried on the wire (the replay may restamp); ``completed_wall_ns(obs)``: when its
+    last part was published (for the harness-measured end-to-end latency). Both optional.
     """
     result = Analysis()
+    rejected = inputs.rejected if isinstance(inputs, Inputs) else None
+    inputs = inputs.observations if isinstance(inputs, Inputs) else inputs
     published_stamp = published_stamp or (lambda stream, ns: ns)
     names = {s.name: s for s in serve.streams}
     for name, obs in inputs.items():
         got = outputs.chunks.get(name, [])
         indices = [c.index for c in got]
         n = len(obs)
+        if rejected is not None:
+            _check_rejections(result, name, rejected.get(name, []), server_rejected)
+        _check_finite(result, name, got, outputs)
         if n == 0:
-            result.add(f"{name}: inputs", False, "the bag has no complete observation for this stream")
+            result.add(f"{name}: inputs", False, "the bag has no complete observation the server accepts for "
+                                                 "this stream")
             continue
         missing = sorted(set(range(n)) - set(indices))
         extra = sorted(set(indices) - set(range(n)))
@@ -221,7 +347,7 @@ def reference_outputs(inputs: dict[str, list[InputObservation]], serve: ServeInf
     from physis_ros.model import build_model, load_model_config
     from physis_ros.model.checkpoint import load_checkpoint
     from physis_ros.reference import ReferenceRollout
-    from physis_ros.ros.conversions import observation_from_msgs
+    from physis_ros.ros.acceptance import accept_image, accept_joints
 
     torch.set_num_threads(1)
     model_config = load_model_config(serve.model)
@@ -234,9 +360,11 @@ def reference_outputs(inputs: dict[str, list[InputObservation]], serve: ServeInf
         image_type = CompressedImage if stream_cfg.compressed else Image
         outs = []
         for o in obs:
-            ob = observation_from_msgs(deserialize_message(o.image_raw, image_type),
-                                       deserialize_message(o.joint_raw, JointState), stream_cfg, model_config)
-            outs.append(ref.step(name, ob).output.numpy().astype(np.float32))
+            image = o.image if o.image is not None else accept_image(
+                deserialize_message(o.image_raw, image_type), stream_cfg, model_config)
+            state = o.state if o.state is not None else accept_joints(
+                deserialize_message(o.joint_raw, JointState), stream_cfg)
+            outs.append(ref.step(name, {"image": image, "state": state}).output.numpy().astype(np.float32))
         out[name] = outs
     return out
 
@@ -262,7 +390,8 @@ def _compare_reference(result: Analysis, inputs, outputs: Outputs, serve: ServeI
             if not same:
                 mismatched += 1
                 first = first if first is not None else i
-                worst = max(worst, float(np.max(np.abs(a - ref))))
+                diff = np.abs(a.astype(np.float64) - ref)
+                worst = max(worst, float(np.max(np.where(np.isnan(diff), np.inf, diff))))   # NaN: inf
         how = "bit-for-bit" if exact else "within rtol 1e-5 (engine batching on)"
         ok = compared > 0 and mismatched == 0
         detail = (f"{compared} chunks equal the sequential reference {how}" if ok else

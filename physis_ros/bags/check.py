@@ -8,10 +8,13 @@
    check accepts them and latencies are meaningful) or, with ``--sim-time``,
    untouched with the bag's ``/clock`` driving the server (``use_sim_time``);
    waits for every expected chunk, stops the server;
-4. analyses the recorded bag (:mod:`physis_ros.bags.analysis`): every chunk
-   accounted for, indices contiguous, chunk ``c`` used observation ``c``, one
-   trajectory and one telemetry per chunk, latency statistics, and equality with
-   the sequential reference fed the same observations.
+4. analyses the recorded bag (:mod:`physis_ros.bags.analysis`): the inputs the
+   server must reject (its own acceptance rule, :mod:`physis_ros.ros.acceptance`)
+   listed by reason and compared with the server's counters (its
+   ``--summary-json``); every chunk of an accepted observation accounted for,
+   indices contiguous, chunk ``c`` used observation ``c``, one trajectory and one
+   telemetry per chunk, every output value finite, latency statistics, and
+   equality with the sequential reference fed the same observations.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from physis_ros.bags.analysis import Analysis, analyse, input_observations, load_outputs
+from physis_ros.bags.analysis import Analysis, Inputs, analyse, collect_inputs, load_outputs
 from physis_ros.bags.bagio import BagError, bag_info, known_topic_type
 from physis_ros.bags.serveconf import ServeInfo, load_serve_info
 
@@ -161,9 +164,11 @@ def run_check(options: CheckOptions) -> CheckResult:
         inputs_topics = [t for t in serve.input_topics if t in present]
         if not inputs_topics:
             raise BagError(f"{options.bag} has none of the server's input topics ({', '.join(serve.input_topics)})")
-        inputs = input_observations(options.bag, serve)
-    except Exception as exc:      # BagError, ConfigError
-        result.error = str(exc)
+        from physis_ros.cli.common import preflight_serve
+        preflight_serve(serve.config)      # checkpoint, profile, keys readable: before a server waits on them
+        inputs = collect_inputs(options.bag, serve)
+    except Exception as exc:      # BagError, ConfigError, CliError; an unreadable model or message
+        result.error = getattr(exc, "message", None) or str(exc) or type(exc).__name__
         return result
     workdir = Path(options.out) if options.out else Path(tempfile.mkdtemp(prefix="physis-check-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -184,14 +189,14 @@ def run_check(options: CheckOptions) -> CheckResult:
     return result
 
 
-def _run(options: CheckOptions, serve: ServeInfo, inputs, inputs_topics, workdir: Path, recorded: Path,
+def _run(options: CheckOptions, serve: ServeInfo, inputs: Inputs, inputs_topics, workdir: Path, recorded: Path,
          result: CheckResult) -> None:
     from physis_ros.bags.record import Recorder, wait_until
     from physis_ros.bags.replay import ReplayOptions, Replayer
     from physis_ros.bags.rosnode import RosSession
 
     deadline = time.monotonic() + options.timeout_s
-    expected = {name: len(obs) for name, obs in inputs.items()}
+    expected = {name: len(obs) for name, obs in inputs.observations.items()}
     chunk_topic = {s.topics["action_chunk"]: s.name for s in serve.streams}
     received = {name: 0 for name in expected}
     state = {"telemetry": 0, "serving": False, "last_output": time.monotonic()}
@@ -279,8 +284,12 @@ def _run(options: CheckOptions, serve: ServeInfo, inputs, inputs_topics, workdir
 
     t_an = time.monotonic()
     outputs = load_outputs(recorded, serve)
-    analysis = analyse(inputs, outputs, serve, published_stamp=published_stamp,
-                       completed_wall_ns=completed_wall_ns, reference=options.reference)
+    try:
+        analysis = analyse(inputs, outputs, serve, published_stamp=published_stamp,
+                           completed_wall_ns=completed_wall_ns, reference=options.reference,
+                           server_rejected=result.server.get("rejected"))
+    except Exception as exc:      # e.g. the reference cannot load the config's checkpoint
+        raise BagError(f"cannot analyse the run: {type(exc).__name__}: {exc}") from exc
     result.analysis.items = analysis.items + result.analysis.items
     result.analysis.stats = analysis.stats
     result.analysis.add("server stopped cleanly", code == 0,

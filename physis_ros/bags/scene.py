@@ -10,6 +10,14 @@ message is logged a few milliseconds after its stamp, as a recorder would.
 
 Output is deterministic: the same arguments give the same messages, stamps and
 log times, so the bundled bag can be regenerated and compared.
+
+Faults (:class:`Fault`, ``physis-bag generate --fault KIND@TICK[:NS]``) replace one
+tick's message with one the server must reject, named after the server's
+rejection counter: ``nonfinite`` (a NaN joint position), ``missing_joints`` (the
+joint state lacks the last configured joint), ``size`` (image data one row short
+of step x height), ``encoding`` (a yuv422 image, which the server does not take).
+``physis-bag check`` on such a bag proves that the checker and the server agree
+on what is rejected and that every accepted observation still gets its chunk.
 """
 
 from __future__ import annotations
@@ -29,6 +37,33 @@ START_NS = 1_700_000_000_000_000_000   # a fixed epoch, so regeneration is byte-
 JOINT_LOG_DELAY_NS = 2_000_000          # joint states reach the recorder 2 ms after their stamp
 IMAGE_LOG_DELAY_NS = 6_000_000          # camera frames 6 ms after theirs
 ENCODINGS = {"rgb8": 3, "bgr8": 3, "mono8": 1}
+# fault kind (the server's rejection counter) -> which message of the tick it spoils
+FAULTS = {"nonfinite": "joint_states", "missing_joints": "joint_states", "size": "image", "encoding": "image"}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """At ``tick``, in ``namespace`` (None: every robot), a message the server must reject (see FAULTS)."""
+    kind: str
+    tick: int
+    namespace: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        """``KIND@TICK`` or ``KIND@TICK:NAMESPACE`` (e.g. ``nonfinite@3:robot0``)."""
+        kind, at, rest = text.partition("@")
+        tick, _, namespace = rest.partition(":")
+        try:
+            number = int(tick)
+        except ValueError:
+            number = -1
+        if not at or kind not in FAULTS or number < 0:
+            raise ValueError(f"a fault is KIND@TICK[:NAMESPACE] with KIND one of {', '.join(FAULTS)} and TICK >= 0, "
+                             f"got '{text}'")
+        return cls(kind, number, namespace.strip("/") or None)
+
+    def applies(self, namespace: str, tick: int) -> bool:
+        return tick == self.tick and self.namespace in (None, namespace)
 
 
 @dataclass
@@ -41,6 +76,7 @@ class SceneSpec:
     encoding: str = "rgb8"
     joint_names: list[str] = field(default_factory=default_joint_names)
     start_ns: int = START_NS
+    faults: tuple[Fault, ...] = ()
 
     def validate(self) -> None:
         if self.encoding not in ENCODINGS:
@@ -49,6 +85,16 @@ class SceneSpec:
             raise ValueError("rate, duration and image size must be positive")
         if not self.namespaces:
             raise ValueError("give at least one namespace")
+        if self.ticks < 1:
+            raise ValueError(f"duration {self.duration_s:g} s at {self.rate_hz:g} Hz is less than one observation")
+        for f in self.faults:
+            if f.kind not in FAULTS:
+                raise ValueError(f"unknown fault '{f.kind}'; use one of {', '.join(FAULTS)}")
+            if not 0 <= f.tick < self.ticks:
+                raise ValueError(f"fault {f.kind}@{f.tick}: the bag has ticks 0..{self.ticks - 1}")
+            if f.namespace is not None and f.namespace not in self.namespaces:
+                raise ValueError(f"fault {f.kind}@{f.tick}:{f.namespace}: no such namespace "
+                                 f"({', '.join(self.namespaces)})")
 
     @property
     def ticks(self) -> int:
@@ -99,17 +145,28 @@ def scene_messages(spec: SceneSpec):
             stamp = spec.start_ns + offset_ns + tick * period_ns
             t = (stamp - spec.start_ns) / 1e9
             dof = len(spec.joint_names)
+            faults = {f.kind for f in spec.faults if f.applies(ns, tick)}
+            names = list(spec.joint_names)
+            position = SyntheticScene.joints(dof, t, phase).astype(np.float64)
+            velocity = joint_velocities(dof, t, phase)
+            if "nonfinite" in faults:
+                position[min(2, dof - 1)] = np.nan
+            if "missing_joints" in faults:
+                names, position, velocity = names[:-1], position[:-1], velocity[:-1]
             joints = JointState(
                 header=Header(stamp=_stamp(stamp), frame_id=f"{ns}/base_link"),
-                name=list(spec.joint_names),
-                position=SyntheticScene.joints(dof, t, phase).astype(np.float64),
-                velocity=joint_velocities(dof, t, phase),
-                effort=np.zeros(0, dtype=np.float64))
+                name=names, position=position, velocity=velocity, effort=np.zeros(0, dtype=np.float64))
             img = render_image(spec, t, phase)
+            encoding, step, data = spec.encoding, spec.width * channels, img.reshape(-1)
+            if "encoding" in faults:       # a camera left in YUV mode: 2 bytes per pixel
+                encoding, step = "yuv422", spec.width * 2
+                data = np.resize(data, step * spec.height)
+            if "size" in faults:           # one row short of step x height
+                data = data[: step * (spec.height - 1)]
             image = Image(
                 header=Header(stamp=_stamp(stamp), frame_id=f"{ns}/camera_optical_frame"),
-                height=spec.height, width=spec.width, encoding=spec.encoding, is_bigendian=0,
-                step=spec.width * channels, data=img.reshape(-1))
+                height=spec.height, width=spec.width, encoding=encoding, is_bigendian=0,
+                step=step, data=np.ascontiguousarray(data))
             out.append((f"/{ns}/joint_states", "sensor_msgs/msg/JointState", stamp + JOINT_LOG_DELAY_NS,
                         bytes(store.serialize_cdr(joints, "sensor_msgs/msg/JointState"))))
             out.append((f"/{ns}/camera/image_raw", "sensor_msgs/msg/Image", stamp + IMAGE_LOG_DELAY_NS,

@@ -5,11 +5,17 @@ and the action server (``physis-serve``: tiny-wam on 2 local CPU workers) as
 processes of their own, then shows a live table from the server's telemetry:
 chunks/s, output interval p50/p99 and response latency p50/p99 per stream,
 until Ctrl-C or ``--duration`` seconds of serving. Stops everything it started.
+
+Exit status: 0 success (also after Ctrl-C); 1 the server or the synthetic robots
+failed (exited, or no chunk within --start-timeout; their log is printed);
+2 usage or input error (bad flag or value; serve config missing, empty, binary or
+invalid, or a file it names unreadable: checkpoint, profile, keys); 70 internal
+error (a bug; PHYSIS_DEBUG=1 shows the traceback). Errors are one line on stderr:
+'physis-demo: error: <what and the fix>'.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import signal
@@ -19,22 +25,24 @@ import threading
 import time
 from pathlib import Path
 
-from physis_ros.cli.common import serve_config_or_exit, write_json
+from physis_ros.cli.common import (ArgumentParser, check_writable, cli_main, nonneg_float, positive_float,
+                                   positive_int, serve_config_or_exit, write_json)
 
 
+@cli_main("physis-demo")
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="physis-demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="physis-demo", description=__doc__)
     p.add_argument("--config", default=None, help="serve YAML (default: the bundled config/serve.yaml)")
-    p.add_argument("--duration", type=float, default=0.0, help="seconds of serving, then stop (0: until Ctrl-C)")
-    p.add_argument("--rate", type=float, default=30.0, help="synthetic camera/joint-state rate (Hz)")
-    p.add_argument("--width", type=int, default=64, help="synthetic camera width (the model sees 32x32)")
-    p.add_argument("--height", type=int, default=48)
+    p.add_argument("--duration", type=nonneg_float, default=0.0, help="seconds of serving, then stop (0: until Ctrl-C)")
+    p.add_argument("--rate", type=positive_float, default=30.0, help="synthetic camera/joint-state rate (Hz)")
+    p.add_argument("--width", type=positive_int, default=64, help="synthetic camera width (the model sees 32x32)")
+    p.add_argument("--height", type=positive_int, default=48)
     p.add_argument("--deterministic", action="store_true", help="serve in deterministic mode")
-    p.add_argument("--start-timeout", type=float, default=120.0)
+    p.add_argument("--start-timeout", type=positive_float, default=120.0)
     p.add_argument("--json", help="write the final per-stream summary here")
     p.add_argument("--logs", help="directory for the children's logs (default: a temporary one)")
     args = p.parse_args(argv)
+    check_writable(args.json)
 
     from physis_ros.ros.launcher import Child, serve_command, synthetic_command
 

@@ -5,46 +5,55 @@ worker counts in each batching mode (and stores them in the JSON under ``plans``
 
 The JSON it writes feeds the planner (``physis-bench timeshare --profile``),
 the workers' adaptive batching and the joint scheduler's cost profiles.
+
+Exit status: 0 success; 2 usage or input error (bad flag or value, missing --json,
+unknown preset, unreadable/empty/binary/invalid model YAML, unwritable --json;
+nothing was measured); 70 internal error (a bug; PHYSIS_DEBUG=1 shows the
+traceback); 130 interrupted. Errors are one line on stderr:
+'physis-profile: error: <what and the fix>'.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-from physis_ros.cli.common import fail, set_threads, write_json
-from physis_ros.config import ConfigError
-from physis_ros.model import load_model_config
-from physis_ros.runtime.planner import choose_plan
-from physis_ros.runtime.profiler import measure_profile
-from physis_ros.runtime.scheduler import BATCHING
+from physis_ros.cli.common import (ArgumentParser, check_writable, cli_main, fail, model_arg, nonneg_int,
+                                   positive_int, set_threads, write_json)
 
 
+@cli_main("physis-profile")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="physis-profile", description=__doc__)
-    parser.add_argument("--model", default="tiny-wam", help="preset name or model YAML path")
+    parser = ArgumentParser(prog="physis-profile", description=__doc__)
+    parser.add_argument("--model", type=model_arg, default="tiny-wam", help="preset name or model YAML path")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-sizes", default="1,2,4", help="comma-separated batch sizes to time")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--corun", type=int, default=2,
+    parser.add_argument("--repeats", type=positive_int, default=15)
+    parser.add_argument("--threads", type=positive_int, default=1)
+    parser.add_argument("--corun", type=nonneg_int, default=2,
                         help="also measure the slowdown with this many processes at once (CPU; 0: skip)")
     parser.add_argument("--plan-workers", default="",
                         help="comma-separated worker counts to plan for from this profile (e.g. 1,2,40)")
-    parser.add_argument("--max-batch", type=int, default=4, help="batch size bound the plans assume")
+    parser.add_argument("--max-batch", type=positive_int, default=4, help="batch size bound the plans assume")
     parser.add_argument("--json", required=True, help="output path")
     args = parser.parse_args(argv)
-    set_threads(args.threads)
     try:
-        config = load_model_config(args.model)
         sizes = tuple(sorted({int(x) for x in args.batch_sizes.split(",")}))
+    except ValueError:
+        fail(f"--batch-sizes wants comma-separated integers, e.g. 1,2,4; got '{args.batch_sizes}'")
+    try:
         plan_workers = [int(x) for x in args.plan_workers.split(",") if x.strip()]
-    except (ConfigError, ValueError) as exc:
-        fail(str(exc))
+    except ValueError:
+        fail(f"--plan-workers wants comma-separated worker counts, e.g. 1,2,40; got '{args.plan_workers}'")
+    check_writable(args.json)
+    from physis_ros.model import load_model_config
+    from physis_ros.runtime.profiler import measure_profile
+
+    set_threads(args.threads)
+    config = load_model_config(args.model)
     if any(w < 1 for w in plan_workers):
         fail("--plan-workers takes worker counts >= 1")
-    if sizes[0] != 1 or len(sizes) < 2:
+    if sizes[0] != 1 or len(sizes) < 2 or any(b < 1 for b in sizes):
         fail("--batch-sizes must include 1 and at least one larger size")
 
     def progress(done: int, total: int) -> None:
@@ -70,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def plan_report(config, profile, worker_counts: list[int], max_batch: int, device: str) -> list[dict]:
     """The planner's choice per worker count and batching mode (workers share this host's cores on CPU)."""
+    from physis_ros.runtime.batching import BATCHING
+    from physis_ros.runtime.planner import choose_plan
+
     host_cpus = os.cpu_count() if device == "cpu" else None
     out = []
     for workers in worker_counts:

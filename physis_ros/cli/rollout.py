@@ -3,47 +3,58 @@
 Prints a live per-chunk table and optionally writes JSON with a sha256 per chunk
 (over its float32 bytes) and one over the whole output, so two runs, or a
 reference and a server, can be compared exactly.
+
+    physis-rollout [--model tiny-wam] [--chunks 16] [--streams 1] [--seed 0] [--json out.json]
+
+Exit status: 0 success; 2 usage or input error (bad flag or value, unknown preset,
+unreadable/empty/binary/invalid model YAML, unusable --device, unwritable --json);
+70 internal error (a bug; PHYSIS_DEBUG=1 shows the traceback); 130 interrupted.
+Errors are one line on stderr: 'physis-rollout: error: <what and the fix>'.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import sys
 import time
 
-import numpy as np
-
-from physis_ros.cli.common import fail, set_threads, write_json
-from physis_ros.config import ConfigError
-from physis_ros.model import build_model, load_model_config
-from physis_ros.observations import SyntheticScene
-from physis_ros.reference import reference_rollout
+from physis_ros.cli.common import (ArgumentParser, check_writable, cli_main, fail, model_arg, nonneg_int,
+                                   positive_int, set_threads, write_json)
 
 
 def chunk_bytes(output) -> bytes:
+    import numpy as np
+
     return np.ascontiguousarray(output.numpy(), dtype=np.float32).tobytes()
 
 
+@cli_main("physis-rollout")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="physis-rollout", description=__doc__)
-    parser.add_argument("--model", default="tiny-wam", help="preset name or model YAML path")
-    parser.add_argument("--chunks", type=int, default=16)
-    parser.add_argument("--streams", type=int, default=1, help="number of streams (robots), round robin")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = ArgumentParser(prog="physis-rollout", description=__doc__)
+    parser.add_argument("--model", type=model_arg, default="tiny-wam", help="preset name or model YAML path")
+    parser.add_argument("--chunks", type=positive_int, default=16)
+    parser.add_argument("--streams", type=positive_int, default=1, help="number of streams (robots), round robin")
+    parser.add_argument("--seed", type=nonneg_int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     parser.add_argument("--json", help="write per-chunk hashes and timings here")
     parser.add_argument("--live", action="store_true", help="print a table row per chunk as it is produced")
     args = parser.parse_args(argv)
-    if args.chunks < 1 or args.streams < 1:
-        fail("--chunks and --streams must be >= 1")
+    check_writable(args.json)
+    import numpy as np
+
+    from physis_ros.config import ConfigError
+    from physis_ros.model import build_model, load_model_config
+    from physis_ros.observations import SyntheticScene
+    from physis_ros.reference import reference_rollout
+
     set_threads(args.threads)
     try:
         config = load_model_config(args.model)
         model = build_model(config, device=args.device)
     except (ConfigError, ValueError, RuntimeError) as exc:
-        fail(str(exc))
+        fail(f"{exc}" if not isinstance(exc, RuntimeError) else f"cannot build the model on --device "
+             f"{args.device}: {exc}")
     streams = [f"robot{i}" for i in range(args.streams)]
     scene = SyntheticScene(config.observation_shapes)
     total = hashlib.sha256()

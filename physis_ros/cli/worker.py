@@ -3,22 +3,23 @@
 The engine starts local workers itself; start one by hand on another host
 with ``physis-worker --connect tcp://ENGINE:PORT --id wN --bind-host THIS_HOST
 --curve-keys DIR``.
+
+Exit status: 0 stopped cleanly; 2 usage or input error (bad flag or value, missing
+--connect, bad address, unreadable or corrupt --curve-keys directory, non-loopback
+--bind-host without keys); 70 internal error (a bug; PHYSIS_DEBUG=1 shows the
+traceback); 130 interrupted. Errors are one line on stderr:
+'physis-worker: error: <what and the fix>'.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import logging
 import os
 import signal
 import sys
 
-import torch
-import zmq
-
-from physis_ros.runtime.security import is_loopback
-from physis_ros.runtime.worker import Worker
+from physis_ros.cli.common import ArgumentParser, check_keys_dir, cli_main, positive_int
 
 PR_SET_PDEATHSIG = 1
 
@@ -33,8 +34,22 @@ def die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _level(text: str) -> str:
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(text)
+    return level
+
+
+_level.__name__ = "log level"
+
+
+@cli_main("physis-worker")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="physis-worker", description="Run one physis_ros worker process.")
+    parser = ArgumentParser(prog="physis-worker", description=__doc__)
     parser.add_argument("--connect", required=True, help="engine control address, e.g. tcp://10.0.0.2:5555")
     parser.add_argument("--id", default=f"w-{os.getpid()}", help="worker name (unique per engine)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
@@ -42,19 +57,40 @@ def main(argv: list[str] | None = None) -> int:
                         help="interface for this worker's data socket (loopback unless told otherwise)")
     parser.add_argument("--transport", choices=("tcp", "ipc"), default="tcp")
     parser.add_argument("--ipc-dir", default=None)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--curve-keys", default=None,
                         help="physis-keys directory: CurveZMQ on every socket (required off loopback)")
-    parser.add_argument("--max-message-mb", type=int, default=256)
+    parser.add_argument("--max-message-mb", type=positive_int, default=256)
     parser.add_argument("--parent-pid", type=int, default=0,
                         help="exit when this process (the engine that started us) exits")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", type=_level, default="INFO", help="least level logged (and sent to the engine)")
+    parser.add_argument("--no-log-stderr", action="store_true",
+                        help="log only through the engine (what the engine uses for the workers it spawns)")
     args = parser.parse_args(argv)
+    if not args.connect.startswith(("tcp://", "ipc://")):
+        parser.error(f"--connect wants the engine's control address, e.g. tcp://10.0.0.2:5555, got '{args.connect}'")
+    if args.curve_keys:
+        check_keys_dir(args.curve_keys, "--curve-keys")
+    import torch
+    import zmq
+
+    from physis_ros.runtime.security import is_loopback
+    from physis_ros.runtime.worker import Worker
+
     if args.parent_pid:
         die_with_parent(args.parent_pid)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    logging.basicConfig(level=args.log_level, format=f"[worker {args.id}] %(levelname)s %(message)s")
+    logging.getLogger("physis").setLevel(args.log_level)
+    if not args.no_log_stderr:
+        logging.basicConfig(format=f"[worker {args.id}] %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError) as exc:
+        parser.error(f"argument --device: {args.device!r} is not a device ({exc}); give cpu or cuda:N")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        parser.error(f"argument --device: {args.device} is not available here "
+                     f"({torch.cuda.device_count()} CUDA device(s)); give cpu or cuda:N with N < the count")
     if args.transport == "tcp" and not is_loopback(args.bind_host) and not args.curve_keys:
         parser.error(f"--bind-host {args.bind_host} is not loopback: give --curve-keys DIR (see physis-keys)")
     try:

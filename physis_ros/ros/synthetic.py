@@ -7,11 +7,19 @@ camera resolution that is not the model's, so the server's preprocessing
 works) and ``<ns>/joint_states`` (the scene's arm, plus an extra ``gripper``
 joint, in reversed order, so the server's mapping by name works). Image and
 joint state of one tick share one header stamp from the node clock.
+
+    physis-synthetic [--config config/serve.yaml | --streams ns1,ns2] [--rate 30] [--duration S]
+                     [--ros-args ...]
+
+Exit status: 0 stopped (--duration, Ctrl-C, SIGTERM); 2 usage or input error (bad
+flag or value, e.g. --rate 0; a physis-synthetic flag placed after --ros-args; serve
+config missing, empty, binary or invalid); 70 internal error (a bug; PHYSIS_DEBUG=1
+shows the traceback). Errors are one line on stderr:
+'physis-synthetic: error: <what and the fix>'.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import signal
 import sys
@@ -85,23 +93,34 @@ def streams_from_config(path: str) -> dict[str, tuple[str, list[str]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="physis-synthetic", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from physis_ros.cli.common import run_main
+
+    return run_main("physis-synthetic", _main, argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    from physis_ros.cli.common import (ArgumentParser, check_yaml_file, nonneg_float, positive_float, positive_int,
+                                       split_ros_args)
+
+    p = ArgumentParser(prog="physis-synthetic", description=__doc__)
     p.add_argument("--config", default=None, help="serve YAML whose streams to feed (default config/serve.yaml)")
     p.add_argument("--streams", default="", help="comma-separated namespaces instead of --config (joints joint1..7)")
-    p.add_argument("--rate", type=float, default=30.0, help="camera + joint state rate (Hz)")
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--height", type=int, default=48)
+    p.add_argument("--rate", type=positive_float, default=30.0, help="camera + joint state rate (Hz)")
+    p.add_argument("--width", type=positive_int, default=64)
+    p.add_argument("--height", type=positive_int, default=48)
     p.add_argument("--encoding", choices=("rgb8", "bgr8", "mono8"), default="rgb8")
     p.add_argument("--best-effort", action="store_true", help="publish best effort (default reliable)")
-    p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until Ctrl-C)")
-    from rclpy.utilities import remove_ros_args
-    args = p.parse_args(remove_ros_args(["physis-synthetic", *(sys.argv[1:] if argv is None else argv)])[1:])
+    p.add_argument("--duration", type=nonneg_float, default=0.0, help="stop after this many seconds (0: until Ctrl-C)")
+    args = p.parse_args(split_ros_args("physis-synthetic", sys.argv[1:] if argv is None else argv))
     if args.streams:
         streams = {ns: (ns, [f"joint{i}" for i in range(1, 8)]) for ns in args.streams.split(",") if ns}
+        if not streams:
+            p.error("argument --streams: give comma-separated namespaces, e.g. robot0,robot1")
     else:
         from physis_ros.ros.config import default_serve_path
-        streams = streams_from_config(args.config or str(default_serve_path()))
+        config = args.config or str(default_serve_path())
+        check_yaml_file(config, "--config")
+        streams = streams_from_config(config)
 
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
