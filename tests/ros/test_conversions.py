@@ -1,8 +1,14 @@
 """Message <-> tensor conversions: decoding, preprocessing, joint mapping, rejection, outputs."""
 
+import array
+import dataclasses
 import io
 import math
+import statistics
+import time
+import tracemalloc
 
+import cv2
 import numpy as np
 import pytest
 from builtin_interfaces.msg import Time
@@ -94,7 +100,8 @@ def test_bad_images_rejected(make, reason):
 
 
 def test_compressed_png_matches_raw_and_corrupt_is_rejected():
-    from PIL import Image as PILImage
+    # a png from another encoder than the decoder's (Pillow is optional: only matplotlib brings it)
+    PILImage = pytest.importorskip("PIL.Image")
     assert conv.compressed_decoder_available() is None
     buf = io.BytesIO()
     PILImage.fromarray(RGB).save(buf, format="PNG")
@@ -204,3 +211,288 @@ def test_telemetry_msg():
     assert conv.stamp_to_sec(msg.emit_stamp) == pytest.approx(100.15)
     assert msg.handover_stamp == msg.emit_stamp  # no handover time given
     assert conv.stamp_to_sec(conv.telemetry_msg(rec, handover=100.1503).handover_stamp) == pytest.approx(100.1503)
+
+
+# ---- heavy inputs (issue 12): cost, caps, float32 finiteness ------------------------------------
+MONO_MODEL = dataclasses.replace(MODEL, wam=dataclasses.replace(MODEL.wam, image_channels=1))
+LUMA = np.array([0.299, 0.587, 0.114])
+
+
+def _box_weights(n_in: int, n_out: int) -> np.ndarray:
+    """[n_out, n_in]: the share of source pixel x in output cell i (exact overlap of the two intervals)."""
+    edges = np.arange(n_out + 1) * (n_in / n_out)
+    lo, hi = edges[:-1, None], edges[1:, None]
+    x = np.arange(n_in)[None, :]
+    return np.clip(np.minimum(hi, x + 1) - np.maximum(lo, x), 0.0, None) / (n_in / n_out)
+
+
+def area_reference(px: np.ndarray, size: int, mode: str, pad_value: float = 0.0) -> np.ndarray:
+    """The exact area average (float64, [ch, size, size], in [0, 1]) of the cropped or padded image,
+    computed the slow obvious way: build the plane, multiply by overlap weights."""
+    plane = px.astype(np.float64) / 255.0
+    h, w = plane.shape[:2]
+    if mode == "center_crop" and h != w:
+        m = min(h, w)
+        y0, x0 = (h - m) // 2, (w - m) // 2
+        plane = plane[y0:y0 + m, x0:x0 + m]
+    elif mode == "pad" and h != w:
+        m = max(h, w)
+        y0, x0 = (m - h) // 2, (m - w) // 2
+        padded = np.full((m, m, plane.shape[2]), pad_value)
+        padded[y0:y0 + h, x0:x0 + w] = plane
+        plane = padded
+    wy, wx = _box_weights(plane.shape[0], size), _box_weights(plane.shape[1], size)
+    rows = np.tensordot(wy, plane, axes=(1, 0))                       # [size, w, ch]
+    return np.einsum("ywc,xw->cyx", rows, wx, optimize=True)
+
+
+@pytest.mark.parametrize("h, w", [(480, 640), (37, 53), (20, 16), (1080, 1920), (33, 31), (5, 200)])
+@pytest.mark.parametrize("mode", ["resize", "center_crop", "pad"])
+def test_preprocess_is_the_area_average(h, w, mode):
+    px = RNG.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    s = stream(image={"preprocess": mode, "pad_value": 0.25})
+    out = conv.image_from_msg(image_msg(px, "rgb8"), s, MODEL)
+    ref = area_reference(px, 32, mode, 0.25)
+    assert out.dtype == np.float32 and out.shape == (3, 32, 32)
+    assert 0.0 <= out.min() and out.max() <= 1.0
+    np.testing.assert_allclose(out, ref, atol=1e-6)  # no 8-bit rounding of the averages
+    # every channel order and a padded row step give the same tensor, bit for bit
+    for enc, arr in (("bgr8", px[:, :, ::-1]), ("rgba8", np.dstack([px, np.full((h, w), 9, np.uint8)])),
+                     ("bgra8", np.dstack([px[:, :, ::-1], np.zeros((h, w), np.uint8)]))):
+        np.testing.assert_array_equal(conv.image_from_msg(image_msg(np.ascontiguousarray(arr), enc, pad=3),
+                                                          s, MODEL), out)
+
+
+def test_grayscale_model_and_mono_images():
+    s = stream(image={"preprocess": "resize"})
+    px = RNG.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    gray = conv.image_from_msg(image_msg(px, "rgb8"), s, MONO_MODEL)
+    assert gray.shape == (1, 32, 32) and gray.dtype == np.float32
+    ref = np.tensordot(LUMA, area_reference(px, 32, "resize"), axes=1)
+    np.testing.assert_allclose(gray[0], ref, atol=1e-6)
+    np.testing.assert_array_equal(conv.image_from_msg(image_msg(px[:, :, ::-1].copy(), "bgr8"), s, MONO_MODEL), gray)
+    mono = px[:, :, 1].copy()
+    one = conv.image_from_msg(image_msg(mono, "mono8"), s, MONO_MODEL)
+    np.testing.assert_allclose(one[0], area_reference(mono[:, :, None], 32, "resize")[0], atol=1e-6)
+    three = conv.image_from_msg(image_msg(mono, "mono8"), s, MODEL)
+    assert three.shape == (3, 32, 32) and all(np.array_equal(three[0], three[c]) for c in (1, 2))
+    np.testing.assert_array_equal(three[0], one[0])
+
+
+def _cpu_ms(fn, n: int = 7) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.thread_time()
+        fn()
+        times.append((time.thread_time() - t0) * 1e3)
+    return statistics.median(times)
+
+
+@pytest.mark.parametrize("mode", ["resize", "center_crop", "pad"])
+def test_a_1080p_frame_is_cheap_in_time_and_memory(mode):
+    """Issue 12: a 1080p frame cost 35-260 ms of the executor thread and ~100 MB of float copies."""
+    px = RNG.integers(0, 256, (1080, 1920, 3), dtype=np.uint8)
+    msg, s = image_msg(px, "rgb8"), stream(image={"preprocess": mode})
+    conv.image_from_msg(msg, s, MODEL)  # warm
+    tracemalloc.start()
+    try:
+        conv.image_from_msg(msg, s, MODEL)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < px.nbytes // 3, f"peak {peak / 1e6:.1f} MB of numpy allocations for a {px.nbytes / 1e6:.1f} MB image"
+    cpu = _cpu_ms(lambda: conv.image_from_msg(msg, s, MODEL))
+    assert cpu < 15.0, f"{mode}: {cpu:.1f} ms of CPU per 1080p frame"   # ~1 ms here; generous for a loaded VM
+
+
+def test_deterministic_across_opencv_thread_counts():
+    px = RNG.integers(0, 256, (1080, 1920, 4), dtype=np.uint8)
+    s = stream(image={"preprocess": "pad", "pad_value": 0.3})
+    threads = cv2.getNumThreads()
+    try:
+        outs = []
+        for n in (1, 2, 4):
+            cv2.setNumThreads(n)
+            outs.append(conv.image_from_msg(image_msg(px, "bgra8"), s, MODEL))
+    finally:
+        cv2.setNumThreads(threads)
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+
+
+def test_image_byte_cap():
+    s = stream(image={"max_bytes": 1000})
+    ok = RNG.integers(0, 256, (18, 18, 3), dtype=np.uint8)    # 972 bytes
+    conv.image_from_msg(image_msg(ok, "rgb8"), s, MODEL)
+    big = RNG.integers(0, 256, (19, 19, 3), dtype=np.uint8)   # 1083 bytes
+    with pytest.raises(conv.InputRejected) as err:
+        conv.image_from_msg(image_msg(big, "rgb8"), s, MODEL)
+    assert err.value.reason == "too_large" and "1083" in err.value.detail and "1000" in err.value.detail
+    assert "too_large" in conv.REASONS
+
+
+def test_default_caps_take_4k_and_refuse_8k_cheaply():
+    s = stream()
+    assert s.image.max_bytes >= 3840 * 2160 * 4          # 4K rgba8/bgra8 fits
+    assert s.image.max_bytes < 7680 * 4320 * 3           # 8K rgb8 does not
+    assert 7 <= s.max_joints < 100_000
+    big = Image(height=4320, width=7680, encoding="rgb8", step=7680 * 3)
+    big.data = bytes(7680 * 4320 * 3)                        # ~100 MB
+    t0 = time.thread_time()
+    with pytest.raises(conv.InputRejected) as err:
+        conv.image_from_msg(big, s, MODEL)
+    assert err.value.reason == "too_large"
+    assert time.thread_time() - t0 < 0.01   # rejected before any work on the pixels
+
+
+def test_joint_count_cap():
+    names = JOINTS + [f"extra{i}" for i in range(40)]
+    msg = joint_msg(names, range(len(names)))
+    np.testing.assert_array_equal(conv.joints_from_msg(msg, JOINTS, max_joints=47), np.arange(7, dtype=np.float32))
+    with pytest.raises(conv.InputRejected) as err:
+        conv.joints_from_msg(msg, JOINTS, max_joints=46)
+    assert err.value.reason == "too_large" and "47" in err.value.detail
+    huge = JointState(name=[f"j{i}" for i in range(100_000)])   # names only: rejected before pairing
+    with pytest.raises(conv.InputRejected) as err:
+        conv.joints_from_msg(huge, JOINTS)
+    assert err.value.reason == "too_large"
+    obs_stream = stream(max_joints=8)
+    with pytest.raises(conv.InputRejected) as err:
+        conv.observation_from_msgs(image_msg(RGB, "rgb8"), msg, obs_stream, MODEL)
+    assert err.value.reason == "too_large"
+
+
+@pytest.mark.parametrize("value", [-1e39, 3.5e38, float(np.finfo(np.float32).max) * 1.0000001, math.nan])
+def test_joint_positions_are_checked_in_float32(value):
+    """Finite in float64 but inf once cast to float32, the model's precision (even with no magnitude bound)."""
+    pos = [0.0] * 7
+    pos[3] = value
+    with pytest.raises(conv.InputRejected) as err:
+        conv.joints_from_msg(joint_msg(JOINTS, pos), JOINTS, max_abs=math.inf)
+    assert err.value.reason == "nonfinite" and "joint4" in err.value.detail
+
+
+def test_huge_joint_positions_are_rejected():
+    """Issue 12: 1e30 passed, and the model's float32 arithmetic turned it into NaN chunks (1e30 itself
+    is a finite float32: its square is not)."""
+    pos = [0.0, 0.0, 0.0, 1e30, 0.0, 0.0, 0.0]
+    with pytest.raises(conv.InputRejected) as err:
+        conv.joints_from_msg(joint_msg(JOINTS, pos), JOINTS)
+    assert err.value.reason == "nonfinite" and "joint4=1e+30" in err.value.detail
+    assert stream().max_abs_position == 1e9
+    pos[3] = -1e9
+    assert conv.joints_from_msg(joint_msg(JOINTS, pos), JOINTS)[3] == -1e9
+    pos[3] = 1.000001e9
+    with pytest.raises(conv.InputRejected):
+        conv.joints_from_msg(joint_msg(JOINTS, pos), JOINTS)
+    assert conv.joints_from_msg(joint_msg(JOINTS, pos), JOINTS, max_abs=1e10)[3] == np.float32(1.000001e9)
+    with pytest.raises(conv.InputRejected) as err:
+        conv.observation_from_msgs(image_msg(RGB, "rgb8"), joint_msg(JOINTS, pos), stream(max_abs_position=10.0),
+                                   MODEL)
+    assert err.value.reason == "nonfinite"
+
+
+def test_large_but_representable_positions_pass_without_a_bound():
+    big = float(np.finfo(np.float32).max)
+    out = conv.joints_from_msg(joint_msg(JOINTS, [big, -big, 1e38, 1e-50, -0.0, 5.0, 1e6]), JOINTS, max_abs=math.inf)
+    assert np.isfinite(out).all() and out[0] == np.finfo(np.float32).max and out[3] == 0.0
+
+
+def _encode(px: np.ndarray, ext: str, *params) -> CompressedImage:
+    bgr = px[:, :, ::-1] if px.ndim == 3 and px.shape[2] == 3 else px
+    if px.ndim == 3 and px.shape[2] == 4:
+        bgr = px[:, :, [2, 1, 0, 3]]
+    ok, buf = cv2.imencode(ext, np.ascontiguousarray(bgr), list(params))
+    assert ok
+    return CompressedImage(format=ext.lstrip("."), data=buf.tobytes())
+
+
+def test_compressed_encodings():
+    s = stream(image={"preprocess": "pad"})
+    px = RNG.integers(0, 256, (60, 90, 3), dtype=np.uint8)
+    raw = conv.image_from_msg(image_msg(px, "rgb8"), s, MODEL)
+    np.testing.assert_array_equal(conv.image_from_msg(_encode(px, ".png"), s, MODEL), raw)  # lossless
+    smooth = cv2.GaussianBlur(px, (0, 0), 3)
+    jpeg = conv.image_from_msg(_encode(smooth, ".jpg", cv2.IMWRITE_JPEG_QUALITY, 95), s, MODEL)
+    np.testing.assert_allclose(jpeg, conv.image_from_msg(image_msg(smooth, "rgb8"), s, MODEL), atol=0.03)
+    # grayscale png -> mono; rgba png -> alpha dropped; 16-bit png -> 8 bit
+    gray = px[:, :, 0].copy()
+    np.testing.assert_array_equal(conv.image_from_msg(_encode(gray, ".png"), s, MODEL),
+                                  conv.image_from_msg(image_msg(gray, "mono8"), s, MODEL))
+    rgba = np.dstack([px, np.full(px.shape[:2], 3, np.uint8)])
+    np.testing.assert_array_equal(conv.image_from_msg(_encode(rgba, ".png"), s, MODEL), raw)
+    wide = px.astype(np.uint16) * 257
+    np.testing.assert_array_equal(conv.image_from_msg(_encode(wide, ".png"), s, MODEL), raw)
+
+
+def test_compressed_caps_and_garbage():
+    s = stream(image={"max_bytes": 16_000})
+    px = RNG.integers(0, 256, (60, 90, 3), dtype=np.uint8)
+    flat = _encode(np.zeros_like(px), ".png")                      # ~100 bytes, 16200 decoded
+    assert len(flat.data) < 1000
+    with pytest.raises(conv.InputRejected) as err:
+        conv.image_from_msg(flat, s, MODEL)                        # decoded size over the cap
+    assert err.value.reason == "too_large" and "90x60" in err.value.detail
+    conv.image_from_msg(_encode(np.zeros_like(px[:, :88]), ".png"), s, MODEL)   # 15840: fits
+    # a png header that claims 100000 x 100000 (a decompression bomb) is refused before decoding
+    head = bytearray(_encode(px[:2, :2], ".png").data)
+    head[16:24] = (100_000).to_bytes(4, "big") * 2
+    with pytest.raises(conv.InputRejected) as err:
+        conv.image_from_msg(CompressedImage(format="png", data=bytes(head)), stream(), MODEL)
+    assert err.value.reason == "too_large"
+    # a jpeg header likewise (SOF0 carries height and width)
+    jpg = bytearray(_encode(px, ".jpg").data)
+    sof = jpg.find(b"\xff\xc0")
+    jpg[sof + 5:sof + 9] = (60_000).to_bytes(2, "big") * 2
+    with pytest.raises(conv.InputRejected) as err:
+        conv.image_from_msg(CompressedImage(format="jpeg", data=bytes(jpg)), stream(), MODEL)
+    assert err.value.reason == "too_large"
+    with pytest.raises(conv.InputRejected) as err:
+        conv.image_from_msg(CompressedImage(format="png", data=bytes(20_000)), s, MODEL)  # the bytes themselves
+    assert err.value.reason == "too_large"
+    for data in (b"", b"\x89PNG\r\n\x1a\n" + bytes(30), b"\xff\xd8\xff\xe0garbage", b"BM" + bytes(60),
+                 _encode(px, ".png").data[:200]):
+        with pytest.raises(conv.InputRejected) as err:
+            conv.image_from_msg(CompressedImage(format="png", data=data), stream(), MODEL)
+        assert err.value.reason == "decode", data[:10]
+
+
+def test_heap_trimmer_trims_once_after_large_inputs_stop():
+    trimmer = conv.HeapTrimmer(large_bytes=1000, quiet_s=1.0)
+    calls = []
+    trimmer._trim = lambda pad: calls.append(pad)
+    assert not trimmer.note(10, now=0.0)              # small only: nothing to give back
+    assert not trimmer.note(5000, now=1.0)            # large frames: the working set
+    assert not trimmer.note(5000, now=1.5)
+    assert not trimmer.note(10, now=2.0)              # too soon after the last large one
+    assert trimmer.note(10, now=2.6) and calls == [0]
+    assert not trimmer.note(10, now=9.0) and calls == [0]   # once per burst
+    assert conv.HEAP._trim is not None                # glibc here: the real malloc_trim
+    assert conv.HeapTrimmer(quiet_s=0.0).note(0) is False
+
+
+def test_jpeg_size_found_behind_long_metadata_segments():
+    """EXIF / ICC segments (64 KB each, possibly several) come before the frame header."""
+    px = RNG.integers(0, 256, (40, 50, 3), dtype=np.uint8)
+    jpg = bytes(_encode(px, ".jpg").data)
+    app = b"\xff\xe2" + (65535).to_bytes(2, "big") + bytes(65533)        # an APP2 segment of 64 KB
+    padded = jpg[:2] + app * 3 + jpg[2:]
+    assert conv.compressed_header(padded) == ("jpeg", 50, 40, 3)
+    assert conv.compressed_header(array.array("B", padded)) == ("jpeg", 50, 40, 3)   # as rclpy hands it
+    np.testing.assert_array_equal(conv.image_from_msg(CompressedImage(format="jpeg", data=padded), stream(), MODEL),
+                                  conv.image_from_msg(CompressedImage(format="jpeg", data=jpg), stream(), MODEL))
+    gray = _encode(px[:, :, 0].copy(), ".jpg").data
+    assert conv.compressed_header(gray) == ("jpeg", 50, 40, 1)
+
+
+def test_corrupt_compressed_images_do_not_log(capfd):
+    px = RNG.integers(0, 256, (60, 90, 3), dtype=np.uint8)
+    with pytest.raises(conv.InputRejected):
+        conv.image_from_msg(CompressedImage(format="png", data=_encode(px, ".png").data[:100]), stream(), MODEL)
+    assert "WARN" not in capfd.readouterr().err
+
+
+def test_unknown_mode_is_an_error_even_for_square_images():
+    for px in (RGB, RGB[:, :20]):
+        with pytest.raises(ValueError):
+            conv.preprocess(px, "rgb8", 32, 3, "stretch")
