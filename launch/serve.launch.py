@@ -10,6 +10,13 @@ server node serves all robots; `namespace:=` additionally pushes the server
 and all its topics under one namespace. `model:=` / `workers:=` override the
 file ('' / 0: keep the file's values). Without launch_ros (pip-based setup),
 `physis-serve --config config/serve.yaml` runs the same node.
+
+physis_server is a lifecycle node: `autostart:=true` (the default) configures and activates it at
+once; `autostart:=false` leaves it unconfigured for a lifecycle manager (`ros2 lifecycle set
+/physis_server configure`, then `activate`; `deactivate` disarms the outputs). `trajectory_topic:=`
+sends the JointTrajectory of a single-stream config to a controller's topic, e.g.
+`trajectory_topic:=/arm_controller/joint_trajectory` (several streams: set
+streams.<name>.topics.joint_trajectory in the config).
 """
 
 from launch import LaunchDescription
@@ -34,6 +41,12 @@ def generate_launch_description():
                               description="namespace for the server node and all its topics"),
         DeclareLaunchArgument("use_sim_time", default_value="false",
                               description="stamp from /clock (bag replay with simulated time)"),
+        DeclareLaunchArgument("autostart", default_value="true",
+                              description="configure and activate the lifecycle node at start (false: wait for "
+                                          "lifecycle transitions)"),
+        DeclareLaunchArgument("trajectory_topic", default_value="",
+                              description="JointTrajectory topic of a single-stream config, e.g. "
+                                          "/arm_controller/joint_trajectory (empty: from the config)"),
         Node(
             package="physis_ros",
             executable="physis-serve",
@@ -41,7 +54,9 @@ def generate_launch_description():
             namespace=LaunchConfiguration("namespace"),
             parameters=[config, {"use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"),
                                                                 value_type=bool)}],
-            arguments=["--model", LaunchConfiguration("model"), "--workers", LaunchConfiguration("workers")],
+            arguments=["--model", LaunchConfiguration("model"), "--workers", LaunchConfiguration("workers"),
+                       "--autostart", LaunchConfiguration("autostart"),
+                       "--trajectory-topic", LaunchConfiguration("trajectory_topic")],
             output="screen",
             emulate_tty=True,
         ),

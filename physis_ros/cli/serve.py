@@ -3,9 +3,15 @@
     physis-serve --config config/serve.yaml [--duration S] [--deterministic] [--ros-args ...]
 
 Without ``--config`` the configuration comes from ROS parameters (what
-``ros2 launch physis_ros serve.launch.py`` passes). Exit codes: 0 after a clean
+``ros2 launch physis_ros serve.launch.py`` passes). The node is a lifecycle node: with
+``--autostart`` (the default) it configures (engine + workers) and activates (outputs armed) at
+once; ``--no-autostart`` leaves it unconfigured for a lifecycle manager. A lifecycle shutdown
+ends the process (exit 0). Exit codes: 0 after a clean
 stop, 1 if the engine failed (did not start, or lost a worker it could not restart), 2 for a
-configuration error (the message names the key).
+usage or configuration error (bad flag or value, a physis-serve flag placed after --ros-args,
+config missing/empty/binary/invalid: the message names the key; unreadable checkpoint, profile
+or keys directory), 70 internal error (a bug; PHYSIS_DEBUG=1 shows the traceback). Errors are
+one line on stderr: 'physis-serve: error: <what and the fix>'.
 """
 
 from __future__ import annotations
@@ -17,25 +23,41 @@ import sys
 import threading
 import time
 
-from physis_ros.cli.common import set_threads
+from physis_ros.cli.common import (ArgumentParser, check_yaml_file, model_arg, nonneg_float, nonneg_int,
+                                   positive_float, preflight_serve, run_main, set_threads, split_ros_args)
 from physis_ros.config import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="physis-serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="physis-serve", description=__doc__)
     p.add_argument("--config", help="serve YAML (plain or ROS 2 parameters format), e.g. config/serve.yaml")
-    p.add_argument("--model", default="", help="model preset or YAML (overrides the config; empty: keep)")
-    p.add_argument("--workers", type=int, default=0, help="local worker processes (overrides; 0: keep)")
+    p.add_argument("--model", type=model_arg, default="", help="model preset or YAML (overrides the config; empty: keep)")
+    p.add_argument("--workers", type=nonneg_int, default=0, help="local worker processes (overrides; 0: keep)")
     p.add_argument("--plan", default="", help="placement plan (overrides; empty: keep)")
     p.add_argument("--deterministic", action="store_true",
                    help="each chunk consumes the next complete observation in arrival order")
     p.add_argument("--use-sim-time", action="store_true", help="stamp from /clock (same as -p use_sim_time:=true)")
-    p.add_argument("--duration", type=float, default=0.0,
+    p.add_argument("--duration", type=nonneg_float, default=0.0,
                    help="stop after this many seconds of serving (0: until Ctrl-C / SIGTERM)")
-    p.add_argument("--start-timeout", type=float, default=120.0, help="give up if the engine is not up by then")
+    p.add_argument("--start-timeout", type=positive_float, default=120.0, help="give up if the engine is not up by then")
     p.add_argument("--summary-json", help="write per-stream totals here on exit")
+    p.add_argument("--autostart", nargs="?", const=True, default=True, type=_boolean,
+                   metavar="BOOL", help="configure and activate the lifecycle node at start (default: true)")
+    p.add_argument("--no-autostart", dest="autostart", action="store_false",
+                   help="start unconfigured and wait for lifecycle transitions (configure, activate, ...)")
+    p.add_argument("--trajectory-topic", default="",
+                   help="joint_trajectory topic of a single-stream config, e.g. /arm_controller/joint_trajectory "
+                        "(empty: keep; several streams: set streams.<name>.topics.joint_trajectory)")
     return p
+
+
+def _boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
@@ -57,22 +79,33 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command itself (not a call from Python): DDS and heap settings, see ros/dds.py
+        from physis_ros.ros.dds import reexec_with_process_env
+        reexec_with_process_env()
+    return run_main("physis-serve", _serve, argv)
+
+
+def _serve(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(split_ros_args("physis-serve", argv))   # bad flags: before the heavy imports
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.signals import SignalHandlerOptions
-    from rclpy.utilities import remove_ros_args
 
     from physis_ros.ros.config import deep_merge, load_serve_mapping, serve_config
+    from physis_ros.ros.parameters import apply_trajectory_topic
 
-    args = build_parser().parse_args(remove_ros_args(["physis-serve", *argv])[1:])
     overrides = overrides_from_args(args)
     file_mapping = {}
     try:
         if args.config:
+            check_yaml_file(args.config, "--config")
             file_mapping = load_serve_mapping(args.config)
             if "streams" in file_mapping:  # fail fast, before ROS (else streams come from ROS parameters)
-                serve_config(deep_merge(file_mapping, overrides), source=args.config)
+                checked = deep_merge(file_mapping, overrides)
+                if args.trajectory_topic:
+                    checked = apply_trajectory_topic(checked, args.trajectory_topic)
+                preflight_serve(serve_config(checked, source=args.config))
     except ConfigError as exc:
         print(f"physis-serve: error: {exc}", file=sys.stderr)
         return 2
@@ -89,36 +122,52 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
 
     rclpy.init(args=["physis-serve", *argv], signal_handler_options=SignalHandlerOptions.NO)
+    from rclpy.lifecycle import TransitionCallbackReturn
+
     from physis_ros.ros.node import PhysisServer
+
+    SUCCESS = TransitionCallbackReturn.SUCCESS
 
     node = None
     executor = None
     code = 0
     try:
         try:
-            node = PhysisServer(file_mapping, overrides)
+            node = PhysisServer(file_mapping, overrides, trajectory_topic=args.trajectory_topic)
         except ConfigError as exc:
             print(f"physis-serve: error: {exc}", file=sys.stderr)
             return 2
         log = node.get_logger()
         executor = SingleThreadedExecutor()
         executor.add_node(node)
-        node.start_engine()
-        started = time.monotonic()
+        if args.autostart:
+            if node.trigger_configure() != SUCCESS or node.trigger_activate() != SUCCESS:
+                log.error("autostart: the lifecycle configure/activate transitions failed")
+                code = 1
+                stop.set()
+        else:
+            log.info("waiting for lifecycle transitions (unconfigured; autostart off)")
         serving_since = None
         while not stop.is_set():
             executor.spin_once(timeout_sec=0.05)
-            failure = node.engine.failure
+            if node.finalized:
+                reason["why"] = "lifecycle shutdown"
+                break
+            engine = node.engine
+            if engine is None:   # unconfigured (cleaned up): nothing to watch
+                serving_since = None
+                continue
+            failure = engine.failure
             if failure is not None:
                 log.error(f"engine failed: {failure}")
                 node.publish_diagnostics()
                 code = 1
                 break
             if serving_since is None:
-                if node.engine.ready.is_set():
+                if engine.ready.is_set():
                     serving_since = time.monotonic()
                     node.publish_diagnostics()  # flips the state to serving at once
-                elif time.monotonic() - started > args.start_timeout:
+                elif time.monotonic() - node.engine_started > args.start_timeout:
                     log.error(f"engine did not start within {args.start_timeout:.0f} s")
                     code = 1
                     break

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from physis_ros.config import ConfigError, EngineConfig, bounded, from_mapping, load_yaml, repo_config_dir
+from physis_ros.config import ConfigError, bounded, described, from_mapping, load_yaml, repo_config_dir
+from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model.spec import ModelConfig
 
 PREPROCESS_MODES = ("resize", "center_crop", "pad")
@@ -33,9 +34,11 @@ _TOPIC = re.compile(r"^/?[A-Za-z~][A-Za-z0-9_/{}~]*$")
 class QoSConfig:
     """One topic's QoS (history is always KEEP_LAST ``depth``)."""
 
-    reliability: str = field(default="reliable", metadata=bounded(choices=("reliable", "best_effort")))
-    depth: int = field(default=10, metadata=bounded(ge=1, le=100000))
-    durability: str = field(default="volatile", metadata=bounded(choices=("volatile", "transient_local")))
+    reliability: str = field(default="reliable", metadata=bounded(
+        choices=("reliable", "best_effort"), doc="QoS reliability (reliable matches every subscriber)"))
+    depth: int = field(default=10, metadata=bounded(ge=1, le=100000, doc="QoS history depth (keep last N)"))
+    durability: str = field(default="volatile", metadata=bounded(
+        choices=("volatile", "transient_local"), doc="QoS durability"))
 
 
 @dataclass(frozen=True)
@@ -43,24 +46,33 @@ class StreamQoS:
     """Per-stream QoS overrides. ``input`` unset: sensor-data QoS (best effort, depth 5), or in
     deterministic mode best effort with depth 1000 (so a replay burst is not dropped)."""
 
-    input: QoSConfig | None = None
-    action_chunk: QoSConfig = field(default_factory=lambda: QoSConfig("reliable", 10))
-    # ros2_control's joint_trajectory_controller subscribes RELIABLE: a best-effort publisher never matches it.
-    joint_trajectory: QoSConfig = field(default_factory=lambda: QoSConfig("reliable", 10))
+    input: QoSConfig | None = field(default=None, metadata=described(
+        "camera and joint_states subscriptions; unset: sensor-data QoS (deterministic: best effort, depth 1000)"))
+    action_chunk: QoSConfig = field(default_factory=lambda: QoSConfig("reliable", 10),
+                                    metadata=described("action_chunk publisher"))
+    # Reliable matches both kinds of subscriber. ros2_control's joint_trajectory_controller subscribes with
+    # SystemDefaultsQoS, which the RMW resolves (best effort under rmw_fastrtps; docs/ros2_control.md).
+    joint_trajectory: QoSConfig = field(default_factory=lambda: QoSConfig("reliable", 10),
+                                        metadata=described("joint_trajectory publisher"))
 
 
 @dataclass(frozen=True)
 class TopicsConfig:
     """Topic names relative to the stream's namespace (a leading '/' makes one absolute)."""
 
-    image: str = "camera/image_raw"
-    compressed_image: str = "camera/image_raw/compressed"
-    joint_states: str = "joint_states"
-    action_chunk: str = "action_chunk"
-    joint_trajectory: str = "joint_trajectory"
+    image: str = field(default="camera/image_raw", metadata=described("sensor_msgs/Image input topic"))
+    compressed_image: str = field(default="camera/image_raw/compressed", metadata=described(
+        "sensor_msgs/CompressedImage input topic (with compressed: true)"))
+    joint_states: str = field(default="joint_states", metadata=described("sensor_msgs/JointState input topic"))
+    action_chunk: str = field(default="action_chunk", metadata=described("physis_ros/ActionChunk output topic"))
+    joint_trajectory: str = field(default="joint_trajectory", metadata=described(
+        "trajectory_msgs/JointTrajectory output topic; e.g. /arm_controller/joint_trajectory to feed a "
+        "ros2_control joint_trajectory_controller directly"))
+    telemetry: str = field(default="telemetry", metadata=described(
+        "this stream's own physis_ros/ChunkTelemetry topic (published only with telemetry: true)"))
 
     def check(self, prefix: str) -> None:
-        for name in ("image", "compressed_image", "joint_states", "action_chunk", "joint_trajectory"):
+        for name in ("image", "compressed_image", "joint_states", "action_chunk", "joint_trajectory", "telemetry"):
             value = getattr(self, name)
             if not _TOPIC.match(value) or "//" in value or value.endswith("/"):
                 raise ConfigError(f"{prefix}.{name}", f"{value!r} is not a valid ROS topic name")
@@ -71,30 +83,51 @@ class ImageConfig:
     """How camera images of any size become the model's square input."""
 
     # resize: stretch to SxS; center_crop: central square, then resize; pad: pad to a square, then resize
-    preprocess: str = field(default="center_crop", metadata=bounded(choices=PREPROCESS_MODES))
-    pad_value: float = field(default=0.0, metadata=bounded(ge=0.0, le=1.0))
+    preprocess: str = field(default="center_crop", metadata=bounded(
+        choices=PREPROCESS_MODES, doc="camera image to the model's square input: resize (stretch), center_crop "
+                                      "(central square, then resize) or pad (pad to a square, then resize)"))
+    pad_value: float = field(default=0.0, metadata=bounded(ge=0.0, le=1.0, doc="fill value of pad (0 black, 1 white)"))
+    # 32 MiB: 4K (3840x2160) rgba8 fits, 8K rgb8 (~100 MB) does not; checked before any work on the pixels
+    max_bytes: int = field(default=32 * 1024 * 1024, metadata=bounded(
+        ge=1, doc="reject images with more bytes than this (raw data, or a CompressedImage's decoded size): too_large"))
 
 
 @dataclass(frozen=True)
 class StreamConfig:
     """One robot: its namespace, joints, SLO, input handling and topics."""
 
-    joint_names: list[str]                      # model action/state columns, in order
-    namespace: str = ""                         # default: the stream's name
-    slo_interval_ms: float | None = field(default=None, metadata=bounded(gt=0.0))
-    control_rate_hz: float = field(default=50.0, metadata=bounded(gt=0.0))  # action steps per second
-    compressed: bool = False                    # subscribe CompressedImage (jpeg/png, needs Pillow)
+    joint_names: list[str] = field(metadata=described(
+        "the model's action/state columns in order, matched by name in joint_states"))
+    namespace: str = field(default="", metadata=described("namespace of the stream's topics (empty: its name)"))
+    slo_interval_ms: float | None = field(default=None, metadata=bounded(
+        gt=0.0, doc="output interval target: telemetry deadline_miss, /diagnostics verdicts, task deadlines "
+                    "(unset: none)"))
+    control_rate_hz: float = field(default=50.0, metadata=bounded(
+        gt=0.0, doc="action steps per second: ActionChunk.control_period and trajectory point timing"))
+    compressed: bool = field(default=False, metadata=described(
+        "subscribe sensor_msgs/CompressedImage (jpeg/png, decoded with OpenCV) instead of Image"))
     image: ImageConfig = field(default_factory=ImageConfig)
     topics: TopicsConfig = field(default_factory=TopicsConfig)
     qos: StreamQoS = field(default_factory=StreamQoS)
-    frame_id: str = ""                          # header.frame_id of the outputs
+    frame_id: str = field(default="", metadata=described("header.frame_id of the outputs"))
+    telemetry: bool = field(default=False, metadata=described(
+        "also publish this stream's ChunkTelemetry on <namespace>/telemetry (topics.telemetry), to plot one robot"))
     # Header stamp of the JointTrajectory: "observation" (the chunk's observation stamp, so consecutive
     # chunks line up on one timeline; points already in the past are skipped by the controller) or
     # "emit" (the moment the chunk is published). Point i is at start + offset + (i + 1) / control_rate_hz.
-    trajectory_start: str = field(default="observation", metadata=bounded(choices=("observation", "emit")))
-    trajectory_start_offset_s: float = 0.0
-    max_future_s: float = field(default=0.5, metadata=bounded(ge=0.0))   # reject stamps further ahead
-    max_age_s: float = field(default=1.0, metadata=bounded(ge=0.0))      # reject older stamps; 0: off
+    trajectory_start: str = field(default="observation", metadata=bounded(
+        choices=("observation", "emit"), doc="JointTrajectory header stamp: the observation's stamp or the "
+                                             "moment of publication"))
+    trajectory_start_offset_s: float = field(default=0.0, metadata=described(
+        "added to the JointTrajectory start stamp (s)"))
+    max_future_s: float = field(default=0.5, metadata=bounded(
+        ge=0.0, doc="reject input stamps further ahead of the node clock (s)"))
+    max_age_s: float = field(default=1.0, metadata=bounded(
+        ge=0.0, doc="reject input stamps older than this, and start no chunk on an older image (s; 0: off)"))
+    max_joints: int = field(default=1024, metadata=bounded(
+        ge=1, doc="reject joint states listing more joints than this (too_large); >= len(joint_names)"))
+    max_abs_position: float = field(default=1e9, metadata=bounded(
+        gt=0.0, doc="reject joint positions with |x| above this (nonfinite): float32 models overflow on huge inputs"))
 
     def check(self, prefix: str) -> None:
         """Cross-field checks; called by ServeConfig.validate so that errors carry the full key."""
@@ -107,6 +140,9 @@ class StreamConfig:
             if name in seen:
                 raise ConfigError(f"{prefix}.joint_names[{i}]", f"joint '{name}' is listed twice")
             seen.add(name)
+        if self.max_joints < len(self.joint_names):
+            raise ConfigError(f"{prefix}.max_joints", f"{self.max_joints} is below the {len(self.joint_names)} "
+                                                      f"joint names the stream needs")
         if self.namespace and not all(_NAME.match(p) for p in self.namespace.strip("/").split("/")):
             raise ConfigError(f"{prefix}.namespace", f"{self.namespace!r} is not a valid ROS namespace")
         self.topics.check(f"{prefix}.topics")
@@ -120,18 +156,31 @@ class StreamConfig:
 class ServeConfig:
     """The whole server: model, engine, streams (robots) and node-wide settings."""
 
-    streams: dict[str, StreamConfig]
-    model: str = "tiny-wam"                     # preset name or path to a model YAML
+    streams: dict[str, StreamConfig] = field(metadata=described("the robots served, by stream name"))
+    model: str = field(default="tiny-wam", metadata=described("model preset (config/models/) or path to a model YAML"))
     engine: EngineConfig = field(default_factory=EngineConfig)
     # Each chunk consumes the next complete observation in arrival order instead of the latest one.
-    deterministic: bool = False
-    deterministic_queue: int = field(default=10000, metadata=bounded(ge=1))
-    pair_timeout_s: float = field(default=0.5, metadata=bounded(gt=0.0))
-    use_sim_time: bool = False
-    telemetry_topic: str = "telemetry"
-    diagnostics_period_s: float = field(default=1.0, metadata=bounded(gt=0.0))
-    stats_window: int = field(default=200, metadata=bounded(ge=2))
-    warn_throttle_s: float = field(default=5.0, metadata=bounded(ge=0.0))
+    deterministic: bool = field(default=False, metadata=described(
+        "chunk c consumes the c-th complete observation (bag replay checks) instead of the latest one"))
+    deterministic_queue: int = field(default=10000, metadata=bounded(
+        ge=1, doc="images queued per stream in deterministic mode before dropping"))
+    pair_timeout_s: float = field(default=0.5, metadata=bounded(
+        gt=0.0, doc="deterministic mode: wait this long for a joint state with the image's stamp (s)"))
+    use_sim_time: bool = field(default=False, metadata=described("stamp from /clock (bag replay)"))
+    telemetry_topic: str = field(default="telemetry", metadata=described(
+        "server-wide physis_ros/ChunkTelemetry topic, one message per chunk"))
+    diagnostics_period_s: float = field(default=1.0, metadata=bounded(gt=0.0, doc="/diagnostics period (s)"))
+    diagnostics_window_s: float = field(default=5.0, metadata=bounded(
+        gt=0.0, doc="/diagnostics rates, percentiles and miss rate are over this many seconds (they decay)"))
+    diagnostics_miss_rate_warn: float = field(default=0.05, metadata=bounded(
+        ge=0.0, le=1.0, doc="a stream is WARN when more than this fraction of its chunks in the window missed "
+                            "the SLO"))
+    diagnostics_starved_s: float = field(default=2.0, metadata=bounded(
+        gt=0.0, doc="a stream is ERROR (starved) after waiting this long for a fresh observation (s)"))
+    stats_window: int = field(default=200, metadata=bounded(
+        ge=2, doc="chunks kept per stream for /diagnostics and the exit summary"))
+    warn_throttle_s: float = field(default=5.0, metadata=bounded(
+        ge=0.0, doc="least time between two warnings of one kind per stream (s)"))
 
     def validate(self) -> None:
         if not self.streams:

@@ -1,24 +1,43 @@
-"""Health on ``/diagnostics``: one status per stream (rate vs SLO, drops, rejected inputs), one per
-worker (heartbeat age, stats) and one for the engine, named ``<node name>: <what>`` (``physis_server:
-robot0``, ``physis_server: worker w0``, ``physis_server: engine``). Pure functions of snapshots, so they
-are tested without ROS and the node only gathers the numbers."""
+"""Health on ``/diagnostics``: one status per stream, one per worker and one for the engine, named
+``<node name>: <what>`` (``physis_server: robot0``, ``physis_server: worker w0``, ``physis_server:
+engine``). Pure functions of snapshots, so they are tested without ROS; the node only gathers the
+numbers (:mod:`physis_ros.ros.health`).
+
+Verdicts are over a time window (``diagnostics_window_s``), so they decay: a stream that stops
+publishing falls to 0 chunks/s and turns ERROR ("no chunk for X s") once it has published nothing
+for two expected intervals (its SLO interval, or its own median interval if that is longer).
+
+- stream ERROR: failed (a worker lost under it), starved (no fresh observation for longer than
+  ``diagnostics_starved_s``) or stalled (no chunk for two expected intervals);
+  WARN: interval p99 over the SLO, deadline-miss rate over ``diagnostics_miss_rate_warn``, inputs
+  rejected since the last report, the engine not serving yet; else OK.
+- worker ERROR: process exited or heartbeat older than the timeout.
+- engine ERROR: failed, or any worker down; WARN: starting / unconfigured / stopping, or serving with
+  its outputs disarmed (lifecycle inactive).
+
+The node never reports STALE itself: that is the aggregator's word for a status that stopped coming.
+``hardware_id`` is ``host:device`` (``myhost:cpu``, ``myhost:cuda:0``); a stream's is the devices its
+workers run on, the engine's the host.
+"""
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
-OK, WARN, ERROR, STALE = (DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR,
-                          DiagnosticStatus.STALE)
+from physis_ros.telemetry import ChunkRecord, percentile
+
+OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 PREFIX = "physis_server"
 
 
 def _kv(key: str, value: Any) -> KeyValue:
     if isinstance(value, float):
-        text = "nan" if math.isnan(value) else f"{value:.3f}"
+        text = "nan" if math.isnan(value) else ("inf" if math.isinf(value) else f"{value:.3f}")
     else:
         text = str(value)
     return KeyValue(key=key, value=text)
@@ -30,24 +49,85 @@ def _status(name: str, hardware_id: str, level: bytes, message: str, values: dic
                             values=[_kv(k, v) for k, v in values.items()])
 
 
-def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], slo_interval_ms: float | None,
-                  new_rejects: int, serving: bool, idle_s: float | None, prefix: str = PREFIX) -> DiagnosticStatus:
-    """``stats``: RollingStats.summary(); ``inputs``: StreamInput.snapshot(); ``new_rejects``: rejected
-    inputs since the last report; ``idle_s``: seconds since the stream last had an observation for
-    its next chunk (None: not waiting)."""
-    rate = stats.get("chunks_per_s", math.nan)
-    p50 = stats.get("interval_ms_p50", math.nan)
-    p99 = stats.get("interval_ms_p99", math.nan)
+def hardware_id(host: str, device: str) -> str:
+    return f"{host}:{device}"
+
+
+def stream_hardware_id(host: str, worker_ids: Iterable[str]) -> str:
+    """The devices a stream's workers run on (``host:cuda:0,host:cuda:1``), or the host."""
+    return ",".join(sorted(set(worker_ids))) or host
+
+
+def window_stats(records: Sequence[ChunkRecord], now: float, window_s: float,
+                 slo_interval_ms: float | None = None, total: int | None = None,
+                 misses_total: int | None = None) -> dict[str, Any]:
+    """Rate, intervals, latency and deadline-miss rate of the chunks emitted in ``(now - window_s, now]``
+    (``records``: the stream's recent chunks, oldest first, ``emit`` on the clock of ``now``).
+
+    Where the records do not reach back a whole window (a young stream, or a stats deque shorter
+    than the window) the rate is measured over the span they cover, up to ``now``, so it decays too.
+    """
+    recs = list(records)
+    recent = [r for r in recs if r.emit > now - window_s]
+    if not recent:
+        rate = 0.0
+    elif recs[0].emit > now - window_s:
+        span = now - recent[0].emit
+        rate = (len(recent) - 1) / span if len(recent) > 1 and span > 0 else 0.0
+    else:
+        rate = len(recent) / window_s
+    intervals = [r.interval_ms for r in recent if not math.isnan(r.interval_ms)]
+    own = percentile([r.interval_ms for r in recs], 50)
+    expected = max(slo_interval_ms or 0.0, 0.0 if math.isnan(own) else own)
+    misses = sum(bool(r.deadline_miss) for r in recent)
+    return {
+        "total": len(recs) if total is None else total,
+        "deadline_misses_total": sum(bool(r.deadline_miss) for r in recs) if misses_total is None else misses_total,
+        "window_s": float(window_s),
+        "chunks_window": len(recent),
+        "chunks_per_s": float(rate),
+        "interval_ms_p50": percentile(intervals, 50),
+        "interval_ms_p99": percentile(intervals, 99),
+        "latency_ms_p50": percentile([r.latency_ms for r in recent], 50),
+        "latency_ms_p99": percentile([r.latency_ms for r in recent], 99),
+        "deadline_misses_window": misses,
+        "deadline_miss_rate": misses / len(recent) if recent else 0.0,
+        "last_chunk_age_s": (now - recs[-1].emit) if recs else math.inf,
+        "expected_interval_ms": expected if expected > 0 else math.nan,
+    }
+
+
+def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, slo_interval_ms: float | None,
+                  new_rejects: int, engine_state: str, idle_s: float | None, armed: bool = True,
+                  hardware_id: str = "", miss_rate_warn: float = 0.05, starved_s: float = 2.0,
+                  since_s: float | None = None, prefix: str = PREFIX) -> DiagnosticStatus:
+    """``stats``: :func:`window_stats` (plus the node's handover/publish times); ``inputs``:
+    StreamInput.snapshot() plus the node's counters; ``new_rejects``: inputs rejected since the last
+    report; ``idle_s``: seconds the stream has waited for an observation for its next chunk (None:
+    not waiting); ``since_s``: seconds since the engine began serving it."""
+    rate = float(stats.get("chunks_per_s", 0.0))
+    p50 = float(stats.get("interval_ms_p50", math.nan))
+    p99 = float(stats.get("interval_ms_p99", math.nan))
+    miss_rate = float(stats.get("deadline_miss_rate", 0.0))
+    age = float(stats.get("last_chunk_age_s", math.inf))
+    expected_ms = float(stats.get("expected_interval_ms", math.nan))
+    if math.isnan(expected_ms) and slo_interval_ms:
+        expected_ms = slo_interval_ms
     rejected = inputs.get("rejected", {})
     values: dict[str, Any] = {
+        "armed": armed,
         "chunks_total": stats.get("total", 0),
-        "chunks_per_s": float(rate),
-        "interval_ms_p50": float(p50),
-        "interval_ms_p99": float(p99),
+        "chunks_per_s": rate,
+        "window_s": float(stats.get("window_s", math.nan)),
+        "chunks_window": stats.get("chunks_window", 0),
+        "last_chunk_age_s": age,
+        "interval_ms_p50": p50,
+        "interval_ms_p99": p99,
         "latency_ms_p50": float(stats.get("latency_ms_p50", math.nan)),
         "latency_ms_p99": float(stats.get("latency_ms_p99", math.nan)),
         "slo_interval_ms": float(slo_interval_ms) if slo_interval_ms else "none",
         "slo_rate_hz": float(1000.0 / slo_interval_ms) if slo_interval_ms else "none",
+        "deadline_miss_rate": miss_rate,
         "deadline_misses_total": stats.get("deadline_misses_total", 0),
         # node-side: engine emit -> output callback, and callback -> ActionChunk published
         "handover_ms_p50": float(stats.get("handover_ms_p50", math.nan)),
@@ -58,6 +138,7 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], slo_
         "joint_states_received": inputs.get("received", {}).get("joints", 0),
         "observations_used": inputs.get("used", 0),
         "observations_queued": inputs.get("queued", 0),
+        "waiting_for_observation_s": float(idle_s) if idle_s is not None else 0.0,
         "dropped_total": rejected.get("queue_full", 0) + rejected.get("unpaired", 0),
         "rejected_total": sum(rejected.values()),
         "failures_total": inputs.get("failures", 0),          # worker lost under this stream
@@ -67,44 +148,79 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], slo_
         "joint_trajectory_subscribers": inputs.get("joint_trajectory_subscribers", 0),
     }
     values.update({f"rejected.{reason}": n for reason, n in sorted(rejected.items())})
-    if not serving:
-        return _status(name, name, STALE, "engine not serving", values, prefix)
-    if inputs.get("failed"):
-        return _status(name, name, ERROR, f"stream failed: {inputs['failed']}", values, prefix)
-    if idle_s is not None and idle_s > 1.0:
-        level, msg = WARN, f"no fresh observation for {idle_s:.1f} s (camera or joint_states silent or stale)"
-    elif slo_interval_ms and not math.isnan(p50) and p50 > slo_interval_ms:
-        level, msg = WARN, f"{rate:.1f} chunks/s, interval p50 {p50:.1f} ms over SLO {slo_interval_ms:.1f} ms"
+    slo = f" (SLO {slo_interval_ms:.1f} ms)" if slo_interval_ms else ""
+    stall_s = 2.0 * expected_ms / 1e3 if not math.isnan(expected_ms) else starved_s
+    if engine_state != "serving":
+        level, msg = (ERROR if engine_state == "failed" else WARN), f"engine {engine_state}"
+    elif inputs.get("failed"):
+        level, msg = ERROR, f"stream failed: {inputs['failed']}"
+    elif idle_s is not None and idle_s > starved_s:
+        level, msg = ERROR, (f"starved: no fresh observation for {idle_s:.1f} s (camera or joint_states silent "
+                             f"or stale)")
+    elif math.isinf(age):
+        if since_s is not None and since_s > max(stall_s, starved_s):
+            level, msg = ERROR, f"no chunk in {since_s:.1f} s of serving"
+        else:
+            level, msg = WARN, "waiting for the first chunk"
+    elif age > stall_s:
+        level, msg = ERROR, f"no chunk for {age:.1f} s (expected one every {expected_ms:.0f} ms)"
+    elif slo_interval_ms and not math.isnan(p99) and p99 > slo_interval_ms:
+        level, msg = WARN, f"interval p99 {p99:.1f} ms over SLO {slo_interval_ms:.1f} ms ({rate:.1f} chunks/s)"
+    elif slo_interval_ms and miss_rate > miss_rate_warn:
+        level, msg = WARN, (f"deadline miss rate {miss_rate:.0%} over the last {values['window_s']:.0f} s "
+                            f"(warn above {miss_rate_warn:.0%}){slo}")
     elif new_rejects:
         level, msg = WARN, f"{new_rejects} input message(s) rejected since last report"
     else:
-        slo = f" (SLO {slo_interval_ms:.1f} ms)" if slo_interval_ms else ""
         level, msg = OK, f"{rate:.1f} chunks/s, interval p50 {p50:.1f} / p99 {p99:.1f} ms{slo}"
-    return _status(name, name, level, msg, values, prefix)
+    if not armed:
+        msg += " [outputs disarmed]"
+    return _status(name, hardware_id or name, level, msg, values, prefix)
 
 
 def worker_status(name: str, pid: int, last_seen: float, stats: dict[str, Any], timeout_s: float,
-                  alive: bool, prefix: str = PREFIX) -> DiagnosticStatus:
+                  alive: bool, hardware_id: str = "", state: str = "", prefix: str = PREFIX) -> DiagnosticStatus:
+    """``state``: the engine's word for the worker (up, starting, restarting, down), if it has one."""
     age = time.monotonic() - last_seen if last_seen else math.inf
-    values: dict[str, Any] = {"pid": pid, "heartbeat_age_s": float(age)}
+    values: dict[str, Any] = {"pid": pid, "state": state or ("up" if alive else "down"),
+                              "heartbeat_age_s": float(age)}
     for key, value in sorted(stats.items()):
         if isinstance(value, (int, float, str, bool)):
             values[key] = value
+    hw = hardware_id or name
+    if state in ("restarting", "down"):
+        return _status(f"worker {name}", hw, ERROR, f"worker {state}", values, prefix)
     if not alive:
-        return _status(f"worker {name}", name, ERROR, "worker process exited", values, prefix)
+        return _status(f"worker {name}", hw, ERROR, "worker process exited", values, prefix)
+    if state == "starting":
+        return _status(f"worker {name}", hw, WARN, "starting", values, prefix)
     if age > timeout_s:
-        return _status(f"worker {name}", name, ERROR, f"no heartbeat for {age:.1f} s", values, prefix)
-    return _status(f"worker {name}", name, OK, "alive", values, prefix)
+        return _status(f"worker {name}", hw, ERROR, f"no heartbeat for {age:.1f} s", values, prefix)
+    return _status(f"worker {name}", hw, OK, "alive", values, prefix)
 
 
 def engine_status(state: str, model: str, plan: str, workers: int, failure: str | None,
-                  telemetry_subscribers: int = 0, prefix: str = PREFIX) -> DiagnosticStatus:
-    values = {"state": state, "model": model, "plan": plan, "workers": workers,
-              "telemetry_subscribers": telemetry_subscribers}
+                  telemetry_subscribers: int = 0, *, armed: bool = True, lifecycle: str = "",
+                  workers_down: Sequence[str] = (), hardware_id: str = "", prefix: str = PREFIX
+                  ) -> DiagnosticStatus:
+    """``state``: unconfigured, starting, serving, failed, stopping, stopped; ``armed``: the outputs
+    (ActionChunk, JointTrajectory) are published (lifecycle active)."""
+    values = {"state": state, "lifecycle": lifecycle or ("active" if armed else "inactive"), "armed": armed,
+              "model": model, "plan": plan, "workers": workers,
+              "workers_down": ",".join(workers_down) or "none", "telemetry_subscribers": telemetry_subscribers}
+    hw = hardware_id or "engine"
     if failure:
-        return _status("engine", "engine", ERROR, failure, values, prefix)
-    level = OK if state == "serving" else (WARN if state in ("starting", "stopping") else ERROR)
-    return _status("engine", "engine", level, state, values, prefix)
+        return _status("engine", hw, ERROR, failure, values, prefix)
+    if workers_down:
+        return _status("engine", hw, ERROR, f"worker(s) {', '.join(workers_down)} down", values, prefix)
+    if state == "serving":
+        if armed:
+            return _status("engine", hw, OK, "serving", values, prefix)
+        return _status("engine", hw, WARN, "serving, outputs disarmed (lifecycle inactive)", values, prefix)
+    if state == "unconfigured":
+        return _status("engine", hw, WARN, "unconfigured: waiting for the lifecycle configure transition",
+                       values, prefix)
+    return _status("engine", hw, ERROR if state == "failed" else WARN, state, values, prefix)
 
 
 def diagnostic_array(stamp, statuses: list[DiagnosticStatus]) -> DiagnosticArray:

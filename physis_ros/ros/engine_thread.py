@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import uvloop
 
-from physis_ros.config import EngineConfig
+from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model.spec import ModelConfig
-from physis_ros.runtime.engine import Engine, ObserveFn, OutputFn, StreamEvent
+from physis_ros.runtime.engine import Engine, ObserveFn, OutputFn, ServedModel, StreamEvent
+from physis_ros.runtime.planner import resolve_plan
 
 log = logging.getLogger("physis.ros")
 
@@ -86,9 +87,12 @@ class EngineThread:
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
-        engine = Engine(self.model, self.config, clock=self.clock, on_event=self.on_event)
-        self.engine = engine
         try:
+            resolved = resolve_plan(self.model, self.config)
+            self.served = ServedModel(self.model, self.config.checkpoint, resolved.profile)
+            self.plan = resolved.plan
+            engine = Engine(self.config, clock=self.clock, on_event=self.on_event)
+            self.engine = engine
             await engine.start()  # stops its own workers if it fails
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
@@ -96,7 +100,7 @@ class EngineThread:
             raise
         try:
             for spec in self.specs:
-                await engine.add_stream(spec.name, spec.observe, spec.on_output,
+                await engine.add_stream(spec.name, spec.observe, spec.on_output, model=self.served, plan=self.plan,
                                         slo_interval_ms=spec.slo_interval_ms)
             self.ready.set()
             if not self._stop_requested.is_set():
@@ -125,3 +129,22 @@ class EngineThread:
         if self._thread.is_alive():
             self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def set_slo(self, stream: str, slo_interval_ms: float | None) -> None:
+        """Change a stream's SLO interval at run time (deadline-miss flags, task deadlines), from any
+        thread: the spec (for a stream not added yet) and, on the loop, the engine's stream state."""
+        for spec in self.specs:
+            if spec.name == stream:
+                spec.slo_interval_ms = slo_interval_ms
+        loop, engine = self._loop, self.engine
+        if loop is None or engine is None:
+            return
+
+        def _set() -> None:
+            s = engine.streams.get(stream)
+            if s is not None:
+                s.slo_interval_ms = slo_interval_ms
+        try:
+            loop.call_soon_threadsafe(_set)
+        except RuntimeError:
+            pass  # loop already closed

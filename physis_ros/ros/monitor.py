@@ -57,13 +57,14 @@ class TelemetryMonitor:
               f"{'latency p50/p99 ms':>20} {'misses':>7}")
 
     def __init__(self, node, topic: str = "/telemetry"):
-        from rclpy.qos import QoSProfile, ReliabilityPolicy
+        from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
         from physis_ros.msg import ChunkTelemetry
 
         self.streams: dict[str, StreamWindow] = {}
         self.sub = node.create_subscription(ChunkTelemetry, topic, self._on_msg,
-                                            QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE))
+                                            QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE,
+                                                       durability=DurabilityPolicy.TRANSIENT_LOCAL))
 
     def _on_msg(self, msg) -> None:
         w = self.streams.setdefault(msg.stream, StreamWindow())

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy,
+from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSPolicyKind, QoSProfile, ReliabilityPolicy,
                        qos_profile_sensor_data)
+from rclpy.qos_overriding_options import QoSOverridingOptions
 
 from physis_ros.ros.config import QoSConfig
 
@@ -13,8 +14,14 @@ _DURABILITY = {"volatile": DurabilityPolicy.VOLATILE, "transient_local": Durabil
 # Inputs in deterministic mode: best effort (matches any publisher) but deep, so a replay burst
 # waits in the subscription queue instead of being overwritten.
 DETERMINISTIC_INPUT = QoSConfig("best_effort", 1000)
-TELEMETRY = QoSConfig("reliable", 100)
+# Telemetry keeps its last 100 messages for subscribers that join late (transient local): a plot or a
+# monitor started with the server still sees the first chunks, whatever discovery takes.
+TELEMETRY = QoSConfig("reliable", 100, "transient_local")
 DIAGNOSTICS = QoSConfig("reliable", 10)
+# The output publishers declare the standard qos_overrides.<topic>.publisher.<policy> parameters (read-only),
+# so a parameters file or -p can change these policies of each output without touching the serve config.
+OVERRIDES = QoSOverridingOptions(policy_kinds=(QoSPolicyKind.HISTORY, QoSPolicyKind.DEPTH,
+                                               QoSPolicyKind.RELIABILITY, QoSPolicyKind.DURABILITY))
 
 
 def profile(cfg: QoSConfig) -> QoSProfile:

@@ -111,5 +111,6 @@ def diag_values(array_msg, what: str) -> dict[str, str] | None:
             out = {kv.key: kv.value for kv in status.values}
             out["_level"] = int.from_bytes(status.level, "little") if isinstance(status.level, bytes) else status.level
             out["_message"] = status.message
+            out["_hardware_id"] = status.hardware_id
             return out
     return None

@@ -1,4 +1,5 @@
-"""/diagnostics statuses from snapshots (no ROS graph needed)."""
+"""/diagnostics statuses from snapshots (no ROS graph needed): levels, windowed rates that decay,
+hardware ids, and no STALE from the node itself."""
 
 import math
 import time
@@ -6,36 +7,144 @@ import time
 from diagnostic_msgs.msg import DiagnosticStatus
 
 from physis_ros.ros import diagnostics as diag
+from physis_ros.telemetry import ChunkRecord, RollingStats
+
+OK, WARN, ERROR, STALE = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR, DiagnosticStatus.STALE
+INPUTS = {"received": {"images": 60, "joints": 60}, "rejected": {"encoding": 2, "queue_full": 1},
+          "used": 50, "queued": 0}
 
 
 def values(status):
     return {kv.key: kv.value for kv in status.values}
 
 
-def test_stream_ok_warn_and_counts():
-    stats = {"total": 50, "chunks_per_s": 25.0, "interval_ms_p50": 40.0, "interval_ms_p99": 60.0,
-             "latency_ms_p50": 120.0, "latency_ms_p99": 150.0, "deadline_misses_total": 2}
-    inputs = {"received": {"images": 60, "joints": 60}, "rejected": {"encoding": 2, "queue_full": 1},
-              "used": 50, "queued": 0}
-    ok = diag.stream_status("robot0", stats, inputs, 50.0, 0, True, None)
-    assert ok.level == DiagnosticStatus.OK and ok.name == "physis_server: robot0" and ok.hardware_id == "robot0"
-    v = values(ok)
+def records(n: int, interval_s: float, end: float, miss_every: int = 0, latency_s: float = 0.05) -> list:
+    """``n`` chunks ``interval_s`` apart, the last emitted at ``end``."""
+    out = []
+    for c in range(n):
+        emit = end - (n - 1 - c) * interval_s
+        miss = bool(miss_every) and c % miss_every == 0
+        out.append(ChunkRecord("r0", c, emit - latency_s, emit - latency_s / 2, emit,
+                               interval_s * 1e3 if c else math.nan, [1.0], 0.0, [], [1], deadline_miss=miss))
+    return out
+
+
+def status(stats, **kw):
+    args = dict(slo_interval_ms=100.0, new_rejects=0, engine_state="serving", idle_s=None, armed=True,
+                hardware_id="host:cpu", miss_rate_warn=0.05, starved_s=2.0, since_s=60.0)
+    args.update(kw)
+    return diag.stream_status("r0", stats, INPUTS, **args)
+
+
+def test_stalled_stream_decays_to_error_instead_of_staying_ok_forever():
+    """The defect: rates over the last 200 chunks never decay, so a stream that stopped 10 s ago
+    still read 'OK 22.0 chunks/s'. Over a time window the rate falls to 0 and the verdict is ERROR."""
+    now = 1000.0
+    recs = records(300, 1 / 22, end=now - 10.0)
+    stats = diag.window_stats(recs, now, window_s=5.0, slo_interval_ms=100.0)
+    assert stats["chunks_per_s"] == 0.0 and stats["chunks_window"] == 0
+    assert stats["last_chunk_age_s"] == 10.0 and stats["total"] == 300
+    s = status(stats)
+    assert s.level == ERROR and "no chunk for 10.0 s" in s.message, s.message
+    # The same stream while it is live: OK at its real rate.
+    live = diag.window_stats(records(300, 1 / 22, end=now - 0.01), now, window_s=5.0, slo_interval_ms=100.0)
+    assert abs(live["chunks_per_s"] - 22.0) < 0.5
+    ok = status(live)
+    assert ok.level == OK and "22.0 chunks/s" in ok.message, ok.message
+
+
+def test_rate_is_honest_when_the_window_is_not_yet_full_and_when_the_deque_truncates():
+    now = 50.0
+    young = diag.window_stats(records(11, 0.1, end=now), now, window_s=5.0)  # 1 s of history
+    assert abs(young["chunks_per_s"] - 10.0) < 0.2
+    rs = RollingStats(20)  # keeps only 20 records: less than the window at 10 chunks/s
+    for r in records(100, 0.1, end=now):
+        rs.add(r)
+    capped = diag.window_stats(list(rs.records), now, window_s=5.0, total=rs.total)
+    assert abs(capped["chunks_per_s"] - 10.0) < 0.2 and capped["total"] == 100
+
+
+def test_no_chunk_for_two_intervals_is_error_and_the_threshold_follows_the_stream():
+    now = 100.0
+    # SLO 100 ms, running at it: 0.15 s without a chunk is fine, 0.25 s is not.
+    assert status(diag.window_stats(records(50, 0.1, end=now - 0.15), now, 5.0, 100.0)).level == OK
+    late = status(diag.window_stats(records(50, 0.1, end=now - 0.3), now, 5.0, 100.0))
+    assert late.level == ERROR and "no chunk for 0.3 s" in late.message, late.message
+    # No SLO: two of its own (median) intervals.
+    assert status(diag.window_stats(records(50, 0.2, end=now - 0.3), now, 5.0), slo_interval_ms=None).level == OK
+    assert status(diag.window_stats(records(50, 0.2, end=now - 0.5), now, 5.0),
+                  slo_interval_ms=None).level == ERROR
+    # Never produced a chunk: ERROR once the stream has served longer than the starvation time.
+    none = diag.window_stats([], now, 5.0, 100.0)
+    assert status(none, since_s=0.5).level == WARN
+    nothing = status(none, since_s=3.0)
+    assert nothing.level == ERROR and "no chunk" in nothing.message
+
+
+def test_warn_on_p99_over_slo_and_on_miss_rate_in_the_window():
+    now = 10.0
+    slow = records(100, 0.1, end=now)
+    slow[-2].interval_ms = 250.0  # one slow interval: p99 over the SLO, p50 fine
+    s = status(diag.window_stats(slow, now, 5.0, 100.0))
+    assert s.level == WARN and "p99" in s.message, s.message
+    missing = diag.window_stats(records(100, 0.09, end=now, miss_every=10), now, 5.0, 100.0)
+    assert abs(missing["deadline_miss_rate"] - 0.1) < 0.03
+    s = status(missing)
+    assert s.level == WARN and "deadline miss" in s.message, s.message
+    assert status(missing, miss_rate_warn=0.5).level == OK
+    # Misses long gone from the window no longer count.
+    old = records(100, 0.09, end=now - 20, miss_every=2) + records(60, 0.09, end=now)
+    assert diag.window_stats(old, now, 5.0, 100.0)["deadline_miss_rate"] == 0.0
+
+
+def test_starved_failed_rejects_and_engine_states():
+    now = 10.0
+    stats = diag.window_stats(records(100, 0.1, end=now), now, 5.0, 100.0)
+    s = status(stats)
+    assert s.level == OK and s.name == "physis_server: r0" and s.hardware_id == "host:cpu"
+    v = values(s)
     assert v["rejected.encoding"] == "2" and v["rejected_total"] == "3" and v["dropped_total"] == "1"
-    assert v["slo_rate_hz"] == "20.000" and v["chunks_per_s"] == "25.000"
-    assert diag.stream_status("robot0", stats, inputs, 50.0, 2, True, None).level == DiagnosticStatus.WARN
-    assert diag.stream_status("robot0", stats, inputs, 30.0, 0, True, None).level == DiagnosticStatus.WARN
-    silent = diag.stream_status("robot0", stats, inputs, 50.0, 0, True, 3.0)
-    assert silent.level == DiagnosticStatus.WARN and "no fresh observation" in silent.message
-    assert diag.stream_status("robot0", {"chunks": 0}, inputs, None, 0, False, None).level == DiagnosticStatus.STALE
+    assert v["slo_rate_hz"] == "10.000" and v["armed"] == "True"
+    assert status(stats, new_rejects=2).level == WARN
+    starved = status(stats, idle_s=3.0)
+    assert starved.level == ERROR and "no fresh observation for 3.0 s" in starved.message
+    assert status(stats, idle_s=0.5).level == OK
+    inputs = {**INPUTS, "failed": "worker w1 lost"}
+    f = diag.stream_status("r0", stats, inputs, slo_interval_ms=100.0, new_rejects=0, engine_state="serving",
+                           idle_s=None)
+    assert f.level == ERROR and "worker w1 lost" in f.message
+    # Before the engine serves: WARN "starting", never STALE (that is the aggregator's word).
+    for state in ("starting", "unconfigured", "stopping", "stopped"):
+        s = status(diag.window_stats([], now, 5.0), engine_state=state)
+        assert s.level == WARN and state in s.message and s.level != STALE
+    disarmed = status(stats, armed=False)
+    assert values(disarmed)["armed"] == "False" and "disarmed" in disarmed.message
 
 
 def test_worker_and_engine_status():
     now = time.monotonic()
-    assert diag.worker_status("w0", 12, now, {"tasks": 5}, 1.0, True).level == DiagnosticStatus.OK
-    assert diag.worker_status("w0", 12, now - 5, {}, 1.0, True).level == DiagnosticStatus.ERROR
-    assert diag.worker_status("w0", 12, now, {}, 1.0, False).level == DiagnosticStatus.ERROR
-    assert diag.engine_status("serving", "tiny-wam", "stage", 2, None).level == DiagnosticStatus.OK
+    ok = diag.worker_status("w0", 12, now, {"tasks": 5}, 1.0, True, hardware_id="myhost:cpu")
+    assert ok.level == OK and ok.hardware_id == "myhost:cpu"
+    assert diag.worker_status("w0", 12, now - 5, {}, 1.0, True).level == ERROR
+    assert diag.worker_status("w0", 12, now, {}, 1.0, False).level == ERROR
+    serving = diag.engine_status("serving", "tiny-wam", "stage", 2, None, hardware_id="myhost")
+    assert serving.level == OK and serving.message == "serving" and serving.hardware_id == "myhost"
+    assert values(serving)["armed"] == "True"
     failed = diag.engine_status("failed", "tiny-wam", "stage", 2, "worker w1 exited")
-    assert failed.level == DiagnosticStatus.ERROR and failed.message == "worker w1 exited"
-    assert values(diag.engine_status("starting", "m", "stage", 2, None))["state"] == "starting"
+    assert failed.level == ERROR and failed.message == "worker w1 exited"
+    down = diag.engine_status("serving", "tiny-wam", "stage", 2, None, workers_down=["w1"])
+    assert down.level == ERROR and "w1" in down.message and values(down)["workers_down"] == "w1"
+    disarmed = diag.engine_status("serving", "tiny-wam", "stage", 2, None, armed=False)
+    assert disarmed.level == WARN and "disarmed" in disarmed.message and values(disarmed)["armed"] == "False"
+    for state in ("starting", "unconfigured"):
+        s = diag.engine_status(state, "m", "stage", 2, None)
+        assert s.level == WARN and values(s)["state"] == state
     assert not math.isnan(float(values(diag.worker_status("w0", 1, now, {}, 1.0, True))["heartbeat_age_s"]))
+
+
+def test_hardware_ids():
+    assert diag.hardware_id("myhost", "cpu") == "myhost:cpu"
+    assert diag.hardware_id("myhost", "cuda:0") == "myhost:cuda:0"
+    assert diag.stream_hardware_id("myhost", ["myhost:cuda:1", "myhost:cuda:0", "myhost:cuda:0"]) == \
+        "myhost:cuda:0,myhost:cuda:1"
+    assert diag.stream_hardware_id("myhost", []) == "myhost"

@@ -63,3 +63,57 @@ def test_launch_description_executes_where_launch_ros_exists():
     nodes = [e for e in ld.entities if isinstance(e, Node)]
     assert len(nodes) == 1
 
+
+
+def test_launch_arguments_for_lifecycle_autostart_and_trajectory_topic():
+    tree = ast.parse(LAUNCH.read_text(), filename=str(LAUNCH))
+    declared = {c.args[0].value: {k.arg: getattr(k.value, "value", None) for k in c.keywords}
+                for c in ast.walk(tree)
+                if isinstance(c, ast.Call) and getattr(c.func, "id", None) == "DeclareLaunchArgument"}
+    assert declared["autostart"]["default_value"] == "true"
+    assert declared["trajectory_topic"]["default_value"] == ""
+    args = next(k.value for k in node_call(tree).keywords if k.arg == "arguments")
+    flags = [e.value for e in args.elts if isinstance(e, ast.Constant)]
+    configs = [e.args[0].value for e in args.elts if isinstance(e, ast.Call)]
+    assert flags == ["--model", "--workers", "--autostart", "--trajectory-topic"]
+    assert configs == ["model", "workers", "autostart", "trajectory_topic"]
+    # what those flags mean to the executable
+    from physis_ros.cli.serve import build_parser
+    p = build_parser()
+    assert p.parse_args([]).autostart is True
+    assert p.parse_args(["--autostart", "true"]).autostart is True
+    assert p.parse_args(["--autostart", "false"]).autostart is False
+    assert p.parse_args(["--no-autostart"]).autostart is False
+    assert p.parse_args(["--autostart"]).autostart is True
+    assert p.parse_args(["--trajectory-topic", ""]).trajectory_topic == ""
+
+
+def test_trajectory_topic_applies_to_a_single_stream_config(tmp_path, capsys):
+    import os
+
+    import rclpy
+    import yaml
+
+    from physis_ros.cli.serve import main
+    from physis_ros.ros.node import PhysisServer
+
+    # several streams: refused before ROS starts, naming the per-stream key instead
+    two = str(ROOT / "config" / "serve.yaml")
+    assert main(["--config", two, "--trajectory-topic", "/arm_controller/joint_trajectory"]) == 2
+    assert "streams.<name>.topics.joint_trajectory" in capsys.readouterr().err
+    single = {"streams": {"arm": {"joint_names": [f"joint{i}" for i in range(1, 8)]}}}
+    bad = tmp_path / "one.yaml"
+    bad.write_text(yaml.safe_dump(single))
+    assert main(["--config", str(bad), "--trajectory-topic", "arm//jt"]) == 2
+    assert "topics.joint_trajectory" in capsys.readouterr().err
+    context = rclpy.Context()
+    rclpy.init(args=["physis-serve"], context=context, domain_id=1 + os.getpid() % 99)
+    try:
+        node = PhysisServer(single, None, context=context, trajectory_topic="/arm_controller/joint_trajectory")
+        try:
+            assert node.streams["arm"].pub_traj.topic_name == "/arm_controller/joint_trajectory"
+            assert node.get_parameter("streams.arm.topics.joint_trajectory").value == "/arm_controller/joint_trajectory"
+        finally:
+            node.destroy_node()
+    finally:
+        rclpy.try_shutdown(context=context)

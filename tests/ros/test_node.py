@@ -8,12 +8,13 @@ last of them stops it and checks that nothing is left behind.
 from __future__ import annotations
 
 import math
+import socket
 import time
 import uuid
 
 import numpy as np
 import pytest
-from rclpy.qos import QoSProfile, ReliabilityPolicy
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
 from physis_ros.ros.launcher import Child, serve_command, synthetic_command
 
@@ -24,6 +25,7 @@ from rosprobe import (JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, diag_value
 STREAMS = {"r0": f"{TAG}_r0", "r1": f"{TAG}_r1"}
 TELEMETRY = f"/{TAG}_telemetry"
 RELIABLE = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
+LATCHED = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 START_TIMEOUT = 90.0
 
 
@@ -54,7 +56,7 @@ class Live:
             self.probe.subscribe(f"chunk/{name}", ActionChunk, f"/{ns_}/action_chunk", RELIABLE)
             # What ros2_control's joint_trajectory_controller uses: RELIABLE.
             self.probe.subscribe(f"traj/{name}", JointTrajectory, f"/{ns_}/joint_trajectory", RELIABLE)
-        self.probe.subscribe("telemetry", ChunkTelemetry, TELEMETRY, RELIABLE)
+        self.probe.subscribe("telemetry", ChunkTelemetry, TELEMETRY, LATCHED)  # from the first chunk on
         self.probe.subscribe("diagnostics", DiagnosticArray, "/diagnostics", QoSProfile(depth=50))
         env = child_env(self.marker)
         self.synthetic = Child("synthetic", synthetic_command(self.config, "--rate", "20", "--width", "40",
@@ -90,9 +92,11 @@ def test_both_streams_get_contiguous_chunks_in_joint_order(live):
     for name in STREAMS:
         msgs = live.chunks(name)
         idx = [m.chunk_index for m in msgs]
-        # Contiguous; the very first chunks can beat discovery on a loaded machine (volatile QoS).
+        # Contiguous; the very first chunks can beat discovery on a loaded machine (volatile QoS) ...
         assert idx == list(range(idx[0], idx[0] + len(idx))), f"{name}: chunk indices not contiguous: {idx[:20]}"
-        assert idx[0] <= 5
+        # ... but telemetry, kept for late subscribers, shows every chunk from the first.
+        tel = [m.chunk_index for m, _ in live.probe.get("telemetry") if m.stream == name]
+        assert tel == list(range(len(tel))) and idx[0] < len(tel), (name, tel[:10], idx[:5])
         for m in msgs:
             assert m.stream == name and list(m.joint_names) == JOINTS
             assert (m.horizon, m.dof) == (16, 7) and m.control_period == pytest.approx(0.02)
@@ -230,9 +234,15 @@ def test_diagnostics_report_streams_workers_and_engine(live):
     assert {f"{NODE}: {what}" for what in ("engine", "r0", "r1", "worker w0", "worker w1")} <= names
     engine = diag_values(last, "engine")
     assert engine["state"] == "serving" and engine["_level"] == 0
+    assert engine["armed"] == "True" and engine["lifecycle"] == "active"   # --autostart (the default)
     r0 = diag_values(last, "r0")
     assert float(r0["chunks_per_s"]) > 0 and r0["slo_interval_ms"] == "500.000"
     assert int(r0["chunks_total"]) >= 12
+    # hardware ids name host and device: the workers', and for a stream the devices of its workers
+    host = socket.gethostname()
+    assert engine["_hardware_id"] == host
+    assert diag_values(last, "worker w0")["_hardware_id"] == f"{host}:cpu"
+    assert set(r0["_hardware_id"].split(",")) <= {f"{host}:cpu"} and r0["_hardware_id"]
 
 
 def test_clean_stop_leaves_no_process(live):

@@ -1,0 +1,273 @@
+"""ROS 2 parameters of ``physis_server``, derived from the serve config's dataclass tree.
+
+Every leaf of :class:`~physis_ros.ros.config.ServeConfig` (``EngineConfig`` included) is declared as a
+parameter with a dotted name (``engine.workers``, ``streams.robot0.slo_interval_ms``), its value from
+the merged config (file < ROS parameters < command line), and a descriptor built from the field's
+metadata (``bounded(ge=, le=, gt=, choices=, doc=)``): description, integer or floating-point range,
+choices and strict bounds as ``additional_constraints``, and ``read_only`` for everything that cannot
+change while the node runs. An optional value that is unset (``slo_interval_ms``) is declared with its
+type and no value; an unset optional section (``qos.input``) has its keys declared the same way.
+
+The few keys that can change at run time (:data:`RUNTIME_STREAM_KEYS`, :data:`RUNTIME_KEYS`) go through
+a set-parameters callback that validates the new values with the same ``from_mapping`` rules as the
+config file and refuses bad ones with the config error (the key and what it accepts); accepted ones
+are handed to the node, which swaps in the new config.
+
+ROS parameter overrides whose names are not serve-config keys (a shared ``/**`` parameters file
+written for other nodes) are not declared: they are collected in ``ignored`` for one warning. The
+node's own parameters (``use_sim_time``, ``qos_overrides.*``) are rclpy's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, SetParametersResult
+from rclpy.parameter import Parameter
+
+from physis_ros.config import ConfigError, to_mapping
+from physis_ros.ros.config import ServeConfig, deep_merge, serve_config, unflatten
+
+# Per stream (``streams.<name>.<key>``) and node-wide keys that take effect while the node runs.
+RUNTIME_STREAM_KEYS = frozenset({"slo_interval_ms", "trajectory_start", "trajectory_start_offset_s",
+                                 "image.preprocess", "image.pad_value", "max_future_s", "max_age_s"})
+RUNTIME_KEYS = frozenset({"warn_throttle_s", "diagnostics_window_s", "diagnostics_miss_rate_warn",
+                          "diagnostics_starved_s"})
+# Parameters rclpy declares for every node; not serve-config keys handled here.
+NODE_PARAMETERS = frozenset({"use_sim_time", "start_type_description_service"})
+NODE_PREFIXES = ("qos_overrides.",)
+
+_INT64 = (-2**63, 2**63 - 1)
+_ARRAY = {str: Parameter.Type.STRING_ARRAY, int: Parameter.Type.INTEGER_ARRAY,
+          float: Parameter.Type.DOUBLE_ARRAY, bool: Parameter.Type.BOOL_ARRAY}
+_SCALAR = {str: Parameter.Type.STRING, int: Parameter.Type.INTEGER, float: Parameter.Type.DOUBLE,
+           bool: Parameter.Type.BOOL}
+
+
+@dataclass(frozen=True)
+class Leaf:
+    name: str                     # dotted parameter name
+    type: Parameter.Type
+    meta: dict[str, Any]          # the field's bounded()/described() metadata
+    section_doc: str              # description of the enclosing section, if any
+    value: Any                    # None: unset
+    optional: bool
+
+
+def _optional(tp: Any) -> tuple[Any, bool]:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], len(args) != len(typing.get_args(tp))
+    return tp, False
+
+
+def _param_type(tp: Any, name: str) -> Parameter.Type:
+    if tp in _SCALAR:
+        return _SCALAR[tp]
+    if typing.get_origin(tp) in (list, tuple):
+        args = typing.get_args(tp)
+        if args and args[0] in _ARRAY:
+            return _ARRAY[args[0]]
+    raise TypeError(f"config key '{name}' has type {tp!r}, which has no ROS parameter type")
+
+
+def _walk(cls: type, obj: Any, prefix: str, section_doc: str = "") -> Iterator[Leaf]:
+    """``obj`` None: an unset optional section, whose keys are declared without values."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp, optional = _optional(hints[f.name])
+        optional = optional or obj is None
+        name = f"{prefix}{f.name}"
+        value = getattr(obj, f.name) if obj is not None else None
+        doc = f.metadata.get("doc", "")
+        if dataclasses.is_dataclass(tp):
+            yield from _walk(tp, value, name + ".", doc or section_doc)
+        elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+            for key, item in (value or {}).items():
+                yield from _walk(typing.get_args(tp)[1], item, f"{name}.{key}.", section_doc)
+        else:
+            yield Leaf(name, _param_type(tp, name), dict(f.metadata), section_doc, value, optional)
+
+
+def leaves(config: ServeConfig) -> list[Leaf]:
+    """Every parameter of a serve config, in declaration order."""
+    return list(_walk(ServeConfig, config, ""))
+
+
+def is_config_key(name: str) -> bool:
+    """Whether a dotted name is a leaf of the serve-config tree (any stream name under ``streams``)."""
+    cls: Any = ServeConfig
+    parts = name.split(".")
+    i = 0
+    while i < len(parts):
+        if not dataclasses.is_dataclass(cls):
+            return False
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        if parts[i] not in fields:
+            return False
+        tp, _ = _optional(typing.get_type_hints(cls)[parts[i]])
+        i += 1
+        if typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+            if i >= len(parts):
+                return False
+            i += 1                      # the stream name
+            tp = typing.get_args(tp)[1]
+        if dataclasses.is_dataclass(tp):
+            cls = tp
+            continue
+        return i == len(parts)
+    return False
+
+
+def is_runtime(name: str) -> bool:
+    if name in RUNTIME_KEYS:
+        return True
+    parts = name.split(".", 2)
+    return len(parts) == 3 and parts[0] == "streams" and parts[2] in RUNTIME_STREAM_KEYS
+
+
+def descriptor(leaf: Leaf) -> ParameterDescriptor:
+    meta = leaf.meta
+    doc = meta.get("doc", "")
+    if leaf.section_doc:
+        doc = f"{doc} ({leaf.section_doc})" if doc else leaf.section_doc
+    d = ParameterDescriptor(description=doc, read_only=not is_runtime(leaf.name))
+    constraints = []
+    ge, le, gt = meta.get("ge"), meta.get("le"), meta.get("gt")
+    lo = ge if ge is not None else gt
+    if lo is not None or le is not None:
+        if leaf.type == Parameter.Type.DOUBLE:
+            d.floating_point_range = [FloatingPointRange(
+                from_value=float(lo) if lo is not None else -math.inf,
+                to_value=float(le) if le is not None else math.inf, step=0.0)]
+        elif leaf.type == Parameter.Type.INTEGER:
+            d.integer_range = [IntegerRange(from_value=int(lo) if lo is not None else _INT64[0],
+                                            to_value=int(le) if le is not None else _INT64[1], step=1)]
+    if gt is not None:
+        constraints.append(f"must be > {gt}")
+    if meta.get("choices"):
+        constraints.append("one of: " + ", ".join(map(str, meta["choices"])))
+    if leaf.optional:
+        constraints.append("optional (unset: none)")
+    d.additional_constraints = "; ".join(constraints)
+    return d
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, (list, tuple)) or hasattr(value, "tolist") else value
+
+
+def split_overrides(overrides: dict[str, Parameter]) -> tuple[dict[str, Any], list[str]]:
+    """ROS parameter overrides -> (serve-config values by dotted name, names that are not ours)."""
+    known, foreign = {}, []
+    for name, param in overrides.items():
+        if name in NODE_PARAMETERS or name.startswith(NODE_PREFIXES) or param.type_ == Parameter.Type.NOT_SET:
+            continue
+        if is_config_key(name):
+            known[name] = _plain(param.value)
+        else:
+            foreign.append(name)
+    return known, sorted(foreign)
+
+
+def apply_trajectory_topic(mapping: dict[str, Any], topic: str) -> dict[str, Any]:
+    """``--trajectory-topic`` / launch ``trajectory_topic:=``: the joint_trajectory topic of a config's
+    only stream (a config with several streams sets ``streams.<name>.topics.joint_trajectory``)."""
+    streams = mapping.get("streams")
+    if not isinstance(streams, dict) or len(streams) != 1:
+        n = len(streams) if isinstance(streams, dict) else 0
+        raise ConfigError("streams", f"--trajectory-topic (launch argument trajectory_topic) applies to a config "
+                                     f"with exactly one stream, this one has {n}; set "
+                                     f"streams.<name>.topics.joint_trajectory for each stream instead")
+    (name,) = streams
+    return deep_merge(mapping, {"streams": {name: {"topics": {"joint_trajectory": topic}}}})
+
+
+class ServeParameters:
+    """The node's serve config as ROS parameters: build (merge + validate), declare, then keep the
+    runtime-changeable ones in step (validate before, apply after each accepted set)."""
+
+    def __init__(self, node, file_mapping: dict[str, Any] | None, overrides: dict[str, Any] | None,
+                 trajectory_topic: str = ""):
+        self.node = node
+        ros = getattr(node, "_parameter_overrides", {})   # --params-file / -p / launch parameters=
+        known, self.ignored = split_overrides(ros)
+        mapping = deep_merge(deep_merge(file_mapping or {}, unflatten(known)), overrides or {})
+        if node.get_parameter("use_sim_time").value:
+            mapping["use_sim_time"] = True
+        if trajectory_topic:
+            mapping = apply_trajectory_topic(mapping, trajectory_topic)
+        self.config: ServeConfig = serve_config(mapping)
+        self.types: dict[str, Parameter.Type] = {}
+        self._apply: Callable[[ServeConfig, ServeConfig], None] | None = None
+
+    def declare(self) -> None:
+        node = self.node
+        for leaf in leaves(self.config):
+            if leaf.name in NODE_PARAMETERS:
+                continue
+            self.types[leaf.name] = leaf.type
+            desc = descriptor(leaf)
+            value = _plain(leaf.value)
+            if value is None or value == []:
+                node.declare_parameter(leaf.name, leaf.type, desc, ignore_override=True)
+                if value == []:
+                    node.set_parameters([Parameter(leaf.name, leaf.type, [])])
+            else:
+                node.declare_parameter(leaf.name, value, desc, ignore_override=True)
+
+    def attach(self, apply: Callable[[ServeConfig, ServeConfig], None]) -> None:
+        """Start validating and applying changes; ``apply(old, new)`` runs after a set succeeded."""
+        self._apply = apply
+        self.node.add_pre_set_parameters_callback(self._coerce)
+        self.node.add_on_set_parameters_callback(self._validate)
+        self.node.add_post_set_parameters_callback(self._applied)
+
+    # ---- callbacks ------------------------------------------------------------------------------------
+    def _coerce(self, params: list[Parameter]) -> list[Parameter]:
+        """An integer for a floating-point key (``ros2 param set ... slo_interval_ms 40``) is taken as a float."""
+        out = []
+        for p in params:
+            if self.types.get(p.name) == Parameter.Type.DOUBLE and p.type_ == Parameter.Type.INTEGER:
+                p = Parameter(p.name, Parameter.Type.DOUBLE, float(p.value))
+            out.append(p)
+        return out
+
+    def _updated(self, params: list[Parameter]) -> ServeConfig:
+        changes = {p.name: _plain(p.value) for p in params if p.name in self.types}
+        return serve_config(deep_merge(to_mapping(self.config), unflatten(changes)))
+
+    def _validate(self, params: list[Parameter]) -> SetParametersResult:
+        ours = [p for p in params if p.name in self.types]
+        if not ours:
+            return SetParametersResult(successful=True)
+        for p in ours:
+            if not is_runtime(p.name):   # read_only already refuses these; declared ones never get here
+                return SetParametersResult(successful=False, reason=f"{p.name} cannot change at run time: "
+                                                                     f"restart the node with the new value")
+            if p.type_ == Parameter.Type.NOT_SET:
+                return SetParametersResult(successful=False, reason=f"{p.name} cannot be unset")
+        try:
+            self._updated(ours)
+        except ConfigError as exc:
+            return SetParametersResult(successful=False, reason=str(exc))
+        return SetParametersResult(successful=True)
+
+    def _applied(self, params: list[Parameter]) -> None:
+        ours = [p for p in params if p.name in self.types]
+        if not ours:
+            return
+        old = self.config
+        self.config = self._updated(ours)
+        if self._apply is not None:
+            self._apply(old, self.config)
+        self.node.get_logger().info("parameters set: " + ", ".join(f"{p.name}={p.value!r}" for p in ours))
