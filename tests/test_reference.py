@@ -64,9 +64,10 @@ def test_chunk_reads_kv_written_at_its_own_step(tiny_wam):
 
     def first_stage(mutate_slot=None):
         table = model.new_kv_table(0, cfg.steps)
-        table.k.copy_(tables[0].k)
-        table.v.copy_(tables[0].v)
-        table.length = list(tables[0].length)
+        for slot in range(cfg.steps):
+            table.k[slot].copy_(tables[0].k[slot])
+            table.v[slot].copy_(tables[0].v[slot])
+        table.length = dict(tables[0].length)
         if mutate_slot is not None:
             table.k[mutate_slot].add_(1.0)
         return run_stage(model, 0, [k], [state], KVBatch(table, [k - 1]))[0]["h"]

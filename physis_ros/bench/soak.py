@@ -21,7 +21,7 @@ from physis_ros.cli.common import write_json
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import load_model_config
 from physis_ros.observations import SyntheticScene
-from physis_ros.runtime.engine import ChunkOutput, Engine, Observation
+from physis_ros.runtime.engine import ChunkOutput, Engine, Observation, ServedModel
 from physis_ros.runtime.planner import resolve_plan
 from physis_ros.telemetry import percentile
 
@@ -70,14 +70,15 @@ async def soak(args: argparse.Namespace) -> dict:
     scene = SyntheticScene(cfg.observation_shapes)
     engine_cfg = EngineConfig(workers=args.workers, plan=args.plan, batching=args.batching)
     resolved = resolve_plan(cfg, engine_cfg)
-    engine = Engine(cfg, engine_cfg, resolved.plan, profile=resolved.profile)
+    served = ServedModel(cfg, profile=resolved.profile)
+    engine = Engine(engine_cfg)
     await engine.start()
     tallies = {f"robot{i}": Tally() for i in range(args.streams)}
     samples = []
     try:
         for name, tally in tallies.items():
             await engine.add_stream(name, lambda c, n=name: Observation(scene.observation(n, c % 1000), engine.clock()),
-                                    tally)
+                                    tally, model=served, plan=resolved.plan)
         start = time.monotonic()
         end = start + args.minutes * 60
         while time.monotonic() < end:

@@ -31,7 +31,8 @@ from physis_ros.reference import reference_rollout
 from physis_ros.runtime.offline import run_chunks
 from physis_ros.runtime.planner import choose_plan
 from physis_ros.runtime.plans import pipeline_order
-from physis_ros.runtime.profiler import Profile, measure_corun_slowdown, measure_profile
+from physis_ros.runtime.profiler import measure_corun_slowdown, measure_profile
+from physis_ros.scheduling.profiles import CostProfile, profile_from_json
 from physis_ros.telemetry import summarize
 
 MODES = ("off", "on", "adaptive")
@@ -49,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write results here")
 
 
-def run_mode(mode: str, config, args: argparse.Namespace, profile: Profile, scene: SyntheticScene,
+def run_mode(mode: str, config, args: argparse.Namespace, profile: CostProfile, scene: SyntheticScene,
              reference: list) -> dict:
     host_cpus = os.cpu_count() if args.device == "cpu" else None  # the workers share this host's cores
     pred = choose_plan(config.steps, config.blocks, args.workers, profile, mode, args.max_batch, host_cpus)
@@ -60,7 +61,7 @@ def run_mode(mode: str, config, args: argparse.Namespace, profile: Profile, scen
     diff = max(float(np.abs(o.output - reference[o.chunk]).max()) for o in outputs)
     order = pipeline_order(config.steps, config.blocks)
     traced = sum(sum(o.record.stage_ms) for o in outputs[skip:])
-    planned = sum(profile.cost(s, n) / n for o in outputs[skip:] for s, n in zip(order, o.record.batch_sizes))
+    planned = sum(profile.forward_ms(s, n) / n for o in outputs[skip:] for s, n in zip(order, o.record.batch_sizes))
     scale = max(float(np.abs(r).max()) for r in reference)
     return {
         "plan": pred.plan.describe(),
@@ -72,7 +73,7 @@ def run_mode(mode: str, config, args: argparse.Namespace, profile: Profile, scen
         "predicted_interval_ms": pred.interval_ms,
         "predicted_mean_batch": pred.simulated.task_batch,
         "predicted_cpu_bound_ms": pred.cpu_bound_ms,
-        "profile_sum_batch1_ms": sum(profile.cost(s, 1) for s in profile.stage_ms),
+        "profile_sum_batch1_ms": sum(profile.forward_ms(s, 1) for s in profile.stage_ms),
         "traced_vs_profile": traced / planned,
         "max_abs_diff_vs_reference": diff,
         "max_abs_diff_relative": diff / scale,
@@ -82,13 +83,14 @@ def run_mode(mode: str, config, args: argparse.Namespace, profile: Profile, scen
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     config = load_model_config(args.model)
-    fixed = Profile.from_json(json.loads(Path(args.profile).read_text())) if args.profile else None
+    fixed = (profile_from_json(json.loads(Path(args.profile).read_text()), config, where=args.profile)
+             if args.profile else None)
     corun = 1.0
     if fixed is None and args.workers > 1 and args.device == "cpu":
         print(f"measuring co-run slowdown of {args.workers} processes ...", file=sys.stderr, flush=True)
         corun = measure_corun_slowdown(config, args.workers)
 
-    def profile_now() -> Profile:
+    def profile_now() -> CostProfile:
         if fixed is not None:
             return fixed
         print(f"profiling {config.name} ...", file=sys.stderr, flush=True)

@@ -1,7 +1,19 @@
 """``physis-bench SUBCOMMAND``: benchmarks that write JSON (and plots).
 
+    physis-bench pipeline | timeshare | soak | streams | ros  [options]   (physis-bench SUB --help)
+
 Each subcommand lives in ``physis_ros.bench.<name>`` and provides
-``add_arguments(parser)`` and ``run(args) -> int``.
+``add_arguments(parser)`` and ``run(args) -> int``. Flags they share are checked
+here before anything starts: counts and durations in range, ``--model`` (preset or
+model YAML), ``--profile`` (physis-profile JSON), ``--config`` (serve YAML),
+``--plans``/``--plan``/``--batching`` names, ``--json``/``--plot`` writable.
+
+Exit status (every subcommand): 0 success; 1 the benchmark ran but failed (e.g.
+verification against the reference); 2 usage or input error (bad flag or value,
+unknown preset or plan, missing/empty/binary/invalid YAML or JSON, unwritable
+output; nothing was run); 70 internal error (a bug; PHYSIS_DEBUG=1 shows the
+traceback); 130 interrupted. Errors are one line on stderr:
+'physis-bench: error: <what and the fix>'.
 """
 
 from __future__ import annotations
@@ -9,6 +21,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from physis_ros.cli.common import (ArgumentParser, CliError, check_json_file, check_writable, check_yaml_file,
+                                   cli_main)
 
 SUBCOMMANDS = {
     "pipeline": "stage pipeline vs the sequential/step/block baselines",
@@ -18,17 +33,92 @@ SUBCOMMANDS = {
     "ros": "ROS layer: emit -> subscriber delay and lost chunks through the real node",
 }
 
+# flag (argparse dest) -> (lowest value, whether the bound is excluded)
+BOUNDS = {
+    "workers": (1, False), "chunks": (1, False), "repeats": (1, False), "streams": (1, False),
+    "max_batch": (1, False), "width": (1, False), "height": (1, False), "skip": (0, False), "domain": (0, False),
+    "minutes": (0, True), "sample_s": (0, True), "slo_ms": (0, True), "duration": (0, True), "rate": (0, True),
+    "paced_rate": (0, True), "floor_rate": (0, True), "start_timeout": (0, True), "stagger_s": (0, False),
+    "warmup": (0, False), "pace_margin_ms": (0, False), "headroom": (0, False), "emit_delay_ms": (0, False),
+}
 
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The shared flags of the subcommands, before any worker starts (CliError: one line, exit 2)."""
+    values = vars(args)
+    for dest, (low, strict) in BOUNDS.items():
+        value = values.get(dest)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if value != value or (value <= low if strict else value < low):
+            raise CliError(f"{_flag(dest)} must be {'>' if strict else '>='} {low}, got {value}")
+    if values.get("headroom") is not None and values["headroom"] >= 1:
+        raise CliError(f"--headroom is the fraction of device time kept free: give a value in [0, 1), "
+                       f"got {values['headroom']}")
+    for dest in ("json", "plot"):
+        check_writable(values.get(dest), _flag(dest))
+    if values.get("config"):
+        check_yaml_file(values["config"], "--config")
+    from physis_ros.config import ConfigError
+    from physis_ros.model import load_model_config
+
+    if values.get("model"):
+        model = values["model"]
+        if model.endswith((".yaml", ".yml")):
+            check_yaml_file(model, "--model")
+        try:
+            load_model_config(model)
+        except ConfigError as exc:
+            raise CliError(f"--model: {exc}") from None
+    if values.get("profile"):
+        from physis_ros.model import load_model_config
+        from physis_ros.scheduling.profiles import profile_from_json
+
+        try:
+            profile_from_json(check_json_file(values["profile"], "--profile"),
+                              load_model_config(values.get("model") or "tiny-wam"), where=values["profile"])
+        except ValueError as exc:
+            raise CliError(f"--profile {values['profile']}: {exc}") from None
+    if values.get("plans") is not None or values.get("plan") is not None:
+        from physis_ros.runtime.plans import PLAN_NAMES
+
+        for dest in ("plans", "plan"):
+            names = [p.strip() for p in (values.get(dest) or "").split(",") if p.strip()]
+            if values.get(dest) is not None and not names:
+                raise CliError(f"{_flag(dest)}: give at least one plan ({', '.join(PLAN_NAMES)})")
+            unknown = [p for p in names if p not in PLAN_NAMES]
+            if unknown:
+                raise CliError(f"{_flag(dest)}: unknown plan(s) {', '.join(unknown)}; choose from "
+                               f"{', '.join(PLAN_NAMES)}")
+    if values.get("batching") is not None:
+        from physis_ros.runtime.batching import BATCHING
+
+        if values["batching"] not in BATCHING:
+            raise CliError(f"--batching: unknown mode '{values['batching']}'; choose from {', '.join(BATCHING)}")
+
+
+@cli_main("physis-bench")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="physis-bench", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    modules = {}
+    parser = ArgumentParser(prog="physis-bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    # Only the chosen subcommand's module is imported (they import torch): a bad command line fails fast.
+    words = sys.argv[1:] if argv is None else argv
+    chosen = next((w for w in words if not w.startswith("-")), None)
+    module = None
     for name, help_text in SUBCOMMANDS.items():
-        module = importlib.import_module(f"physis_ros.bench.{name}")
-        modules[name] = module
-        module.add_arguments(sub.add_parser(name, help=help_text, description=module.__doc__))
+        if name == chosen:
+            module = importlib.import_module(f"physis_ros.bench.{name}")
+        p = sub.add_parser(name, help=help_text, description=module.__doc__ if name == chosen else help_text,
+                           epilog="Exit status" + __doc__.split("Exit status")[1])
+        if name == chosen:
+            module.add_arguments(p)
     args = parser.parse_args(argv)
-    return modules[args.command].run(args)
+    check_args(args)
+    return module.run(args)
 
 
 if __name__ == "__main__":

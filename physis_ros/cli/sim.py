@@ -2,7 +2,8 @@
 
 Named scenarios::
 
-    physis-sim --scenario report24 --json out.json   # 24 H200s, each backbone alone, then all mixed
+    physis-sim --scenario report24 --json out.json   # 24 H200s, each backbone alone: the report's own
+                                                     # setting (SLO 1600 ms, its groups), then ours (+ mixed)
     physis-sim --scenario sweep                      # joint vs equal over a range of SLOs per backbone
     physis-sim --scenario timing1024                 # placement decision time at 1024 devices
     physis-sim --scenario all --json out.json        # the three above in one JSON
@@ -17,28 +18,29 @@ Paper-size presets use the roofline-modelled H200 profile (labelled
 profile shipped in ``config/profiles/`` (``measured:<host>``), a
 ``physis-profile`` JSON given with ``--profile MODEL=PATH``, or ``--measure``.
 Admission is decided on those profiles; only placement time is measured here.
+
+Exit status: 0 success; 2 usage or input error (bad flag or value, e.g. --devices 0 or
+a negative SLO; unknown preset or device; unreadable/empty/binary/invalid scheduling
+or device YAML or profile JSON; unwritable --json); 70 internal error (a bug;
+PHYSIS_DEBUG=1 shows the traceback); 130 interrupted. Errors are one line on stderr:
+'physis-sim: error: <what and the fix>'.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
+from pathlib import Path
 
-from physis_ros.cli.common import fail, write_json
-from physis_ros.config import ConfigError
-from physis_ros.model.presets import load_model_config, preset_names
-from physis_ros.scheduling.profiles import get_profile, load_profile, measure_profile
-from physis_ros.scheduling.settings import load_device, load_scheduling
-from physis_ros.scheduling.simulator import (REPORT24_MODELS, Workload, compare, load_profiles, pooled, report24,
-                                             run_policy, slo_sweep)
+from physis_ros.cli.common import (ArgumentParser, check_json_file, check_writable, check_yaml_file, cli_main, fail,
+                                   nonneg_float, nonneg_int, positive_float, positive_int, write_json)
 
 SWEEP_X = (0.3, 0.45, 0.55, 0.7, 0.9, 1.05, 1.1, 1.25, 1.4, 1.6, 1.9, 2.1, 2.4, 2.6, 3.1, 3.4, 3.6, 4.2)
 
 
 def _table(rows: list[dict]) -> None:
-    print(f"{'model':<16} {'dev':>5} {'slo_ms':>9} {'x':>6} {'group':>5} {'equal':>6} {'joint':>6} "
+    print(f"{'model':<16} {'dev':>5} {'slo_ms':>9} {'W_ms':>8} {'x':>6} {'group':>5} {'equal':>6} {'joint':>6} "
           f"{'ratio':>6} {'p99_ms':>7} {'report':>8}")
     for r in rows:
         name = r["model"] if not r["model"].startswith("mixed:") else f"mixed({r['model'].count(',') + 1})"
@@ -46,24 +48,45 @@ def _table(rows: list[dict]) -> None:
         slo_s = f"{slo:g}" if isinstance(slo, (int, float)) else "mixed"
         x = r.get("devices_of_compute_per_stream")
         paper = r.get("report_paper")
-        print(f"{name:<16} {r['devices']:>5} {slo_s:>9} {x if x is not None else '':>6} "
+        w = r.get("stream_compute_ms")
+        print(f"{name:<16} {r['devices']:>5} {slo_s:>9} {f'{w:.1f}' if w is not None else '':>8} "
+              f"{x if x is not None else '':>6} "
               f"{r['equal_group_size'] or '-':>5} {r['admitted']['equal']:>6} {r['admitted']['joint']:>6} "
               f"{(r['ratio'] if r['ratio'] is not None else '-'):>6} {r['placement_ms_p99']:>7.3f} "
               f"{(str(paper['equal']) + '->' + str(paper['joint'])) if paper else '':>8}")
+
+
+def _implied(setting: dict) -> None:
+    """What per-chunk workload W the report's own counts imply (simulator.implied_workload), per backbone."""
+    def span(v):
+        return f"({v[0]:g}, {v[1]:g}]" if v else "none"
+
+    for key in setting["scenarios"][0]["report_implies"]:
+        print(f"W the report's counts imply ({key}; ms per chunk on one device; '(lo, hi]', 'none' = no W):")
+        print(f"{'model':<14} {'our W':>7} {'equal: g by need':>17} {'joint: firm':>16} {'both':>12} "
+              f"{'g dedicated, joint at bound':>28}")
+        for r in setting["scenarios"]:
+            imp = r["report_implies"][key]
+            print(f"{r['model']:<14} {r['stream_compute_ms']:>7.1f} {span(imp['equal']['by_need']):>17} "
+                  f"{span(imp['joint']['firm']):>16} {span(imp['both']['by_need']):>12} "
+                  f"{span(imp['both']['dedicated_at_packing_bound']):>28}")
 
 
 def _parse_profiles(items: list[str]) -> dict[str, str]:
     out = {}
     for item in items:
         model, sep, path = item.partition("=")
-        if not sep:
+        if not sep or not model or not path:
             fail(f"--profile wants MODEL=PATH, got {item!r}")
+        check_json_file(path, f"--profile {model}")
         out[model] = path
     return out
 
 
 def timing1024(config, device, profiles=None, devices: int = 1024) -> dict:
     """All five backbones mixed (report24 SLOs) on ``devices`` devices until saturation."""
+    from physis_ros.scheduling.simulator import REPORT24_MODELS, Workload, compare, load_profiles
+
     slos = dict(config.scenarios["report24"])
     profiles = profiles or load_profiles(list(slos), device)
     r = compare(device, devices, profiles, Workload(list(slos), slos, seed=3), config,
@@ -73,23 +96,23 @@ def timing1024(config, device, profiles=None, devices: int = 1024) -> dict:
     return {"mixed": r, "single": single}
 
 
+@cli_main("physis-sim")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="physis-sim", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="physis-sim", description=__doc__)
     parser.add_argument("--scenario", choices=("report24", "sweep", "timing1024", "all"))
-    parser.add_argument("--devices", type=int, default=24)
+    parser.add_argument("--devices", type=positive_int, default=24)
     parser.add_argument("--models", help="comma-separated presets (mixed when more than one)")
     parser.add_argument("--slo-ms", help="output-interval SLO: one value for all models, or one per model")
-    parser.add_argument("--latency-slo-ms", type=float, help="optional response-latency SLO for every stream")
-    parser.add_argument("--arrivals", type=int, default=100000, help="most streams to offer")
-    parser.add_argument("--patience", type=int, default=None,
+    parser.add_argument("--latency-slo-ms", type=positive_float, help="optional response-latency SLO for every stream")
+    parser.add_argument("--arrivals", type=positive_int, default=100000, help="most streams to offer")
+    parser.add_argument("--patience", type=positive_int, default=None,
                         help="stop after this many rejections in a row (default 1 for one model, 20 mixed)")
     parser.add_argument("--policy", choices=("joint", "equal", "both"), default="both")
     parser.add_argument("--seed", type=int, default=0, help="arrival order of a mixed workload")
     parser.add_argument("--device", help="device kind (config/devices/NAME.yaml) or a YAML path")
     parser.add_argument("--config", help="scheduling YAML (default config/scheduling.yaml)")
-    parser.add_argument("--headroom", type=float, help="override the config's headroom")
-    parser.add_argument("--discrepancies", type=int, help="override the LDS discrepancy budget")
+    parser.add_argument("--headroom", type=nonneg_float, help="override the config's headroom")
+    parser.add_argument("--discrepancies", type=nonneg_int, help="override the LDS discrepancy budget")
     parser.add_argument("--no-split", action="store_true", help="whole virtual ranks only (no gap filling)")
     parser.add_argument("--profile", action="append", default=[], metavar="MODEL=PATH",
                         help="a physis-profile JSON for MODEL (repeatable)")
@@ -98,6 +121,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--verbose", action="store_true", help="print every admission decision")
     args = parser.parse_args(argv)
+    if args.headroom is not None and args.headroom >= 1:
+        parser.error(f"argument --headroom: the fraction of device time kept free must be < 1, got {args.headroom}")
+    slo_values = None
+    if args.slo_ms is not None:
+        try:
+            slo_values = [float(v) for v in args.slo_ms.split(",")]
+        except ValueError:
+            parser.error(f"argument --slo-ms: wants numbers (one, or one per model), got {args.slo_ms!r}")
+        if not all(v > 0 and v < float("inf") for v in slo_values):
+            parser.error(f"argument --slo-ms: every SLO must be a positive number of ms, got {args.slo_ms!r}")
+    paths = _parse_profiles(args.profile)
+    if args.config:
+        check_yaml_file(args.config, "--config")
+    if args.device and Path(args.device).suffix in (".yaml", ".yml"):
+        check_yaml_file(args.device, "--device")
+    check_writable(args.json)
+
+    from physis_ros.config import ConfigError
+    from physis_ros.model.presets import load_model_config, preset_names
+    from physis_ros.scheduling.profiles import get_profile, load_profile, measure_profile
+    from physis_ros.scheduling.settings import load_device, load_scheduling
+    from physis_ros.scheduling.simulator import (Workload, compare, load_profiles, pooled, report24, run_policy,
+                                                 slo_sweep)
 
     try:
         config = load_scheduling(args.config)
@@ -119,11 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario:
         if args.scenario in ("report24", "sweep", "timing1024", "all") and "report24" not in config.scenarios:
             fail("the scheduling config has no scenarios.report24 SLO table")
-        profiles = load_profiles(list(config.scenarios["report24"]), device, _parse_profiles(args.profile))
+        profiles = load_profiles(list(config.scenarios["report24"]), device, paths)
         if args.scenario in ("report24", "all"):
             rep = report24(config, device, profiles, devices=args.devices)
             out["scenarios"] = rep["scenarios"]
-            print(f"report24: {device.name} x {rep['scenarios'][0]['devices']}, headroom {config.headroom:g}")
+            out["calibrated_setting"] = rep["calibrated_setting"]
+            out["report_setting"] = stated = rep["report_setting"]
+            groups = ", ".join(f"{m} {g}" for m, g in stated["equal_groups"].items())
+            print(f"report24, the report's setting: {device.name} x {stated['devices']}, SLO {stated['slo_ms']:g} ms "
+                  f"for every backbone, equal groups fixed to the report's ({groups}), headroom {config.headroom:g}")
+            _table(stated["scenarios"])
+            print(f"W_ms: {stated['workload_basis']}.")
+            _implied(stated)
+            print(f"\nreport24, calibrated: {device.name} x {rep['scenarios'][0]['devices']}, SLO per backbone from "
+                  f"config scenarios.report24, equal group = the smallest meeting the SLO, "
+                  f"headroom {config.headroom:g}")
             _table(rep["scenarios"])
         if args.scenario in ("sweep", "all"):
             rows = slo_sweep(config, device, list(config.scenarios["report24"]), SWEEP_X, args.devices, profiles)
@@ -161,14 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [m for m in models if m not in preset_names()]
         if unknown:
             fail(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(preset_names())}")
-        try:
-            slo_values = [float(v) for v in args.slo_ms.split(",")]
-        except ValueError:
-            fail(f"--slo-ms wants numbers, got {args.slo_ms!r}")
         if len(slo_values) not in (1, len(models)):
             fail(f"--slo-ms: give one value or one per model ({len(models)})")
         slos = {m: slo_values[0] if len(slo_values) == 1 else slo_values[i] for i, m in enumerate(models)}
-        paths = _parse_profiles(args.profile)
         try:
             profiles = {}
             for m in dict.fromkeys(models):

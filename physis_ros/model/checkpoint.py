@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from physis_ros.config import ConfigError, from_mapping, to_mapping
-from physis_ros.model.dit import DiTModel
+from physis_ros.model.dit import DiTModel, block_param_shapes
 from physis_ros.model.presets import build_model
 from physis_ros.model.spec import ModelConfig
 
@@ -66,21 +66,43 @@ def load_checkpoint(path: str | Path, *, config: ModelConfig | None = None, devi
     must have the shape that config implies.
     """
     config = config or read_checkpoint_config(path)
-    model = build_model(config, device=device, hosted_blocks=hosted_blocks)
-    expected = model.state_dict()
+    blocks = range(config.blocks) if hosted_blocks is None else hosted_blocks
+    model = build_model(config, device=device, hosted_blocks=[])
+    load_trunk(path, model)
+    model.attach_blocks(model.build_blocks(blocks, read_block_weights(path, config, blocks)))
+    return model
+
+
+def _read(f, path, name: str, shape, config: ModelConfig) -> torch.Tensor:
+    got = f.get_slice(name).get_shape()
+    if tuple(got) != tuple(shape):
+        raise CheckpointError(f"tensor '{name}' in {path} has shape {tuple(got)} but the config of "
+                              f"model '{config.name}' needs {tuple(shape)}")
+    return f.get_tensor(name)
+
+
+def load_trunk(path: str | Path, model: DiTModel) -> None:
+    """Load everything but the blocks (timestep embedding, final modulation, the I/O head) into ``model``."""
+    expected = {k: v for k, v in model.state_dict().items() if not k.startswith("blocks.")}
     with safe_open(str(path), framework="pt", device="cpu") as f:
         available = set(f.keys())
         missing = sorted(set(expected) - available)
         if missing:
             raise CheckpointError(f"{path} lacks tensor '{missing[0]}' (and {len(missing) - 1} more) "
-                                  f"needed by model '{config.name}'")
-        loaded = {}
-        for name, want in expected.items():
-            got = f.get_slice(name).get_shape()
-            if tuple(got) != tuple(want.shape):
-                raise CheckpointError(f"tensor '{name}' in {path} has shape {tuple(got)} but the config of "
-                                      f"model '{config.name}' needs {tuple(want.shape)}")
-            loaded[name] = f.get_tensor(name)
+                                  f"needed by model '{model.config.name}'")
+        loaded = {name: _read(f, path, name, want.shape, model.config) for name, want in expected.items()}
     with torch.no_grad():
-        model.load_state_dict(loaded, strict=True)
-    return model
+        model.load_state_dict(loaded, strict=False)
+
+
+def read_block_weights(path: str | Path, config: ModelConfig, blocks: Iterable[int]) -> dict[str, torch.Tensor]:
+    """The tensors of ``blocks`` (``blocks.{b}.*``) from a checkpoint, shapes checked against ``config``."""
+    shapes = block_param_shapes(config)
+    want = {f"blocks.{b}.{k}": shape for b in blocks for k, shape in shapes.items()}
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        available = set(f.keys())
+        missing = sorted(set(want) - available)
+        if missing:
+            raise CheckpointError(f"{path} lacks tensor '{missing[0]}' (and {len(missing) - 1} more) "
+                                  f"needed by model '{config.name}'")
+        return {name: _read(f, path, name, shape, config) for name, shape in want.items()}

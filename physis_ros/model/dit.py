@@ -87,6 +87,13 @@ class Block(nn.Module):
         return h + gate2 * self.mlp(x)
 
 
+def block_param_shapes(config: ModelConfig) -> dict[str, torch.Size]:
+    """Parameter names and shapes of one block (built on the meta device: no memory, no init)."""
+    with torch.device("meta"):
+        blk = Block(config.hidden, config.heads, config.ffn_dim)
+    return {k: v.shape for k, v in blk.state_dict().items()}
+
+
 class DiTModel(ServableModel):
     """Shared trunk of the reference models. Subclasses build ``self.io`` and the token maps."""
 
@@ -97,16 +104,48 @@ class DiTModel(ServableModel):
         # Each module is initialised from its own seed, so a worker that builds
         # only some blocks gets exactly the weights the full model has.
         self.time_embed = self._seeded("time_embed", lambda: TimestepEmbedder(d))
-        self.blocks = nn.ModuleDict({
-            str(b): self._seeded(f"blocks.{b}", lambda: Block(d, config.heads, config.ffn_dim))
-            for b in sorted(self.hosted_blocks)
-        })
+        self.blocks = nn.ModuleDict({str(b): self._new_block(b) for b in sorted(self.hosted_blocks)})
         self.out_ada = self._seeded("out_ada", lambda: nn.Linear(d, 2 * d))
         self.io = self._seeded("io", self.build_io)
         self.to(device=device, dtype=self.dtype)
-        self._modulation = {b: TimestepCache(lambda t, blk=blk: blk.ada(F.silu(self.time_embed(t))))
-                            for b, blk in ((int(k), v) for k, v in self.blocks.items())}
+        self._modulation = {int(k): self._modulation_of(blk) for k, blk in self.blocks.items()}
         self._out_modulation = TimestepCache(lambda t: self.out_ada(F.silu(self.time_embed(t))))
+
+    def _new_block(self, b: int) -> Block:
+        c = self.config
+        return self._seeded(f"blocks.{b}", lambda: Block(c.hidden, c.heads, c.ffn_dim))
+
+    def _modulation_of(self, blk: Block) -> TimestepCache:
+        return TimestepCache(lambda t: blk.ada(F.silu(self.time_embed(t))))
+
+    # ---- hosting blocks one by one (a worker adds what new streams need while others run) ----
+    def build_blocks(self, blocks, weights=None) -> dict[int, nn.Module]:
+        """New modules for ``blocks`` (seeded init, or ``weights``: state-dict entries ``blocks.{b}.*``),
+        on this model's device and dtype; nothing of the model changes until :meth:`attach_blocks`."""
+        built = {}
+        for b in sorted(set(blocks)):
+            if not 0 <= b < self.config.blocks:
+                raise ValueError(f"block {b} does not exist; model '{self.config.name}' has blocks "
+                                 f"0..{self.config.blocks - 1}")
+            blk = self._new_block(b)
+            if weights is not None:
+                prefix = f"blocks.{b}."
+                blk.load_state_dict({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)})
+            built[b] = blk.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        return built
+
+    def attach_blocks(self, built: dict[int, nn.Module]) -> None:
+        for b, blk in built.items():
+            self.blocks[str(b)] = blk
+            self._modulation[b] = self._modulation_of(blk)
+        self.hosted_blocks = frozenset(self.hosted_blocks | set(built))
+
+    def release_blocks(self, blocks) -> None:
+        for b in blocks:
+            if str(b) in self.blocks:
+                del self.blocks[str(b)]
+            self._modulation.pop(b, None)
+        self.hosted_blocks = frozenset(self.hosted_blocks - set(blocks))
 
     def clear_timestep_caches(self) -> None:
         for cache in (*self._modulation.values(), self._out_modulation):

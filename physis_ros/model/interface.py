@@ -13,6 +13,8 @@ computed as in DESIGN.md section 2 and that the model exposes these pieces:
 - ``head(h, t)``: velocity of the chunk (epilogue of stage ``(k, L-1)``);
 - ``timesteps``: flow-matching timesteps and the Euler update;
 - ``noise(seed, stream, chunk)``: the deterministic initial noise;
+- ``build_blocks`` / ``attach_blocks`` / ``release_blocks``: host blocks one by one, so a
+  worker loads what a new stream needs without touching what running streams use;
 - metadata: :class:`~physis_ros.model.spec.ModelConfig` (shapes, tokens per
   chunk, KV bytes per slot).
 
@@ -80,6 +82,20 @@ class ServableModel(nn.Module, ABC):
     @abstractmethod
     def head(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """Hidden [B, T, D] -> velocity [B, *output_shape]."""
+
+    @abstractmethod
+    def build_blocks(self, blocks: Iterable[int], weights: dict[str, torch.Tensor] | None = None
+                     ) -> dict[int, nn.Module]:
+        """Modules for more blocks (seeded init, or ``weights``), ready on this model's device; safe to
+        call from a loader thread: nothing of the model changes until :meth:`attach_blocks`."""
+
+    @abstractmethod
+    def attach_blocks(self, built: dict[int, nn.Module]) -> None:
+        """Host blocks built by :meth:`build_blocks` (``hosted_blocks`` grows)."""
+
+    @abstractmethod
+    def release_blocks(self, blocks: Iterable[int]) -> None:
+        """Stop hosting blocks (their weights are freed once nothing else holds them)."""
 
     def noise(self, seed: int, stream: str, chunk: int) -> torch.Tensor:
         """Initial noise of one chunk, [1, *output_shape]; identical on every device and host."""

@@ -3,7 +3,8 @@
 A table holds, for each *slot* (one (stream, step) pair), the keys and values
 that earlier chunks wrote at that block and step: an optional *sink* chunk (the
 stream's first chunk, kept for good) followed by a rolling window of the last
-``window`` chunks, oldest first. A slot's storage never moves once allocated;
+``window`` chunks, oldest first. A slot is allocated when its (stream, stage) is
+admitted and freed when the stream leaves; its storage never moves meanwhile;
 tasks name their slot and the table gathers from it (no re-layout per task).
 
 Keys stay in chronological order (the window is shifted, not a ring buffer) so
@@ -19,7 +20,12 @@ import torch
 
 
 class KVTable:
-    """Keys/values of one block for ``slots`` (stream, step) slots."""
+    """Keys/values of one block, one slot per (stream, step) the block serves.
+
+    Slots are allocated one by one (:meth:`add`) and freed (:meth:`remove`), so a
+    worker holds KV only for the (stream, stage) pairs admitted to it; a table built
+    with ``slots=n`` starts with slots ``0..n-1`` (the reference, the profiler).
+    """
 
     def __init__(self, slots: int, tokens_per_chunk: int, window: int, sink: bool,
                  heads: int, head_dim: int, *, dtype: torch.dtype = torch.float32,
@@ -30,28 +36,53 @@ class KVTable:
         self.window = window
         self.sink = sink
         self.capacity = (window + int(sink)) * tokens_per_chunk
-        shape = (slots, self.capacity, heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.length = [0] * slots
-        self.chunks_written = [0] * slots
+        self.shape = (self.capacity, heads, head_dim)
+        self.dtype = dtype
+        self.device = device
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.length: dict[int, int] = {}
+        self.chunks_written: dict[int, int] = {}
+        for slot in range(slots):
+            self.add(slot)
 
     @property
     def slots(self) -> int:
         return len(self.length)
 
     def slot_bytes(self) -> int:
-        return 2 * self.k[0].numel() * self.k.element_size()
+        """Bytes one slot holds (keys and values of the full window)."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return 2 * n * torch.empty((), dtype=self.dtype).element_size()
+
+    def nbytes(self) -> int:
+        return self.slots * self.slot_bytes()
+
+    def add(self, slot: int) -> None:
+        """Allocate a slot (empty history)."""
+        if slot in self.length:
+            raise ValueError(f"KV slot {slot} already exists")
+        self.k[slot] = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self.v[slot] = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self.length[slot] = 0
+        self.chunks_written[slot] = 0
+
+    def remove(self, slot: int) -> None:
+        """Free a slot's memory."""
+        for store in (self.k, self.v, self.length, self.chunks_written):
+            store.pop(slot, None)
 
     def reset(self, slot: int) -> None:
-        """Forget a slot's history (a new stream takes it, or a stream restarts)."""
+        """Forget a slot's history (its stream restarts)."""
         self.length[slot] = 0
         self.chunks_written[slot] = 0
 
     def cached(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the keys and values cached in a slot, oldest first: [n, heads, head_dim]."""
         n = self.length[slot]
-        return self.k[slot, :n], self.v[slot, :n]
+        return self.k[slot][:n], self.v[slot][:n]
 
     def append(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one chunk's keys/values ([T, heads, head_dim]); drop the oldest window chunk if full."""
@@ -59,16 +90,17 @@ class KVTable:
         if k.shape[0] != t:
             raise ValueError(f"expected {t} tokens per chunk, got {k.shape[0]}")
         n = self.length[slot]
+        ks, vs = self.k[slot], self.v[slot]
         if n + t <= self.capacity:
-            self.k[slot, n:n + t] = k
-            self.v[slot, n:n + t] = v
+            ks[n:n + t] = k
+            vs[n:n + t] = v
             self.length[slot] = n + t
         else:
             start = t if self.sink else 0  # the sink chunk never leaves
-            self.k[slot, start:-t] = self.k[slot, start + t:].clone()
-            self.v[slot, start:-t] = self.v[slot, start + t:].clone()
-            self.k[slot, -t:] = k
-            self.v[slot, -t:] = v
+            ks[start:-t] = ks[start + t:].clone()
+            vs[start:-t] = vs[start + t:].clone()
+            ks[-t:] = k
+            vs[-t:] = v
         self.chunks_written[slot] += 1
 
 

@@ -84,10 +84,6 @@ class ModelConfig:
         return self.hidden // self.heads
 
     @property
-    def num_stages(self) -> int:
-        return self.steps * self.blocks
-
-    @property
     def tokens_per_chunk(self) -> int:
         if self.wam is not None:
             io = self.wam

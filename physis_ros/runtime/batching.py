@@ -5,8 +5,8 @@ Policy: ``oldest`` runs the task whose chunk entered the pipeline first;
 earliest. Both are starvation-free: every waiting task eventually holds the
 smallest key, because keys only grow for later chunks.
 
-Batching merges ready tasks of the *same block* (other steps, chunks or
-streams) into one forward, never two tasks that share a KV slot (a later chunk
+Batching merges ready tasks that use the *same weights* (the same block of the
+same model; other steps, chunks or streams) into one forward, never two tasks that share a KV slot (a later chunk
 must read what the earlier one appends). ``adaptive`` batches only when the
 measured cost per task of a batch is lower than running the tasks one by
 one, so batching can't be slower than not batching beyond a few exploratory
@@ -29,7 +29,9 @@ BATCHING = ("off", "on", "adaptive")
 
 
 class Schedulable(Protocol):
-    stage: tuple[int, int]
+    @property
+    def weights(self) -> Hashable:
+        """Which weights the task's forward uses (the block, of a model): only such tasks batch."""
 
     @property
     def order(self) -> float: ...
@@ -40,7 +42,7 @@ class Schedulable(Protocol):
 
 class BatchPolicy:
     def __init__(self, policy: str = "oldest", batching: str = "off", max_batch: int = 4,
-                 profile: dict[str, dict[str, float]] | None = None):
+                 profile: dict[Hashable, dict[int, float]] | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy '{policy}'; choose one of {', '.join(POLICIES)}")
         if batching not in BATCHING:
@@ -48,12 +50,15 @@ class BatchPolicy:
         self.policy = policy
         self.batching = batching
         self.max_batch = max(1, max_batch)
-        self.samples: dict[tuple[int, int], deque[float]] = {}
-        self.decisions: dict[int, int] = {}
-        # profile: {"<block>": {"<batch size>": ms}}; seeds the estimates as if measured
-        for block, by_size in (profile or {}).items():
-            for n, ms in by_size.items():
-                self.samples[(int(block), int(n))] = deque([float(ms)] * MIN_SAMPLES, maxlen=HISTORY)
+        self.samples: dict[tuple[Hashable, int], deque[float]] = {}
+        self.decisions: dict[Hashable, int] = {}
+        for weights, by_size in (profile or {}).items():
+            self.seed(weights, by_size)
+
+    def seed(self, weights: Hashable, by_size: dict[int, float]) -> None:
+        """Start the estimates of ``weights`` from a profile ({batch size: ms}), as if measured."""
+        for n, ms in by_size.items():
+            self.samples[(weights, int(n))] = deque([float(ms)] * MIN_SAMPLES, maxlen=HISTORY)
 
     def key(self, task: Schedulable) -> tuple[float, float]:
         return (task.deadline, task.order) if self.policy == "edf" else (task.order, task.deadline)
@@ -62,10 +67,10 @@ class BatchPolicy:
         head = min(ready, key=self.key)
         if self.batching == "off" or self.max_batch == 1:
             return [head]
-        block = head.stage[1]
+        block = head.weights
         used = {slot_key(head)}
         mates = []
-        for t in sorted((t for t in ready if t is not head and t.stage[1] == block), key=self.key):
+        for t in sorted((t for t in ready if t is not head and t.weights == block), key=self.key):
             if slot_key(t) in used:
                 continue
             used.add(slot_key(t))
@@ -77,11 +82,11 @@ class BatchPolicy:
             n = self.best_size(block, n)
         return [head, *mates[:n - 1]]
 
-    def cost(self, block: int, n: int) -> float | None:
+    def cost(self, block: Hashable, n: int) -> float | None:
         s = self.samples.get((block, n))
         return statistics.median(s) if s and len(s) >= MIN_SAMPLES else None
 
-    def best_size(self, block: int, available: int) -> int:
+    def best_size(self, block: Hashable, available: int) -> int:
         """``available`` if one batched forward measured cheaper than that many single ones, else 1.
 
         Only the two ends are compared: per-task cost falls smoothly with batch size when a
@@ -101,5 +106,5 @@ class BatchPolicy:
             return 1 if choice == available else available
         return choice
 
-    def observe(self, block: int, n: int, ms: float) -> None:
+    def observe(self, block: Hashable, n: int, ms: float) -> None:
         self.samples.setdefault((block, n), deque(maxlen=HISTORY)).append(ms)

@@ -30,40 +30,31 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from physis_ros.config import to_mapping
 from physis_ros.logs import Throttle
-from physis_ros.model.spec import ModelConfig
 from physis_ros.model.stages import observation_payload
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
 from physis_ros.runtime.plans import Plan
-from physis_ros.runtime.profiler import Profile
 from physis_ros.runtime.recovery import Recovery
 from physis_ros.runtime.security import CurveKeys
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.runtime.streams import (ChunkOutput, EngineHealth, InFlight, Observation, ObserveFn, OutputFn,
-                                        StreamEvent, StreamState)
+                                        ServedModel, StreamEvent, StreamState)
 from physis_ros.runtime.workers import EngineError, WorkerPool, WorkerProc
 from physis_ros.telemetry import ChunkRecord
 
 log = logging.getLogger("physis.engine")
 __all__ = ["ChunkOutput", "Engine", "EngineError", "EngineHealth", "Observation", "ObserveFn", "OutputFn",
-           "StreamEvent"]
+           "ServedModel", "StreamEvent"]
 BURST = 64  # output messages handled per turn before yielding to the monitor, feeders and control plane
 
 
 class Engine:
-    def __init__(self, model: ModelConfig, config: EngineConfig, plan: Plan,
-                 clock: Callable[[], float] = time.monotonic, profile: Profile | None = None,
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic,
                  on_event: Callable[[StreamEvent], None] | None = None):
-        """``plan``: the default placement of streams (see ``planner.resolve_plan``). ``profile`` seeds
-        the workers' adaptive batching. ``on_event`` hears stream failures and re-admissions."""
-        if max(plan.workers_used) >= config.workers:
-            raise ValueError(f"plan uses worker w{max(plan.workers_used)} but only {config.workers} exist")
-        self.model = model
+        """Workers per ``config``; streams (each with its model and placement) come with
+        :meth:`add_stream`. ``on_event`` hears stream failures and re-admissions."""
         self.config = config
-        self.plan = plan
-        self.profile = profile
         self.clock = clock
         self.on_event = on_event
         self.events: list[StreamEvent] = []
@@ -135,11 +126,9 @@ class Engine:
         faults = cfg.faults
         drop = faults.drop_task if faults.worker in ("", w.name) else 0
         await self.pool.request(w.name, p.Load(
-            req=0, model=to_mapping(self.model), blocks=sorted({b for _, b in self.plan.stages_of(w.index)}),
-            threads=cfg.threads_per_worker, max_streams=cfg.max_streams, max_ready=cfg.max_ready,
-            batching=cfg.batching, max_batch=cfg.max_batch, policy=cfg.policy,
-            profile=None if self.profile is None else self.profile.block_costs(self.plan.order),
-            checkpoint=cfg.checkpoint, faults=p.FaultInjection(drop_task=drop)), timeout=cfg.start_timeout_s)
+            req=0, threads=cfg.threads_per_worker, max_ready=cfg.max_ready, batching=cfg.batching,
+            max_batch=cfg.max_batch, policy=cfg.policy, faults=p.FaultInjection(drop_task=drop)),
+            timeout=cfg.start_timeout_s)
 
     async def stop(self) -> None:
         """Stop streams and workers; leaves no processes or ipc files behind."""
@@ -171,10 +160,11 @@ class Engine:
 
     # ---- streams -----------------------------------------------------------------------------
     async def add_stream(self, name: str, observe: ObserveFn, on_output: OutputFn | None = None, *,
-                         chunks: int | None = None, slo_interval_ms: float | None = None,
-                         keep_outputs: bool = False, plan: Plan | None = None,
+                         model: ServedModel, plan: Plan, chunks: int | None = None,
+                         slo_interval_ms: float | None = None, keep_outputs: bool = False,
                          release_interval_ms: float | None = None, emit_delay_ms: float | None = None) -> None:
-        """Start feeding a stream: ``chunks`` chunks (None: until removed), placed by ``plan``.
+        """Start feeding a stream of ``model``: ``chunks`` chunks (None: until removed), placed by ``plan``
+        (which never changes: running streams do not move). Workers load the blocks it needs first.
 
         ``release_interval_ms`` paces the stream: chunk c enters the pipeline no earlier than
         c intervals after the first, so it cannot run ahead of the robot's control timeline.
@@ -189,13 +179,17 @@ class Engine:
             raise ValueError(f"stream '{name}' already exists")
         if len(self.streams) >= self.config.max_streams:
             raise ValueError(f"the engine holds max_streams={self.config.max_streams} streams already")
-        plan = plan or self.plan
+        if (plan.steps, plan.blocks) != (model.config.steps, model.config.blocks):
+            raise ValueError(f"plan of {plan.steps}x{plan.blocks} stages does not fit model '{model.config.name}' "
+                             f"({model.config.steps}x{model.config.blocks})")
+        if max(plan.workers_used) >= self.config.workers:
+            raise ValueError(f"plan uses worker w{max(plan.workers_used)} but only {self.config.workers} exist")
         limit = self.in_flight_limit(plan)
         held = sum(self.in_flight_limit(s.plan) for s in self.streams.values())
         if held + limit > self.config.max_ready:
             raise ValueError(f"stream '{name}' would bring the chunks in flight to {held + limit}, beyond a "
                              f"worker's ready queue (max_ready {self.config.max_ready})")
-        s = StreamState(name, plan, observe, on_output, chunks, slo_interval_ms, asyncio.Semaphore(limit),
+        s = StreamState(name, model, plan, observe, on_output, chunks, slo_interval_ms, asyncio.Semaphore(limit),
                         keep_outputs=keep_outputs)
         if release_interval_ms:
             s.release_interval_s = release_interval_ms / 1e3
@@ -225,8 +219,10 @@ class Engine:
             for st in stages:
                 nxt = s.plan.next_stage(st)
                 routes.append(p.Route(st, self.out_addr if nxt is None else addr[s.plan.assignment[nxt]]))
-            requests.append(self.pool.request(w.name, p.StartStream(req=0, stream=s.name, epoch=s.epoch,
-                                                                     stages=list(stages), routes=routes)))
+            requests.append(self.pool.request(
+                w.name, p.StartStream(req=0, stream=s.name, epoch=s.epoch, model=s.model.ref(stages),
+                                      stages=list(stages), routes=routes),
+                timeout=self.config.start_timeout_s))  # may load blocks first
         await asyncio.gather(*requests)
         first = addr[s.plan.assignment[s.plan.first_stage]]
         if first not in self._push:
@@ -310,7 +306,7 @@ class Engine:
             self.dropped["stale"] += 1  # a removed stream, or an incarnation before a reset
             return
         try:
-            wire.expect_tensors(rec, {"x": (1, *self.model.output_shape)})
+            wire.expect_tensors(rec, {"x": (1, *s.model.config.output_shape)})
         except wire.WireError as exc:
             self.recovery.reset(s, f"chunk {msg.chunk} arrived malformed from {msg.worker}: {exc}", "malformed_output")
             return

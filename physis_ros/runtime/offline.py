@@ -13,31 +13,32 @@ import numpy as np
 import uvloop
 
 from physis_ros.model.spec import ModelConfig
-from physis_ros.runtime.engine import ChunkOutput, Engine, Observation
+from physis_ros.runtime.engine import ChunkOutput, Engine, Observation, ServedModel
 from physis_ros.runtime.planner import resolve_plan
 from physis_ros.runtime.plans import Plan
-from physis_ros.runtime.profiler import Profile
+from physis_ros.scheduling.profiles import CostProfile
 from physis_ros.runtime.settings import EngineConfig
 
 Source = Callable[[str, int], dict[str, np.ndarray]]
 
 
 async def run_chunks_async(model: ModelConfig, config: EngineConfig, streams: list[str], chunks: int,
-                           source: Source, plan: Plan | None = None, profile: Profile | None = None
+                           source: Source, plan: Plan | None = None, profile: CostProfile | None = None
                            ) -> dict[str, list[ChunkOutput]]:
     if plan is None:
         resolved = resolve_plan(model, config, profile)
         plan, profile = resolved.plan, resolved.profile
-    async with Engine(model, config, plan, profile=profile) as engine:
+    served = ServedModel(model, config.checkpoint, profile)
+    async with Engine(config) as engine:
         for s in streams:
             def observe(c: int, s: str = s) -> Observation:
                 return Observation(source(s, c), engine.clock())
-            await engine.add_stream(s, observe, chunks=chunks, keep_outputs=True)
+            await engine.add_stream(s, observe, model=served, plan=plan, chunks=chunks, keep_outputs=True)
         return {s: await engine.wait_stream(s) for s in streams}
 
 
 def run_chunks(model: ModelConfig, config: EngineConfig, streams: list[str], chunks: int, source: Source,
-               plan: Plan | None = None, profile: Profile | None = None) -> dict[str, list[ChunkOutput]]:
+               plan: Plan | None = None, profile: CostProfile | None = None) -> dict[str, list[ChunkOutput]]:
     return uvloop.run(run_chunks_async(model, config, streams, chunks, source, plan, profile))
 
 

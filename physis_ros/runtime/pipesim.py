@@ -12,9 +12,9 @@ emits.
 
 Costs: a forward of n same-block tasks costs the mean of their stages'
 profiled time at batch n, plus the per-call loop overhead; every message a
-worker sends costs it one hop (``Profile.hop_ms``); the engine turns an output
-into the next chunk's input in ``Profile.engine_ms``. CPU workers that share the host
-run ``Profile.corun_slowdown`` times slower than the profile measured alone.
+worker sends costs it one hop (``CostProfile.hop_ms``); the engine turns an output
+into the next chunk's input in ``CostProfile.engine_ms``. CPU workers that share the host
+run ``CostProfile.corun_slowdown`` times slower than the profile measured alone.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from physis_ros.runtime.plans import Plan, Stage
-from physis_ros.runtime.profiler import Profile
+from physis_ros.scheduling.profiles import CostProfile
 from physis_ros.runtime.batching import BatchPolicy
 
 
@@ -36,6 +36,10 @@ class _Task:
     @property
     def deadline(self) -> float:
         return self.order
+
+    @property
+    def weights(self) -> int:
+        return self.stage[1]
 
 
 @dataclass
@@ -55,7 +59,7 @@ class SimResult:
     busy_ms_per_chunk: dict[int, float]  # each worker's compute + sends per emitted chunk (steady state)
 
 
-def simulate(plan: Plan, profile: Profile, batching: str = "off", max_batch: int = 4, in_flight: int | None = None,
+def simulate(plan: Plan, profile: CostProfile, batching: str = "off", max_batch: int = 4, in_flight: int | None = None,
              chunks: int = 200, warmup: int = 50, slowdown: float = 1.0
              ) -> SimResult:
     """Feed ``chunks`` chunks as fast as ``in_flight`` credits allow (the engine's latest-observation mode)."""
@@ -63,7 +67,8 @@ def simulate(plan: Plan, profile: Profile, batching: str = "off", max_batch: int
         raise ValueError(f"chunks ({chunks}) must exceed warmup ({warmup}) + 1")
     limit = in_flight or plan.in_flight(batching != "off", max_batch)
     turnaround = profile.engine_ms
-    seeds = profile.block_costs(plan.order)  # what the engine seeds every worker's batch policy with
+    seeds = {int(b): {int(n): ms for n, ms in by_n.items()}  # what the engine seeds every worker's policy with
+             for b, by_n in profile.block_costs(plan.order).items()}
     workers = {w: _Worker(BatchPolicy("oldest", batching, max_batch, seeds)) for w in plan.workers_used}
     first = plan.first_stage
     events: list[tuple[float, int, str, object]] = []
@@ -91,7 +96,7 @@ def simulate(plan: Plan, profile: Profile, batching: str = "off", max_batch: int
         for t in batch:
             wk.ready.remove(t)
         n, b = len(batch), batch[0].stage[1]
-        compute = sum(profile.cost(t.stage, n) for t in batch) / n * slowdown
+        compute = sum(profile.forward_ms(t.stage, n) for t in batch) / n * slowdown
         wk.policy.observe(b, n, compute)  # what the worker's timer sees: the model, not its own loop
         sends = sum(1 for t in batch if plan.assignment.get(plan.next_stage(t.stage)) != w)
         busy = compute + profile.overhead_ms_per_call * slowdown + sends * profile.hop_ms

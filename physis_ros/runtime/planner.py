@@ -30,7 +30,8 @@ from physis_ros.config import ConfigError
 from physis_ros.model.spec import ModelConfig
 from physis_ros.runtime.pipesim import SimResult, simulate
 from physis_ros.runtime.plans import Plan, Stage, linear_partition, make_plan, pipeline_order, segment_assignment
-from physis_ros.runtime.profiler import Profile, measure_profile
+from physis_ros.runtime.profiler import measure_profile
+from physis_ros.scheduling.profiles import CostProfile, profile_from_json
 from physis_ros.runtime.settings import EngineConfig
 
 log = logging.getLogger("physis.engine")
@@ -45,7 +46,7 @@ class Prediction:
     cpu_bound_ms: float = 0.0                  # host CPU time per chunk / host cores (0: not bounded)
 
 
-def worker_time(profile: Profile, stages: list[Stage], batching: str, max_batch: int
+def worker_time(profile: CostProfile, stages: list[Stage], batching: str, max_batch: int
                 ) -> tuple[float, dict[int, int]]:
     """Per-chunk time of a worker hosting ``stages``, and the batch size it runs each block at."""
     by_block: dict[int, list[Stage]] = {}
@@ -54,12 +55,12 @@ def worker_time(profile: Profile, stages: list[Stage], batching: str, max_batch:
     total, sizes = 0.0, {}
     for b, mine in by_block.items():
         n = len(mine)
-        single = sum(profile.cost(s, 1) for s in mine) + n * profile.overhead_ms_per_call
+        single = sum(profile.forward_ms(s, 1) for s in mine) + n * profile.overhead_ms_per_call
         if batching == "off" or n == 1:
             total, sizes[b] = total + single, 1
             continue
         # Groups of at most max_batch tasks, each one forward costing the mean stage's batched time.
-        mean_at = lambda m: sum(profile.cost(s, m) for s in mine) / n  # noqa: E731
+        mean_at = lambda m: sum(profile.forward_ms(s, m) for s in mine) / n  # noqa: E731
         groups = [min(max_batch, n - i) for i in range(0, n, max_batch)]
         batched = sum(mean_at(g) + profile.overhead_ms_per_call for g in groups)
         if batching == "adaptive" and single <= batched:
@@ -69,10 +70,10 @@ def worker_time(profile: Profile, stages: list[Stage], batching: str, max_batch:
     return total, sizes
 
 
-def predict(plan: Plan, profile: Profile, batching: str = "off", max_batch: int = 4,
+def predict(plan: Plan, profile: CostProfile, batching: str = "off", max_batch: int = 4,
             host_cpus: int | None = None) -> Prediction:
     """``host_cpus``: cores that CPU workers share with the engine (None: workers have their own)."""
-    # Co-located CPU workers run slower than the profile's one busy process (Profile.corun_slowdown).
+    # Co-located CPU workers run slower than the profile's one busy process (CostProfile.corun_slowdown).
     cpu = profile.device == "cpu"
     slowdown = profile.corun_slowdown if len(plan.workers_used) > 1 and cpu else 1.0
     sizes = {w: worker_time(profile, plan.stages_of(w), batching, max_batch)[1] for w in plan.workers_used}
@@ -83,7 +84,7 @@ def predict(plan: Plan, profile: Profile, batching: str = "off", max_batch: int 
     return Prediction(plan, max(sim.interval_ms, cpu_bound), sizes, sim, cpu_bound)
 
 
-def _block_grouped(steps: int, blocks: int, workers: int, profile: Profile, batching: str,
+def _block_grouped(steps: int, blocks: int, workers: int, profile: CostProfile, batching: str,
                    max_batch: int) -> Plan:
     """Contiguous block ranges (all steps of a block on one worker), balanced at batched cost."""
     per_block = [worker_time(profile, [(k, b) for k in range(steps, 0, -1)], batching, max_batch)[0]
@@ -97,10 +98,10 @@ def _block_grouped(steps: int, blocks: int, workers: int, profile: Profile, batc
     return Plan("block", steps, blocks, {(k, bb): owner[bb] for k, bb in pipeline_order(steps, blocks)})
 
 
-def candidates(steps: int, blocks: int, workers: int, profile: Profile, batching: str, max_batch: int
+def candidates(steps: int, blocks: int, workers: int, profile: CostProfile, batching: str, max_batch: int
                ) -> list[Plan]:
     order = pipeline_order(steps, blocks)
-    single = [profile.cost(s, 1) for s in order]
+    single = [profile.forward_ms(s, 1) for s in order]
     out = [Plan("stage", steps, blocks, segment_assignment(order, linear_partition(single, workers))),
            _block_grouped(steps, blocks, workers, profile, batching, max_batch),
            make_plan("step", steps, blocks, workers)]
@@ -115,7 +116,7 @@ def candidates(steps: int, blocks: int, workers: int, profile: Profile, batching
 HOP_MARGIN = 0.10
 
 
-def choose_plan(steps: int, blocks: int, workers: int, profile: Profile, batching: str = "off",
+def choose_plan(steps: int, blocks: int, workers: int, profile: CostProfile, batching: str = "off",
                 max_batch: int = 4, host_cpus: int | None = None) -> Prediction:
     """The candidate plan with the lowest predicted interval; fewer hops wins within ``HOP_MARGIN``."""
     preds = sorted((predict(p, profile, batching, max_batch, host_cpus)
@@ -134,16 +135,18 @@ class ResolvedPlan:
     prediction."""
 
     plan: Plan
-    profile: Profile | None
+    profile: CostProfile | None
     prediction: Prediction | None = None
 
 
-def resolve_plan(model: ModelConfig, config: EngineConfig, profile: Profile | None = None) -> ResolvedPlan:
+def resolve_plan(model: ModelConfig, config: EngineConfig, profile: CostProfile | None = None) -> ResolvedPlan:
     """``config.plan`` made concrete: a named plan, or for ``auto`` the planner's choice from ``profile``
     (or ``config.profile``, or a profile measured here). Done before an Engine is built."""
     if profile is None and config.profile:
         try:
-            profile = Profile.from_json(json.loads(Path(config.profile).read_text()))
+            profile = profile_from_json(json.loads(Path(config.profile).read_text()), model, where=config.profile)
+        except ConfigError as exc:
+            raise ConfigError(f"engine.profile ({exc.key})", exc.problem) from None
         except (OSError, ValueError) as exc:
             raise ConfigError("engine.profile", f"cannot read {config.profile}: {exc}") from None
     if config.plan != "auto":

@@ -1,6 +1,7 @@
-"""Measured cost profile of a model on the current device: stage time vs batch size, hop time.
+"""Measuring a model's cost profile on the current device: stage time vs batch size, hop time.
 
-The profile is what the planner and the workers' adaptive batching start from.
+The result is a :class:`~physis_ros.scheduling.profiles.CostProfile`, the one cost model the
+planner, the workers' adaptive batching and the joint scheduler start from.
 Each stage is timed through the same ``run_stage`` the workers call, with the
 KV slots filled to the window so attention reads a realistic cache, in the
 pipeline's order so weights are as cold as in service. Beside the stages: one
@@ -19,7 +20,6 @@ from __future__ import annotations
 import socket
 import statistics
 import time
-from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -31,72 +31,7 @@ from physis_ros.observations import SyntheticScene
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
 from physis_ros.runtime.plans import Stage, pipeline_order
-
-
-@dataclass
-class Profile:
-    model: str
-    device: str
-    source: str
-    batch_sizes: list[int]
-    stage_ms: dict[Stage, dict[int, float]]
-    hop_ms: float
-    hidden_bytes: int
-    overhead_ms_per_call: float = 0.0  # the worker's own time per forward, beyond the model
-    # How much slower a stage runs in co-located CPU workers that idle between bursts, as pipelined
-    # workers do, than in this profile's one busy process (see measure_corun_slowdown).
-    corun_slowdown: float = 1.0
-    # The engine's own work per chunk (one observation message out, one output message in): CPU
-    # time that competes with CPU workers on a shared host, and part of each chunk's round trip.
-    engine_ms: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    def cost(self, stage: Stage, n: int = 1) -> float:
-        """Time of one forward of ``stage`` at batch size n (linear between measured sizes)."""
-        by_n = self.stage_ms[stage]
-        if n in by_n:
-            return by_n[n]
-        sizes = sorted(by_n)
-        lo = max([s for s in sizes if s <= n], default=sizes[0])
-        hi = min([s for s in sizes if s >= n], default=sizes[-1])
-        if lo == hi:  # beyond the measured range: extrapolate with the last per-task slope
-            a, b = sizes[-2], sizes[-1]
-            slope = (by_n[b] - by_n[a]) / (b - a)
-            return by_n[b] + slope * (n - b)
-        return by_n[lo] + (by_n[hi] - by_n[lo]) * (n - lo) / (hi - lo)
-
-    def block_costs(self, stages: list[Stage]) -> dict[str, dict[str, float]]:
-        """{"block": {"n": ms}} over the given stages (mean over steps), for worker-side batching seeds."""
-        out: dict[str, dict[str, float]] = {}
-        for b in sorted({b for _, b in stages}):
-            mine = [s for s in stages if s[1] == b]
-            out[str(b)] = {str(n): statistics.fmean(self.stage_ms[s][n] for s in mine) for n in self.batch_sizes}
-        return out
-
-    def to_json(self) -> dict:
-        return {"model": self.model, "device": self.device, "source": self.source,
-                "batch_sizes": self.batch_sizes,
-                "stage_ms": {f"{k},{b}": {str(n): round(ms, 5) for n, ms in by_n.items()}
-                             for (k, b), by_n in self.stage_ms.items()},
-                "hop_ms": round(self.hop_ms, 5), "hidden_bytes": self.hidden_bytes,
-                "overhead_ms_per_call": round(self.overhead_ms_per_call, 5),
-                "corun_slowdown": round(self.corun_slowdown, 4), "engine_ms": round(self.engine_ms, 5),
-                **self.extra}
-
-    @classmethod
-    def from_json(cls, data: dict) -> Profile:
-        try:
-            stage_ms = {tuple(int(x) for x in key.split(",")): {int(n): float(ms) for n, ms in by_n.items()}
-                        for key, by_n in data["stage_ms"].items()}
-            return cls(model=data["model"], device=data.get("device", "cpu"), source=data.get("source", "unknown"),
-                       batch_sizes=[int(n) for n in data.get("batch_sizes", [1])], stage_ms=stage_ms,
-                       hop_ms=float(data.get("hop_ms", 0.0)), hidden_bytes=int(data.get("hidden_bytes", 0)),
-                       overhead_ms_per_call=float(data.get("overhead_ms_per_call", 0.0)),
-                       corun_slowdown=float(data.get("corun_slowdown", 1.0)),
-                       engine_ms=float(data.get("engine_ms", 2 * float(data.get("hop_ms", 0.0)))))
-        except (KeyError, ValueError, TypeError, AttributeError) as exc:
-            raise ValueError(f"not a physis profile ({exc.__class__.__name__}: {exc}); "
-                             "write one with physis-profile") from None
+from physis_ros.scheduling.profiles import CostProfile, memory_fields
 
 
 def _sync(device: torch.device) -> None:
@@ -139,7 +74,7 @@ class StageBench:
 
 
 def measure_profile(config: ModelConfig, device: str = "cpu", batch_sizes: tuple[int, ...] = (1, 2, 4),
-                    repeats: int = 15, progress=None, corun: int = 0) -> Profile:
+                    repeats: int = 15, progress=None, corun: int = 0) -> CostProfile:
     """``corun``: also measure the slowdown with that many processes running stages at once (CPU)."""
     bench = StageBench(config, device, max(batch_sizes))
     # Each round walks the whole pipeline order, as a worker does, so a stage finds its block's weights
@@ -161,9 +96,10 @@ def measure_profile(config: ModelConfig, device: str = "cpu", batch_sizes: tuple
     engine_ms = (measure_hop(observation_payload(bench.scene.observation("profile", 0)))
                  + measure_hop({"x": bench.first["x"]}, trace))
     slowdown = measure_corun_slowdown(config, corun) if corun > 1 and device == "cpu" else 1.0
-    return Profile(config.name, device, f"measured:{socket.gethostname()}", list(batch_sizes), stage_ms, hop_ms,
-                   hidden_bytes, overhead_ms_per_call=measure_worker_overhead(config, device), corun_slowdown=slowdown,
-                   engine_ms=engine_ms)
+    return CostProfile(config.name, device, f"measured:{socket.gethostname()}", config.steps, config.blocks,
+                       stage_ms, hop_ms, **{**memory_fields(config), "hidden_bytes": hidden_bytes},
+                       overhead_ms_per_call=measure_worker_overhead(config, device), corun_slowdown=slowdown,
+                       engine_ms=engine_ms, transport="tcp")
 
 
 def pipeline_pass_ms(config: ModelConfig, seconds: float, start_at: float = 0.0, wait_ms: float = 0.0) -> float:
@@ -254,10 +190,11 @@ def measure_worker_overhead(config: ModelConfig, device: str = "cpu", chunks: in
     sink = worker.ctx.socket(zmq.PULL)
     sink_addr = f"tcp://127.0.0.1:{sink.bind_to_random_port('tcp://127.0.0.1')}"
     try:
-        worker.cmd_load(p.Load(req=0, model=to_mapping(config), max_streams=1, threads=torch.get_num_threads()))
+        worker.cmd_load(p.Load(req=0, threads=torch.get_num_threads()))
         order = pipeline_order(config.steps, config.blocks)
-        worker.cmd_start_stream(p.StartStream(req=0, stream="profile", epoch=0, stages=order,
-                                              routes=[p.Route(s, sink_addr) for s in order]))
+        worker.start_stream_now(p.StartStream(
+            req=0, stream="profile", epoch=0, model=p.ModelRef(id=config.name, config=to_mapping(config)),
+            stages=order, routes=[p.Route(s, sink_addr) for s in order]))
         time.sleep(0.1)  # let the output connection come up (the worker sends with IMMEDIATE)
         scene = SyntheticScene(config.observation_shapes)
         messages = []

@@ -111,17 +111,14 @@ class FaultInjection(Struct, forbid_unknown_fields=True):
 
 
 class Load(_Message, tag="load"):
+    """How the worker runs (no model yet: streams bring theirs, see :class:`StartStream`)."""
+
     req: Req
-    model: dict[str, Any]                         # ModelConfig mapping, validated by the worker
-    blocks: Annotated[list[Block], Meta(max_length=65536)] = []
     threads: Annotated[int, Meta(ge=1, le=1024)] = 1
-    max_streams: Annotated[int, Meta(ge=1, le=65536)] = 8
     max_ready: Annotated[int, Meta(ge=1, le=2**20)] = 1024
     batching: Literal["off", "on", "adaptive"] = "off"
     max_batch: BatchSize = 4
     policy: Literal["oldest", "edf"] = "oldest"
-    profile: dict[str, dict[str, Ms]] | None = None   # {"block": {"batch": ms}}
-    checkpoint: Annotated[str, Meta(max_length=4096)] | None = None
     faults: FaultInjection = msgspec.field(default_factory=FaultInjection)
 
 
@@ -132,12 +129,26 @@ class Route(Struct, array_like=True, forbid_unknown_fields=True):
     address: Address
 
 
+class ModelRef(Struct, forbid_unknown_fields=True):
+    """A model as workers host it: ``id`` names one set of weights (streams with the same id share
+    blocks on a worker), ``config`` is its ModelConfig mapping (validated by the worker),
+    ``checkpoint`` a safetensors file (none: the seeded init), ``batch_costs`` seeds adaptive
+    batching: {"block": {"batch size": ms}}."""
+
+    id: Name
+    config: dict[str, Any]
+    checkpoint: Annotated[str, Meta(max_length=4096)] | None = None
+    batch_costs: dict[str, dict[str, Ms]] | None = None
+
+
 class StartStream(_Message, tag="start_stream"):
-    """Host a stream's stages with fresh KV under ``epoch``; tasks of other epochs are dropped."""
+    """Host a stream's stages of ``model`` with fresh KV under ``epoch``; tasks of other epochs are
+    dropped. Blocks the worker lacks are loaded first (without stalling other streams)."""
 
     req: Req
     stream: StreamName
     epoch: Count
+    model: ModelRef
     stages: Annotated[list[Stage], Meta(max_length=MAX_TRACE)]
     routes: Annotated[list[Route], Meta(max_length=MAX_TRACE)]
 

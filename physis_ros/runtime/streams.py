@@ -11,8 +11,31 @@ from typing import Any
 
 import numpy as np
 
-from physis_ros.runtime.plans import Plan
+from physis_ros.config import to_mapping
+from physis_ros.model.spec import ModelConfig
+from physis_ros.runtime import protocol as p
+from physis_ros.runtime.plans import Plan, Stage
+from physis_ros.scheduling.profiles import CostProfile
 from physis_ros.telemetry import ChunkRecord
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model as the engine serves it: its config, its weights (a checkpoint, or the seeded init) and
+    the profile that seeds the workers' adaptive batching. Streams of one ``id`` share weights."""
+
+    config: ModelConfig
+    checkpoint: str | None = None
+    profile: CostProfile | None = None
+
+    @property
+    def id(self) -> str:
+        return self.config.name if not self.checkpoint else f"{self.config.name}@{self.checkpoint}"
+
+    def ref(self, stages: list[Stage]) -> p.ModelRef:
+        """What a worker hosting ``stages`` needs to know of the model."""
+        costs = None if self.profile is None else self.profile.block_costs(stages)
+        return p.ModelRef(id=self.id, config=to_mapping(self.config), checkpoint=self.checkpoint, batch_costs=costs)
 
 
 @dataclass
@@ -63,6 +86,7 @@ class InFlight:
 @dataclass
 class StreamState:
     name: str
+    model: ServedModel
     plan: Plan
     observe: ObserveFn
     on_output: OutputFn | None

@@ -11,9 +11,8 @@ Sockets (all owned by this single-threaded process):
   engine's output PULL (the chunk leaves the last stage).
 
 A task runs all consecutive stages this worker hosts before it leaves, so a
-hidden state crosses the network only where the plan changes worker. KV caches
-never move: each hosted block has a persistent table with one slot per
-(stream, step).
+hidden state crosses the network only where the plan changes worker. What the
+worker hosts (blocks, KV tables, placements) is :mod:`~physis_ros.runtime.hosting`.
 
 Nothing a peer sends can stop the loop: every message is decoded into its
 declared type or dropped and counted, each turn handles a bounded number of
@@ -34,17 +33,14 @@ from pathlib import Path
 import torch
 import zmq
 
-from physis_ros.config import from_mapping
 from physis_ros.logs import Throttle
-from physis_ros.model import KVBatch, KVTable, build_model
-from physis_ros.model.checkpoint import load_checkpoint
-from physis_ros.model.dit import DiTModel
-from physis_ros.model.spec import ModelConfig
+from physis_ros.model import KVBatch
 from physis_ros.model.stages import check_payload, first_state, run_stage
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
 from physis_ros.runtime.batching import BatchPolicy
 from physis_ros.runtime.device import DeviceIO
+from physis_ros.runtime.hosting import StageHost
 from physis_ros.runtime.plans import Stage, next_stage
 from physis_ros.runtime.security import CurveKeys
 
@@ -59,8 +55,14 @@ class Job:
     """A chunk's task while it is on this worker: its header, travelling state and arrival time."""
 
     task: p.Task
+    model: str                      # ModelRef.id of the stream's model
     state: dict[str, torch.Tensor]
     received: float = field(default_factory=time.perf_counter)
+
+    @property
+    def weights(self) -> tuple[str, int]:
+        """What its next forward runs: a block of a model (only such tasks batch together)."""
+        return (self.model, self.task.stage[1])
 
     @property
     def stream(self) -> str:
@@ -81,40 +83,6 @@ class Job:
     @property
     def deadline(self) -> float:
         return self.task.deadline
-
-
-class SlotMap:
-    """Stable KV slots: each stream gets an index for its life; slot(k) = index * K + (k - 1) in every
-    block's table, so a (stream, step) pair always reads and writes the same rows."""
-
-    def __init__(self, max_streams: int, steps: int):
-        self.max_streams = max_streams
-        self.steps = steps
-        self.index: dict[str, int] = {}
-
-    def add(self, stream: str) -> int:
-        if stream in self.index:
-            return self.index[stream]
-        free = sorted(set(range(self.max_streams)) - set(self.index.values()))
-        if not free:
-            raise RuntimeError(f"no free KV slot for stream '{stream}' (max_streams={self.max_streams})")
-        self.index[stream] = free[0]
-        return free[0]
-
-    def remove(self, stream: str) -> None:
-        self.index.pop(stream, None)
-
-    def slot(self, stream: str, step: int) -> int:
-        return self.index[stream] * self.steps + step - 1
-
-
-@dataclass
-class StreamPlacement:
-    """What one stream runs here: its hosted stages and where each one's output goes."""
-
-    stages: set[Stage]
-    routes: dict[Stage, str]  # next stage's worker data address, or the engine's after the last stage
-    epoch: int = 0  # the stream's incarnation: tasks of an earlier one (before a reset) are dropped
 
 
 class _ForwardToEngine(logging.Handler):
@@ -167,11 +135,9 @@ class Worker:
             port = self.data_in.bind_to_random_port(f"tcp://{bind_host}")
             self.data_addr = f"tcp://{bind_host}:{port}"
         self.peers: dict[str, zmq.Socket] = {}
-        self.model: DiTModel | None = None
-        self.load: p.Load | None = None
-        self.tables: dict[int, KVTable] = {}
-        self.slots: SlotMap | None = None
-        self.placements: dict[str, StreamPlacement] = {}
+        self.settings = p.Load(req=0)
+        self.host = StageHost(device)
+        self.starting: dict[str, tuple[p.StartStream, list]] = {}  # streams waiting for their blocks
         self.ready: list[Job] = []
         self.policy: BatchPolicy | None = None
         self.running = True
@@ -217,77 +183,73 @@ class Worker:
         handler = {p.Load: self.cmd_load, p.StartStream: self.cmd_start_stream, p.StopStream: self.cmd_stop_stream,
                    p.Stats: self.cmd_stats, p.Shutdown: self.cmd_shutdown}[type(msg)]
         try:
-            fields = handler(msg) or {}
+            fields = handler(msg)
         except Exception as exc:  # reported to the engine, the worker stays up
-            log.warning("worker %s: %s failed: %s", self.id, msg.kind if hasattr(msg, "kind") else type(msg).__name__,
-                        exc)
-            self.send_ctrl(p.Failed(req=msg.req, worker=self.id,
-                                    error=p.clip_text(f"{type(msg).__name__} failed: {exc}")))
+            self._failed(msg, exc)
             return
-        self.send_ctrl(p.Ack(req=msg.req, worker=self.id, **fields))
+        if fields is not None:  # None: answered later (a stream waiting for its blocks)
+            self.send_ctrl(p.Ack(req=msg.req, worker=self.id, **fields))
+
+    def _failed(self, msg: p.ToWorker, exc: BaseException) -> None:
+        log.warning("worker %s: %s failed: %s", self.id, type(msg).__name__, exc)
+        self.send_ctrl(p.Failed(req=msg.req, worker=self.id, error=p.clip_text(f"{type(msg).__name__} failed: {exc}")))
 
     def cmd_load(self, msg: p.Load) -> dict:
-        """Model, device and scheduling settings; ``blocks`` preloads what the first streams need."""
-        config = from_mapping(ModelConfig, msg.model)
+        """How this worker runs: threads, ready-queue bound, batching; streams bring their models."""
         torch.set_num_threads(msg.threads)
-        self.load = msg
-        self.model = None
-        self.tables = {}
-        self.placements = {}
-        self.ready = []
+        self.settings = msg
         self.accepted = 0
-        self.slots = SlotMap(msg.max_streams, config.steps)
-        self.policy = BatchPolicy(policy=msg.policy, batching=msg.batching, max_batch=msg.max_batch,
-                                  profile=msg.profile)
-        self._ensure_blocks(config, set(msg.blocks))
-        return {"blocks": sorted(self.tables), "kv_bytes": self.kv_bytes()}
+        self.policy = BatchPolicy(policy=msg.policy, batching=msg.batching, max_batch=msg.max_batch)
+        return {"kv_bytes": self.host.kv_bytes()}
 
-    def _ensure_blocks(self, config: ModelConfig, blocks: set[int]) -> None:
-        """Hold (at least) these blocks' weights and KV tables; existing tables are kept as they are."""
-        have = set() if self.model is None else set(self.model.hosted_blocks)
-        if blocks <= have and self.model is not None:
-            return
-        wanted = sorted(have | blocks)
-        if self.load.checkpoint:
-            self.model = load_checkpoint(self.load.checkpoint, config=config, device=self.device, hosted_blocks=wanted)
-        else:
-            self.model = build_model(config, device=self.device, hosted_blocks=wanted)
-        for b in wanted:
-            if b not in self.tables:
-                self.tables[b] = self.model.new_kv_table(b, self.slots.max_streams * config.steps)
-
-    def kv_bytes(self) -> int:
-        return sum(t.slot_bytes() * t.slots for t in self.tables.values())
-
-    def cmd_start_stream(self, msg: p.StartStream) -> dict:
-        """Host a stream's stages (fresh KV) under a new epoch; drop whatever it had queued here."""
-        if self.model is None:
-            raise RuntimeError("no model loaded")
-        stages = set(msg.stages)
-        routes = {r.stage: r.address for r in msg.routes}
-        cfg = self.model.config
-        bad = sorted(s for s in stages if not (1 <= s[0] <= cfg.steps and 0 <= s[1] < cfg.blocks))
-        if bad:
-            raise ValueError(f"stages {bad} do not exist in model '{cfg.name}' ({cfg.steps} steps x {cfg.blocks} "
-                             f"blocks)")
-        missing = sorted(s for s in stages if s not in routes)
-        if missing:
-            raise ValueError(f"no route for stages {missing} of stream '{msg.stream}'")
-        self._ensure_blocks(cfg, {b for _, b in stages})
-        self.slots.add(msg.stream)
-        for k, b in stages:
-            self.tables[b].reset(self.slots.slot(msg.stream, k))
+    def cmd_start_stream(self, msg: p.StartStream) -> dict | None:
+        """Host a stream's stages (fresh KV) under a new epoch, once the blocks it needs are here."""
+        if self.policy is None:
+            raise RuntimeError("not loaded: the engine sends Load first")
+        pending = self.host.prepare(msg)
         self.ready = [j for j in self.ready if j.stream != msg.stream]
-        self.placements[msg.stream] = StreamPlacement(stages, routes, msg.epoch)
-        for addr in set(routes.values()):
+        if pending:
+            self.starting[msg.stream] = (msg, pending)
+            return None
+        return self._start(msg)
+
+    def _start(self, msg: p.StartStream) -> dict:
+        self.host.start_stream(msg)
+        if msg.model.batch_costs:
+            for b, by_n in msg.model.batch_costs.items():
+                self.policy.seed((msg.model.id, int(b)), {int(n): ms for n, ms in by_n.items()})
+        for addr in set(self.host.placements[msg.stream].routes.values()):
             if addr != self.data_addr:
                 self._push(addr)
-        return {"slot": self.slots.index[msg.stream], "kv_bytes": self.kv_bytes()}
+        return {"blocks": self.host.blocks().get(msg.model.id, []), "kv_bytes": self.host.kv_bytes()}
+
+    def start_stream_now(self, msg: p.StartStream) -> dict:
+        """Load what the stream needs, waiting, then host it (in-process tools and tests)."""
+        for future in self.host.prepare(msg):
+            future.result()
+        self.host.attach_ready()
+        return self._start(msg)
+
+    def finish_starts(self) -> None:
+        """Attach what the loader finished and answer the streams whose blocks are all here."""
+        try:
+            self.host.attach_ready()
+        except Exception as exc:  # a load failed: fail every stream waiting (the engine retries or reports)
+            for msg, _ in self.starting.values():
+                self._failed(msg, exc)
+            self.starting.clear()
+            return
+        for stream, (msg, pending) in list(self.starting.items()):
+            if all(f.done() for f in pending) and not self.host.loading_for(msg):
+                del self.starting[stream]
+                try:
+                    self.send_ctrl(p.Ack(req=msg.req, worker=self.id, **self._start(msg)))
+                except Exception as exc:
+                    self._failed(msg, exc)
 
     def cmd_stop_stream(self, msg: p.StopStream) -> dict:
-        if self.slots is not None:
-            self.slots.remove(msg.stream)
-        self.placements.pop(msg.stream, None)
+        self.starting.pop(msg.stream, None)
+        self.host.stop_stream(msg.stream)
         self.ready = [j for j in self.ready if j.stream != msg.stream]
         return {}
 
@@ -299,7 +261,7 @@ class Worker:
         return {}
 
     def _stats(self) -> p.WorkerStats:
-        self.stats.kv_bytes = self.kv_bytes()
+        self.stats.kv_bytes = self.host.kv_bytes()
         return self.stats
 
     # ---- data plane ------------------------------------------------------------------------
@@ -311,7 +273,7 @@ class Worker:
             self._warn("bad_data", f"dropped a malformed data message: {exc}")
             return
         task = rec.msg
-        placement = self.placements.get(task.stream)
+        placement = self.host.placements.get(task.stream)
         if placement is None or task.epoch < placement.epoch:  # a stopped stream, or an earlier incarnation
             self.stats.stale += 1
             return
@@ -323,16 +285,18 @@ class Worker:
             self._warn("not_hosted", f"dropped a task for stage {list(task.stage)} of stream '{task.stream}', "
                                      f"which is not hosted here")
             return
-        model = self.model
-        first = task.stage == (model.config.steps, 0)
+        host = self.host.models[placement.model]
+        model = host.model
+        first = task.stage == (host.config.steps, 0)
         try:
-            check_payload(model.config, first, task.stage[1], rec.tensors)
+            check_payload(host.config, first, task.stage[1], rec.tensors)
         except ValueError as exc:
             self.stats.bad_messages += 1
             self._lost(task, "task_failed", f"malformed payload: {exc}")
             return
         self.accepted += 1
-        if self.load.faults.drop_task and self.accepted == self.load.faults.drop_task:
+        drop = self.settings.faults.drop_task
+        if drop and self.accepted == drop:
             self.stats.injected_drops += 1  # fault injection: vanish without a word, as a lost message would
             return
         if task.sent:
@@ -342,25 +306,25 @@ class Worker:
                                 lambda t: self.io.to_device(t, model.dtype))
         else:
             state = {k: self.io.to_device(v) for k, v in rec.tensors.items()}
-        self.ready.append(Job(task, state))
-        if len(self.ready) > self.load.max_ready:  # bounded: a burst costs the oldest chunk, reported
+        self.ready.append(Job(task, placement.model, state))
+        if len(self.ready) > self.settings.max_ready:  # bounded: a burst costs the oldest chunk, reported
             dropped = min(self.ready, key=lambda j: j.order)
             self.ready.remove(dropped)
             self.stats.dropped_tasks += 1
-            self._lost(dropped.task, "queue_full", f"ready queue full ({self.load.max_ready} tasks)")
+            self._lost(dropped.task, "queue_full", f"ready queue full ({self.settings.max_ready} tasks)")
 
     def run_next(self) -> None:
         """Run one stage for the task the policy picks, batched with same-block tasks if that pays."""
-        model = self.model
         batch = self.policy.pick(self.ready, self._slot_key)
         for j in batch:
             self.ready.remove(j)
+        host = self.host.models[batch[0].model]
         b = batch[0].stage[1]
-        slots = [self.slots.slot(j.stream, j.stage[0]) for j in batch]
+        slots = [self.host.placements[j.stream].slots[j.stage[0]] for j in batch]
         try:
             with self.io.timer() as timer:
-                states = run_stage(model, b, [j.stage[0] for j in batch], [j.state for j in batch],
-                                   KVBatch(self.tables[b], slots))
+                states = run_stage(host.model, b, [j.stage[0] for j in batch], [j.state for j in batch],
+                                   KVBatch(host.tables[b], slots))
         except Exception as exc:  # a failing task must not take the worker down
             self.stats.errors += 1
             log.exception("worker %s: stage %s of %d task(s) failed", self.id, batch[0].stage, len(batch))
@@ -368,7 +332,7 @@ class Worker:
                 self._lost(j.task, "task_failed", f"stage {list(j.stage)} raised {type(exc).__name__}: {exc}")
             return
         start, end, batch_ms = timer.wall_start, timer.wall_end, timer.ms
-        self.policy.observe(b, len(batch), batch_ms)
+        self.policy.observe(batch[0].weights, len(batch), batch_ms)
         self.stats.stages += len(batch)
         self.stats.batches += 1
         self.stats.compute_ms += batch_ms
@@ -381,11 +345,11 @@ class Worker:
 
     def _forward(self, job: Job, now: float) -> None:
         """Queue the job's next stage here, or send it to the next worker or the engine."""
-        cfg = self.model.config
         task = job.task
-        placement = self.placements.get(task.stream)
+        placement = self.host.placements.get(task.stream)
         if placement is None or placement.epoch != task.epoch:  # stopped or reset while this task ran
             return
+        cfg = self.host.models[placement.model].config
         nxt = next_stage(task.stage, cfg.steps, cfg.blocks)
         if nxt is not None and nxt in placement.stages:
             task.stage, job.received = nxt, now
@@ -408,7 +372,8 @@ class Worker:
             self.stats.dropped_sends += 1
             self._lost(task, "send_failed", "the next stage's worker did not take the message")
 
-    def _slot_key(self, job: Job) -> tuple[str, int, int]:
+    @staticmethod
+    def _slot_key(job: Job) -> tuple[str, int, int]:
         return (job.stream, job.stage[0], job.stage[1])
 
     # ---- main loop ---------------------------------------------------------------------------
@@ -422,11 +387,15 @@ class Worker:
         try:
             while self.running:
                 timeout = 0 if self.ready else max(0.0, next_beat - time.monotonic()) * 1e3
+                if self.starting:
+                    timeout = min(timeout, 5.0)  # poll the loader
                 events = dict(poller.poll(timeout))
                 if self.ctrl in events:
                     self._drain(self.ctrl, CTRL_BURST, self._on_ctrl)
                 if self.data_in in events:
                     self._drain(self.data_in, DATA_BURST, self.accept_task)
+                if self.starting:
+                    self.finish_starts()
                 if self.ready:
                     self.run_next()
                 now = time.monotonic()
@@ -455,6 +424,7 @@ class Worker:
         self.handle_control(rec)
 
     def close(self) -> None:
+        self.host.close()
         if self._log_handler is not None:
             log.removeHandler(self._log_handler)
         for sock in self.peers.values():

@@ -3,7 +3,14 @@
 Utilisation of a device is ``sum(rank.work_ms / stream.slo_ms)`` over the ranks it
 hosts: each stream produces one chunk per SLO interval, so that is the
 fraction of the device's time its ranks take. A device may be filled to
-``1 - headroom``. With earliest-deadline-first dispatch on the worker (issue 4's
+``1 - headroom``.
+
+Time-sharing (``max_batch > 1``): tasks of the same block of the same model on one
+device run batched, so their compute is charged at the measured batch-cost curve:
+with ``n`` stages of a block hosted there, each costs ``time(b, m) / m / time(b, 1)``
+of its batch-1 time, ``m = min(n, max_batch)``. That is the lockstep the workers'
+batching reaches when the device is busy, which is when capacity matters; the
+admission benchmark measures whether it holds. With earliest-deadline-first dispatch on the worker (issue 4's
 ``edf`` policy), utilisation <= 1 is the classic schedulability bound for
 periodic work with deadlines equal to periods; the headroom covers
 non-preemptive stage tasks, transfer jitter and profile error.
@@ -67,12 +74,14 @@ class _Undo:
     device: int
     util: float
     mem: float
+    slo_ms: float
 
 
 class Cluster:
     """Devices and the streams placed on them. Placement policy lives elsewhere."""
 
-    def __init__(self, specs: Sequence[DeviceSpec], headroom: float, profiles: dict[str, CostProfile]):
+    def __init__(self, specs: Sequence[DeviceSpec], headroom: float, profiles: dict[str, CostProfile],
+                 max_batch: int = 1):
         if not specs:
             raise ValueError("a cluster needs at least one device")
         self.specs = list(specs)
@@ -84,6 +93,9 @@ class Cluster:
         self.util = np.zeros(self.n)
         self.mem = np.zeros(self.n)
         self.refs: dict[str, np.ndarray] = {}   # model -> [block, device]: stages using that block there
+        self.work: dict[str, np.ndarray] = {}   # model -> [block, device]: their batch-1 utilisation
+        self.max_batch = max(1, max_batch)
+        self._factor: dict[str, np.ndarray] = {}  # model -> [block, n]: per-task cost at batch n / batch 1
         self.streams: dict[str, PlacedStream] = {}
         self.kind = np.array([hash(s) for s in self.specs])  # devices of one kind are interchangeable
         self.uniform = len(set(self.specs)) == 1
@@ -93,7 +105,39 @@ class Cluster:
     def refs_of(self, model: str) -> np.ndarray:
         if model not in self.refs:
             self.refs[model] = np.zeros((self.profiles[model].blocks, self.n), dtype=np.int64)
+            self.work[model] = np.zeros((self.profiles[model].blocks, self.n))
         return self.refs[model]
+
+    def batch_factor(self, model: str) -> np.ndarray:
+        """[block, n] for n = 0..max_batch: what a task costs in a batch of n, as a fraction of its batch-1
+        cost (mean over the block's steps; never above 1: adaptive batching runs singles then)."""
+        if model not in self._factor:
+            prof = self.profiles[model]
+            f = np.ones((prof.blocks, self.max_batch + 1))
+            for b in range(prof.blocks):
+                stages = [(k, b) for k in range(prof.steps, 0, -1)]
+                single = sum(prof.time_ms(s, 1) for s in stages)
+                for n in range(2, self.max_batch + 1):
+                    f[b, n] = min(1.0, sum(prof.time_ms(s, n) for s in stages) / n / single)
+            self._factor[model] = f
+        return self._factor[model]
+
+    def _block_util(self, model: str, blocks: np.ndarray, refs: np.ndarray, work: np.ndarray) -> np.ndarray:
+        """Utilisation of these blocks' hosted stages per device, batching credited."""
+        f = self.batch_factor(model)
+        return f[blocks[:, None], np.minimum(refs, self.max_batch)] * work
+
+    def delta_util(self, rank: VirtualRank, slo_ms: float, sign: int = 1) -> np.ndarray:
+        """Per device: how its utilisation changes if ``rank`` (of a stream at ``slo_ms``) is added
+        (``sign`` 1) or removed (-1) there."""
+        refs, work = self.refs_of(rank.model)[rank.block_index], self.work[rank.model][rank.block_index]
+        hop = rank.hop_ms / slo_ms
+        if self.max_batch == 1:
+            return np.full(self.n, sign * (rank.work_ms / slo_ms))
+        counts, added = rank.count_array[:, None], (rank.work_array / slo_ms)[:, None]
+        before = self._block_util(rank.model, rank.block_index, refs, work)
+        after = self._block_util(rank.model, rank.block_index, refs + sign * counts, work + sign * added)
+        return (after - before).sum(axis=0) + sign * hop
 
     def missing_weight_bytes(self, rank: VirtualRank) -> np.ndarray:
         """Per device: bytes of this rank's blocks that are not loaded there yet."""
@@ -112,18 +156,20 @@ class Cluster:
     # -------------------------------------------------------------- mutation (with undo for the search)
 
     def apply(self, rank: VirtualRank, slo_ms: float, device: int) -> _Undo:
-        undo = _Undo(device, float(self.util[device]), float(self.mem[device]))
+        undo = _Undo(device, float(self.util[device]), float(self.mem[device]), slo_ms)
         refs = self.refs_of(rank.model)
         blocks, counts = rank.block_index, rank.count_array
         loads = int((refs[blocks, device] == 0).sum())
+        self.util[device] += self.delta_util(rank, slo_ms)[device]
         refs[blocks, device] += counts
-        self.util[device] += rank.work_ms / slo_ms
+        self.work[rank.model][blocks, device] += rank.work_array / slo_ms
         self.mem[device] += rank.kv_bytes + rank.buffer_bytes + loads * self.profiles[rank.model].block_weight_bytes
         return undo
 
     def revert(self, rank: VirtualRank, undo: _Undo) -> None:
         d = undo.device
         self.refs[rank.model][rank.block_index, d] -= rank.count_array
+        self.work[rank.model][rank.block_index, d] -= rank.work_array / undo.slo_ms
         self.util[d] = undo.util
         self.mem[d] = undo.mem
 
@@ -143,10 +189,11 @@ class Cluster:
         prof = self.profiles[placed.model]
         refs = self.refs[placed.model]
         for rank, d in zip(placed.ranks, placed.devices):
+            self.util[d] = max(0.0, self.util[d] + self.delta_util(rank, placed.slo_ms, -1)[d])
             refs[rank.block_index, d] -= rank.count_array
+            self.work[placed.model][rank.block_index, d] -= rank.work_array / placed.slo_ms
             unloaded = int((refs[rank.block_index, d] == 0).sum())
             freed = rank.kv_bytes + rank.buffer_bytes + unloaded * prof.block_weight_bytes
-            self.util[d] = max(0.0, self.util[d] - rank.work_ms / placed.slo_ms)
             self.mem[d] = max(0.0, self.mem[d] - freed)
             if not any(r[:, d].any() for r in self.refs.values()):
                 self.util[d] = 0.0  # exact zero: no drift left behind on an idle device

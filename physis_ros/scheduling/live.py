@@ -63,18 +63,19 @@ def admit_until_rejected(model: str, workers: int, pace_ms: float, headroom: flo
 
 async def _run(cfg, placed: list[PlacedStream], slo_ms: float, pace_ms: float, workers: int, chunks: int,
                stagger_s: float, emit_delay_ms: float | None) -> dict[str, list]:
-    from physis_ros.runtime.engine import Engine, Observation
+    from physis_ros.runtime.engine import Engine, Observation, ServedModel
 
     scene = SyntheticScene(cfg.observation_shapes)
     engine_cfg = EngineConfig(workers=workers, devices=["cpu"], batching="off", policy="edf",
                               max_streams=max(8, len(placed) * cfg.steps))
-    async with Engine(cfg, engine_cfg, plan_of(placed[0], cfg.steps, cfg.blocks)) as engine:
+    served = ServedModel(cfg)
+    async with Engine(engine_cfg) as engine:
         for p in placed:
             def observe(c: int, name: str = p.stream) -> Observation:
                 return Observation(scene.observation(name, c), engine.clock())
 
             await engine.add_stream(p.stream, observe, chunks=chunks, slo_interval_ms=slo_ms, keep_outputs=True,
-                                    plan=plan_of(p, cfg.steps, cfg.blocks), release_interval_ms=pace_ms,
+                                    model=served, plan=plan_of(p, cfg.steps, cfg.blocks), release_interval_ms=pace_ms,
                                     emit_delay_ms=emit_delay_ms)
             await asyncio.sleep(stagger_s)
         return {p.stream: await engine.wait_stream(p.stream) for p in placed}

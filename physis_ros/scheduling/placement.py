@@ -97,7 +97,7 @@ class JointScheduler(Scheduler):
     def _fit(self, rank: VirtualRank, slo_ms: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         c = self.cluster
         missing = c.missing_weight_bytes(rank)
-        util_after = c.util + rank.work_ms / slo_ms
+        util_after = c.util + c.delta_util(rank, slo_ms)
         mem_after = c.mem + missing + (rank.kv_bytes + rank.buffer_bytes)
         time_ok = util_after <= c.util_cap + EPS
         mem_ok = mem_after <= c.mem_cap
@@ -169,6 +169,8 @@ class JointScheduler(Scheduler):
         """A quick necessary condition: all devices' time left (each capped at one rank budget) must
         hold the stream's compute; else the reason, without searching."""
         c = self.cluster
+        if c.max_batch > 1:
+            return None  # batched, a stream's marginal cost is not its batch-1 work: no cheap bound; search
         free_ms = np.clip((c.util_cap - c.util) * seq.slo_ms, 0.0, seq.budget)
         if not self.config.lds.split:  # whole ranks only: count only devices that can take the smallest
             smallest = min(r.work_ms for r in seq.fewest)

@@ -52,6 +52,7 @@ class VirtualRank:
     block_counts: tuple[int, ...] = ()  # stages of the rank per block in block_list
     block_index: np.ndarray | None = field(default=None, compare=False, repr=False)   # block_list as an array
     count_array: np.ndarray | None = field(default=None, compare=False, repr=False)   # block_counts as an array
+    work_array: np.ndarray | None = field(default=None, compare=False, repr=False)    # batch-1 ms per block
 
     @property
     def work_ms(self) -> float:
@@ -87,6 +88,7 @@ def make_rank(profile: CostProfile, index: int, stages: list[Stage]) -> VirtualR
         kv_bytes=len(stages) * profile.kv_bytes, buffer_bytes=2 * profile.hidden_bytes,
         blocks=frozenset(blocks), block_list=tuple(blocks), block_counts=tuple(counts[b] for b in blocks),
         block_index=np.array(blocks, dtype=np.intp), count_array=np.array([counts[b] for b in blocks], dtype=np.int64),
+        work_array=np.array([sum(profile.time_ms(s) for s in stages if s[1] == b) for b in blocks]),
     )
 
 

@@ -9,6 +9,12 @@ quantity here).
 Arrivals go on until the cluster is saturated: ``patience`` consecutive
 rejections (a rejected stream changes nothing, so for one model and one SLO the
 first rejection is final), or ``arrivals`` streams.
+
+``report24`` runs two settings of 24 devices: the report's own (one SLO of
+1,600 ms, the equal split's groups fixed to the report's) and the calibrated
+one (config ``scenarios.report24``); :func:`implied_workload` is the arithmetic
+of which per-chunk workloads the report's own counts could follow from
+(docs/scheduling.md section 7).
 """
 
 from __future__ import annotations
@@ -35,6 +41,11 @@ REPORT24_MODELS = ("wan2.1-1.3b", "wan2.2-5b", "wan2.1-14b", "ltx-22b", "h3-33b"
 # The report's streams on 24 GPUs (equal -> joint), for the record next to ours.
 REPORT24_PAPER = {"wan2.1-1.3b": (12, 39), "wan2.2-5b": (24, 46), "ltx-22b": (8, 18),
                   "h3-33b": (6, 10), "wan2.1-14b": (24, 18)}
+# The report's own setting, as it states it: one SLO for every backbone, and the equal
+# split's devices per stream (its groups are these, not sized from the SLO).
+REPORT24_DEVICES = 24
+REPORT24_SLO_MS = 1600.0
+REPORT24_GROUPS = {"wan2.1-1.3b": 2, "wan2.2-5b": 1, "wan2.1-14b": 1, "ltx-22b": 3, "h3-33b": 4}
 
 
 def load_profiles(models: Sequence[str], device: DeviceSpec,
@@ -79,12 +90,19 @@ def equal_group(profiles: dict[str, CostProfile], workload: Workload, config: Sc
 
 def run_policy(policy: str, device: DeviceSpec, devices: int, profiles: dict[str, CostProfile],
                workload: Workload, config: SchedulingConfig, *, arrivals: int = 100000,
-               patience: int = 1, on_decision: Callable[[Decision], None] | None = None) -> dict:
-    """Admit arrivals under ``policy`` until saturation; the result as a JSON-ready dict."""
+               patience: int = 1, on_decision: Callable[[Decision], None] | None = None,
+               group: int | None = None) -> dict:
+    """Admit arrivals under ``policy`` until saturation; the result as a JSON-ready dict.
+
+    ``group``: the equal split's devices per stream, fixed (the report's setting); by default the
+    smallest group that meets the SLO (for a mixed workload, the largest any model needs)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy '{policy}'; choose one of: {', '.join(POLICIES)}")
+    if group is not None and group < 1:
+        raise ValueError(f"the equal split's group must be >= 1 device, got {group}")
     cluster = Cluster([device] * devices, config.headroom, profiles)
-    group = equal_group(profiles, workload, config, device)
+    fixed = group is not None
+    group = group if fixed else equal_group(profiles, workload, config, device)
     prepare_ms = 0.0
     if policy == "joint":
         sched = JointScheduler(cluster, config)
@@ -120,6 +138,7 @@ def run_policy(policy: str, device: DeviceSpec, devices: int, profiles: dict[str
         "methods": dict(Counter(d.placed.method for d in admitted)),
         "ranks_per_stream": round(float(np.mean([len(d.placed.ranks) for d in admitted])), 3) if admitted else 0,
         "group_size": group if policy == "equal" else None,
+        "group_rule": ("fixed" if fixed else "smallest meeting the SLO") if policy == "equal" else None,
         "predicted_interval_alone_ms": {"p50": round(percentile(intervals, 50), 3),
                                         "max": round(max(intervals, default=0.0), 3)},
         "all_meet_slo": meets,
@@ -136,10 +155,11 @@ def run_policy(policy: str, device: DeviceSpec, devices: int, profiles: dict[str
 
 
 def compare(device: DeviceSpec, devices: int, profiles: dict[str, CostProfile], workload: Workload,
-            config: SchedulingConfig, *, arrivals: int = 100000, patience: int = 1) -> dict:
-    """Both policies on the same arrival sequence."""
-    res = {p: run_policy(p, device, devices, profiles, workload, config, arrivals=arrivals, patience=patience)
-           for p in POLICIES}
+            config: SchedulingConfig, *, arrivals: int = 100000, patience: int = 1,
+            group: int | None = None) -> dict:
+    """Both policies on the same arrival sequence (``group``: the equal split's, fixed; see run_policy)."""
+    res = {p: run_policy(p, device, devices, profiles, workload, config, arrivals=arrivals, patience=patience,
+                         group=group) for p in POLICIES}
     joint, equal = res["joint"], res["equal"]
     models = list(dict.fromkeys(workload.models))
     one = models[0] if len(models) == 1 else None
@@ -152,6 +172,7 @@ def compare(device: DeviceSpec, devices: int, profiles: dict[str, CostProfile], 
         "placement_ms_p99": joint["placement_ms"]["p99"],
         "placement_cpu_ms_p99": joint["placement_cpu_ms"]["p99"],
         "equal_group_size": equal["group_size"],
+        "equal_group_rule": equal["group_rule"],
         "headroom": config.headroom,
         "profile_source": {m: profiles[m].source for m in models},
     }
@@ -168,9 +189,113 @@ def compare(device: DeviceSpec, devices: int, profiles: dict[str, CostProfile], 
     return out
 
 
+WORKLOAD_BASIS = (
+    "per-chunk workload W = CostProfile.chunk_ms(): one chunk is steps x blocks block forwards (batch 1, "
+    "no hops) of the preset's tokens per chunk (action horizon + 1 + 3 latent frames of patches) attending "
+    "to themselves and a 2-chunk KV window, each timed by the roofline of the modelled device "
+    "(docs/scheduling.md section 2); x = W / (SLO x (1 - headroom)) is the devices' worth of compute per stream")
+
+
+def chunk_workload(profile: CostProfile, slo_ms: float, headroom: float) -> dict:
+    """The per-chunk workload one stream brings: ms of compute on one device (all its stages at batch 1,
+    no hops: ``CostProfile.chunk_ms()``), where it comes from, and the devices' worth of it at ``slo_ms``."""
+    chunk = profile.chunk_ms()
+    out = {"chunk_ms": round(chunk, 3), "stages": len(profile.order), "steps": profile.steps,
+           "blocks": profile.blocks, "stage_ms_mean": round(chunk / len(profile.order), 4),
+           "devices_per_stream": round(chunk / rank_budget_ms(slo_ms, headroom), 3),
+           "weights_gb": round(profile.block_weight_bytes * profile.blocks / 1e9, 2),
+           "kv_gb_per_stream": round(profile.kv_bytes * len(profile.order) / 1e9, 2), "source": profile.source}
+    try:
+        cfg = load_model_config(profile.model)
+    except Exception:  # noqa: BLE001 -- a profile of a model with no preset: its shape is unknown here
+        return out
+    out.update(tokens_per_chunk=cfg.tokens_per_chunk, cached_tokens=(cfg.window + int(cfg.sink)) * cfg.tokens_per_chunk,
+               params_b=round(cfg.block_params() * cfg.blocks / 1e9, 2), bound=profile.notes.get("bound_at_batch_1"))
+    return out
+
+
+def _span(lo: float, hi: float) -> list[float] | None:
+    """The interval (lo, hi] of W in ms, or None when it is empty."""
+    return [round(lo, 1), round(hi, 1)] if hi > lo + 1e-9 else None
+
+
+def _meet(a: list[float] | None, b: list[float] | None) -> list[float] | None:
+    return _span(max(a[0], b[0]), min(a[1], b[1])) if a and b else None
+
+
+def implied_workload(group: int, equal: int, joint: int, slo_ms: float, headroom: float,
+                     devices: int = REPORT24_DEVICES) -> dict:
+    """Which per-chunk workloads W (ms of one device's compute) a pair of counts can follow from.
+
+    ``equal`` streams under an equal split of ``group`` devices per stream and ``joint`` streams jointly
+    placed, on ``devices`` devices at ``slo_ms``, each device busy at most ``B = SLO x (1 - headroom)`` per
+    interval, time the only binding resource. Each answer is an interval ``(lo, hi]`` of W or None (no W):
+
+    * equal, group **by need** (the split gives a stream the fewest devices that meet its SLO, one stream per
+      group): ``floor(N / g)`` streams and ``(g - 1) B < W <= g B``;
+    * equal, groups **time-shared** (a group of g holds ``floor(g B / W)`` streams):
+      ``equal = floor(N / g) k`` with ``g B / (k + 1) < W <= g B / k``;
+    * equal, groups **dedicated** whatever a stream needs: ``floor(N / g)`` streams for any ``W <= g B``;
+    * joint, **firm**: ``joint x W <= N B`` (the devices' time), and joint never admits fewer than a split by
+      need, ``floor(N / ceil(W / B))``, so ``ceil(W / B) >= m`` for the smallest m with ``floor(N / m) <= joint``;
+    * joint **at the packing bound** (as our placement is, within a stream): also ``(joint + 1) W > N B``.
+    """
+    B = rank_budget_ms(slo_ms, headroom)
+    groups = devices // group
+    one_each = groups > 0 and equal == groups
+    by_need = _span((group - 1) * B, group * B) if one_each else None
+    dedicated = _span(0.0, group * B) if one_each else None
+    k = equal // groups if groups and equal and equal % groups == 0 else 0
+    shared = _span(group * B / (k + 1), group * B / k) if k else None
+    if joint > 0:
+        m = next(m for m in range(1, devices + 2) if devices // m <= joint)
+        firm = _span((m - 1) * B, devices * B / joint)
+        packed = _meet(firm, _span(devices * B / (joint + 1), devices * B / joint))
+    else:
+        firm = packed = None
+    return {
+        "budget_ms": round(B, 1),
+        "equal": {"by_need": by_need, "time_shared": shared, "dedicated": dedicated},
+        "joint": {"firm": firm, "at_packing_bound": packed},
+        "both": {"by_need": _meet(by_need, firm), "time_shared": _meet(shared, firm),
+                 "dedicated": _meet(dedicated, firm), "dedicated_at_packing_bound": _meet(dedicated, packed)},
+    }
+
+
+def report24_stated(config: SchedulingConfig, device: DeviceSpec, profiles: dict[str, CostProfile] | None = None,
+                    devices: int = REPORT24_DEVICES) -> dict:
+    """The report's own setting: every backbone alone at SLO 1,600 ms, the equal split's groups fixed to the
+    report's (not sized from the SLO), joint placement as the scheduler does it; per backbone the per-chunk
+    workload assumed and the workloads the report's own counts would imply."""
+    profiles = dict(profiles or {})
+    missing = [m for m in REPORT24_MODELS if m not in profiles]
+    if missing:
+        profiles.update(load_profiles(missing, device))
+    headrooms = list(dict.fromkeys((config.headroom, 0.0)))
+    rows = []
+    for m in REPORT24_MODELS:
+        r = compare(device, devices, profiles, Workload([m], {m: REPORT24_SLO_MS}), config,
+                    group=REPORT24_GROUPS[m])
+        r["workload"] = chunk_workload(profiles[m], REPORT24_SLO_MS, config.headroom)
+        r["joint_time_bound"] = int(devices * rank_budget_ms(REPORT24_SLO_MS, config.headroom)
+                                    // profiles[m].chunk_ms())
+        eq, jt = REPORT24_PAPER[m]
+        r["report_implies"] = {f"headroom {h:g}": implied_workload(REPORT24_GROUPS[m], eq, jt, REPORT24_SLO_MS, h)
+                               for h in headrooms}
+        rows.append(r)
+    return {"devices": devices, "slo_ms": REPORT24_SLO_MS, "equal_groups": dict(REPORT24_GROUPS),
+            "equal_group_rule": "fixed to the report's", "headroom": config.headroom,
+            "workload_basis": WORKLOAD_BASIS, "scenarios": rows}
+
+
 def report24(config: SchedulingConfig, device: DeviceSpec, profiles: dict[str, CostProfile] | None = None,
-             devices: int = 24, mixed: bool = True) -> dict:
-    """The report's setting: 24 devices, each backbone alone at its SLO (config), then all five mixed."""
+             devices: int = 24, mixed: bool = True, stated: bool = True) -> dict:
+    """24 devices, two settings, each backbone alone (report's counts beside ours):
+
+    * ``report_setting`` (``stated``): the report's own, see :func:`report24_stated`;
+    * ``scenarios``: the calibrated one, each backbone at its SLO of config ``scenarios.report24``, the equal
+      split's group sized from that SLO, then all five mixed (``mixed``).
+    """
     slos = config.scenarios.get("report24")
     if not slos:
         raise ValueError("config scenarios.report24 holds no SLOs (model: ms)")
@@ -180,7 +305,13 @@ def report24(config: SchedulingConfig, device: DeviceSpec, profiles: dict[str, C
     if mixed:
         scenarios.append(compare(device, devices, profiles, Workload(models, dict(slos), seed=1), config,
                                  patience=20, arrivals=400))
-    return {"scenarios": scenarios}
+    out = {"scenarios": scenarios,
+           "calibrated_setting": {"devices": devices, "slo_ms": dict(slos),
+                                  "equal_group_rule": "smallest meeting the SLO", "headroom": config.headroom,
+                                  "workload_basis": WORKLOAD_BASIS}}
+    if stated:
+        out["report_setting"] = report24_stated(config, device, profiles, devices)
+    return out
 
 
 def slo_sweep(config: SchedulingConfig, device: DeviceSpec, models: Sequence[str],

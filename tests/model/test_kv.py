@@ -51,3 +51,16 @@ def test_wrong_token_count_is_refused():
     table = KVTable(slots=1, tokens_per_chunk=3, window=1, sink=False, heads=2, head_dim=4)
     with pytest.raises(ValueError, match="expected 3 tokens"):
         table.append(0, chunk(1, t=4), chunk(1, t=4))
+
+
+def test_slots_are_allocated_and_freed_one_by_one():
+    table = KVTable(slots=0, tokens_per_chunk=3, window=2, sink=True, heads=2, head_dim=4)
+    assert table.nbytes() == 0
+    table.add(7)
+    table.add(9)
+    assert table.nbytes() == 2 * table.slot_bytes() == 2 * 2 * (3 * 3 * 2 * 4) * 4
+    with pytest.raises(ValueError, match="already exists"):
+        table.add(7)
+    table.append(9, chunk(1), chunk(1))
+    table.remove(7)
+    assert table.nbytes() == table.slot_bytes() and table.cached(9)[0].shape[0] == 3

@@ -13,6 +13,11 @@ class T:
     chunk: int
     stage: tuple[int, int]
     ts: dict = field(default_factory=dict)
+    model: str = "m"
+
+    @property
+    def weights(self):
+        return (self.model, self.stage[1])
 
     @property
     def order(self):
@@ -65,7 +70,7 @@ def test_max_batch_and_off():
 @pytest.mark.parametrize("batched_ms, expect", [(2.0, 4), (4.4, 1)])
 def test_adaptive_uses_measured_costs(batched_ms, expect):
     # Overhead-bound: 4 tasks in 2.0 ms beat 4 x 1.0 ms; compute-bound: 4.4 ms loses.
-    sched = BatchPolicy(batching="adaptive", max_batch=4, profile={"0": {"1": 1.0, "4": batched_ms}})
+    sched = BatchPolicy(batching="adaptive", max_batch=4, profile={("m", 0): {1: 1.0, 4: batched_ms}})
     ready = [T(f"s{i}", 0, (4, 0)) for i in range(4)]
     assert len(sched.pick(ready, slot)) == expect
 
@@ -77,7 +82,7 @@ def test_adaptive_explores_then_learns_online():
     for _ in range(8):
         n = len(sched.pick(ready, slot))
         sizes.append(n)
-        sched.observe(0, n, 1.0 if n == 1 else 3.0)  # batching measured slower here
+        sched.observe(("m", 0), n, 1.0 if n == 1 else 3.0)  # batching measured slower here
     assert 2 in sizes[:7] and sizes[-1] == 1
 
 
@@ -90,11 +95,18 @@ def test_bad_settings_are_refused():
 
 def test_adaptive_recovers_from_a_stale_estimate():
     # A disturbance made batching look slow; it is in fact faster. Periodic probes find out.
-    sched = BatchPolicy(batching="adaptive", max_batch=2, profile={"0": {"1": 1.0, "2": 9.0}})
+    sched = BatchPolicy(batching="adaptive", max_batch=2, profile={("m", 0): {1: 1.0, 2: 9.0}})
     ready = [T("a", 0, (4, 0)), T("b", 0, (4, 0))]
     sizes = []
     for _ in range(400):
         n = len(sched.pick(ready, slot))
         sizes.append(n)
-        sched.observe(0, n, 1.0 if n == 1 else 1.2)  # the truth: a batch of 2 costs 1.2 ms
+        sched.observe(("m", 0), n, 1.0 if n == 1 else 1.2)  # the truth: a batch of 2 costs 1.2 ms
     assert sizes[0] == 1 and sizes[-50:].count(2) >= 48
+
+
+def test_the_same_block_of_another_model_never_batches():
+    sched = BatchPolicy(batching="on", max_batch=4)
+    ready = [T("a", 0, (3, 2), model="wam"), T("b", 0, (3, 2), model="acwm"), T("c", 0, (4, 2), model="wam")]
+    batch = sched.pick(ready, slot)
+    assert [t.stream for t in batch] == ["a", "c"]

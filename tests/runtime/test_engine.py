@@ -17,18 +17,19 @@ from physis_ros.model import build_model, load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.reference import reference_rollout
 from physis_ros.runtime import protocol as p
-from physis_ros.runtime.engine import Engine, EngineError, Observation
+from physis_ros.runtime.engine import Engine, EngineError, Observation, ServedModel
 from physis_ros.runtime.offline import run_chunks
 from physis_ros.runtime.planner import resolve_plan
 from physis_ros.runtime.plans import Plan, pipeline_order
-from physis_ros.runtime.profiler import Profile
+from physis_ros.scheduling.profiles import CostProfile
 
 STREAMS = ["robot0", "robot1"]
 
 
-def new_engine(cfg, engine_cfg: EngineConfig, **kw) -> Engine:
+def new_engine(cfg, engine_cfg: EngineConfig, **kw) -> tuple[Engine, dict]:
+    """An engine, and the model and plan its streams are added with (``add_stream(..., **served)``)."""
     resolved = resolve_plan(cfg, engine_cfg)
-    return Engine(cfg, engine_cfg, resolved.plan, profile=resolved.profile, **kw)
+    return Engine(engine_cfg, **kw), {"model": ServedModel(cfg, profile=resolved.profile), "plan": resolved.plan}
 _reference_cache: dict = {}
 
 
@@ -83,8 +84,9 @@ def test_auto_plan_comes_from_the_planner_and_runs(tmp_path):
     # Overhead-bound profile (a batch of 4 costs 1.6 singles): the planner must batch same-block stages.
     stage_ms = {s: {1: 1.0, 2: 1.2, 4: 1.6} for s in pipeline_order(cfg.steps, cfg.blocks)}
     profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps(Profile(cfg.name, "cpu", "synthetic", [1, 2, 4], stage_ms, hop_ms=0.1,
-                                          hidden_bytes=1000).to_json()))
+    profile.write_text(json.dumps(CostProfile(cfg.name, "cpu", "measured:synthetic", cfg.steps, cfg.blocks, stage_ms,
+                                              hop_ms=0.1, block_weight_bytes=0, kv_bytes=0,
+                                              hidden_bytes=1000).to_json()))
     resolved = resolve_plan(cfg, EngineConfig(plan="auto", workers=2, batching="on", profile=str(profile)))
     assert resolved.prediction is not None and resolved.plan is resolved.prediction.plan
     assert resolved.prediction.simulated.task_batch > 1.5 and resolved.prediction.interval_ms > 0
@@ -109,11 +111,11 @@ def test_telemetry_records_are_complete():
 
 async def _engine_with_stream(cfg, engine_cfg, chunks=None):
     scene = SyntheticScene(cfg.observation_shapes)
-    engine = new_engine(cfg, engine_cfg)
+    engine, served = new_engine(cfg, engine_cfg)
     await engine.start()
     got = []
     await engine.add_stream("robot0", lambda c: Observation(scene.observation("robot0", c), engine.clock()),
-                            got.append, chunks=chunks)
+                            got.append, chunks=chunks, **served)
     return engine, got
 
 
@@ -191,11 +193,37 @@ def test_worker_that_cannot_load_is_named():
         pytest.skip("needs a machine without CUDA to provoke a load failure")
 
     async def main():
-        engine = new_engine(cfg, EngineConfig(workers=1, plan="sequential", devices=["cuda:0"]))
+        engine, served = new_engine(cfg, EngineConfig(workers=1, plan="sequential", devices=["cuda:0"]))
         await engine.start()
+        await engine.add_stream("robot0", lambda c: None, **served)
 
-    with pytest.raises(EngineError, match="worker w0: Load failed"):
+    # physis-worker refuses a device this machine lacks before it connects; the engine names the worker.
+    with pytest.raises(EngineError, match="worker w0 exited with code 2 before it said hello"):
         uvloop.run(main())
+
+
+def test_a_stream_whose_weights_cannot_load_is_refused_and_the_worker_stays_up(tmp_path):
+    cfg = load_model_config("tiny-wam")
+    bad = tmp_path / "broken.safetensors"
+    bad.write_bytes(b"not a checkpoint")
+
+    async def main():
+        engine, served = new_engine(cfg, EngineConfig(workers=1, plan="sequential"))
+        await engine.start()
+        try:
+            with pytest.raises(EngineError, match="worker w0: StartStream failed"):
+                await engine.add_stream("broken", lambda c: None, model=ServedModel(cfg, str(bad)),
+                                        plan=served["plan"])
+            got = []
+            await engine.add_stream("fine", lambda c: Observation(SyntheticScene(cfg.observation_shapes)
+                                                                  .observation("fine", c), engine.clock()),
+                                    got.append, chunks=3, **served)
+            await engine.wait_stream("fine")
+            return [o.chunk for o in got]
+        finally:
+            await engine.stop()
+
+    assert uvloop.run(main()) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["hung", "killed"])
@@ -207,13 +235,13 @@ def test_lost_worker_fails_only_its_streams_and_they_come_back(fault):
 
     async def main():
         events = []
-        engine = new_engine(cfg, EngineConfig(workers=2, heartbeat_timeout_s=0.5), on_event=events.append)
+        engine, served = new_engine(cfg, EngineConfig(workers=2, heartbeat_timeout_s=0.5), on_event=events.append)
         await engine.start()
         got = {"a": [], "b": []}
         try:
             for name, plan in (("a", on_w0), ("b", on_w1)):
                 await engine.add_stream(name, lambda c, n=name: Observation(scene.observation(n, c), engine.clock()),
-                                        got[name].append, plan=plan)
+                                        got[name].append, model=served["model"], plan=plan)
             while len(got["b"]) < 3:
                 await asyncio.sleep(0.01)
             victim = engine.pool.workers["w1"]
@@ -247,12 +275,12 @@ def test_slow_worker_shows_as_deadline_misses_not_silence():
 
     async def main():
         scene = SyntheticScene(cfg.observation_shapes)
-        engine = new_engine(cfg, EngineConfig(workers=1, plan="sequential", heartbeat_timeout_s=2.0))
+        engine, served = new_engine(cfg, EngineConfig(workers=1, plan="sequential", heartbeat_timeout_s=2.0))
         await engine.start()
         got = []
         try:
             await engine.add_stream("robot0", lambda c: Observation(scene.observation("robot0", c), engine.clock()),
-                                    got.append, slo_interval_ms=300.0)
+                                    got.append, slo_interval_ms=300.0, **served)
             while len(got) < 3:
                 await asyncio.sleep(0.01)
             pid = engine.pool.workers["w0"].proc.pid
@@ -278,11 +306,9 @@ import asyncio, sys, uvloop
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import load_model_config
 from physis_ros.runtime.engine import Engine
-from physis_ros.runtime.plans import make_plan
 
 async def main():
-    cfg = load_model_config("tiny-wam")
-    engine = Engine(cfg, EngineConfig(workers=2), make_plan("stage", cfg.steps, cfg.blocks, 2))
+    engine = Engine(EngineConfig(workers=2))
     await engine.start()
     print(" ".join(str(w.proc.pid) for w in engine.pool.workers.values()), flush=True)
     await asyncio.sleep(3600)

@@ -4,12 +4,13 @@ import pytest
 
 from physis_ros.runtime.pipesim import simulate
 from physis_ros.runtime.plans import Plan, make_plan, pipeline_order
-from physis_ros.runtime.profiler import Profile
+from physis_ros.scheduling.profiles import CostProfile
 
 
 def profile(steps, blocks, single=1.0, per_extra=0.25, hop=0.1, engine=0.0):
     stage_ms = {s: {n: single + per_extra * (n - 1) for n in (1, 2, 4)} for s in pipeline_order(steps, blocks)}
-    return Profile("m", "cpu", "synthetic", [1, 2, 4], stage_ms, hop_ms=hop, hidden_bytes=1000, engine_ms=engine)
+    return CostProfile("m", "cpu", "measured:synthetic", steps, blocks, stage_ms, hop_ms=hop, block_weight_bytes=0,
+                       kv_bytes=0, hidden_bytes=1000, engine_ms=engine)
 
 
 def test_unbatched_pipeline_runs_at_its_busiest_worker():

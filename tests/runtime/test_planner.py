@@ -7,13 +7,15 @@ import pytest
 from physis_ros.model import load_model_config
 from physis_ros.runtime.planner import choose_plan, predict
 from physis_ros.runtime.plans import make_plan, pipeline_order
-from physis_ros.runtime.profiler import Profile, measure_profile
+from physis_ros.runtime.profiler import measure_profile
+from physis_ros.scheduling.profiles import CostProfile, profile_from_json
 
 
 def synthetic(steps, blocks, single, per_extra):
     """Batch n costs single + per_extra * (n - 1): per_extra << single is overhead-bound."""
     stage_ms = {s: {n: single + per_extra * (n - 1) for n in (1, 2, 4)} for s in pipeline_order(steps, blocks)}
-    return Profile("m", "cpu", "synthetic", [1, 2, 4], stage_ms, hop_ms=0.1, hidden_bytes=1000)
+    return CostProfile("m", "cpu", "measured:synthetic", steps, blocks, stage_ms, hop_ms=0.1, block_weight_bytes=0,
+                       kv_bytes=0, hidden_bytes=1000)
 
 
 def test_prediction_of_a_known_plan():
@@ -73,8 +75,12 @@ def test_measured_profile_round_trips(tmp_path):
     assert set(prof.stage_ms) == set(pipeline_order(2, 2))
     assert all(ms[1] > 0 and ms[4] > 0 for ms in prof.stage_ms.values())
     assert prof.hop_ms > 0 and prof.source.startswith("measured:")
-    back = Profile.from_json(prof.to_json())
-    assert back.stage_ms.keys() == prof.stage_ms.keys()
-    assert back.cost((2, 0), 3) == pytest.approx((back.cost((2, 0), 2) + back.cost((2, 0), 4)) / 2)
-    with pytest.raises(ValueError, match="not a physis profile"):
-        Profile.from_json({"model": "x"})
+    back = profile_from_json(prof.to_json(), cfg)
+    assert back.stage_ms.keys() == prof.stage_ms.keys() and profile_from_json(back.to_json(), cfg) == back
+    assert back.forward_ms((2, 0), 3) == pytest.approx((back.forward_ms((2, 0), 2) + back.forward_ms((2, 0), 4)) / 2)
+    # the one cost model: what admission charges is the co-run speed plus the worker's own overhead
+    assert back.time_ms((2, 0), 1) == pytest.approx(back.forward_ms((2, 0), 1) * back.corun_slowdown
+                                                    + back.overhead_ms_per_call)
+    assert back.kv_bytes == cfg.kv_slot_bytes() and back.block_weight_bytes == cfg.block_params() * 4
+    with pytest.raises(ValueError, match="source.*missing|missing"):
+        profile_from_json({"model": cfg.name}, cfg)

@@ -20,7 +20,7 @@ from physis_ros.model import load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
-from physis_ros.runtime.engine import Engine, EngineError, Observation
+from physis_ros.runtime.engine import Engine, EngineError, Observation, ServedModel
 from physis_ros.runtime.plans import Plan, make_plan, pipeline_order
 from physis_ros.runtime.settings import EngineConfig
 
@@ -34,8 +34,7 @@ class Run:
     """An engine with streams ``a`` and ``b`` (each on its own worker unless a plan is given)."""
 
     def __init__(self, engine_cfg: EngineConfig, plans=(ON_W0, ON_W1), observe=None):
-        self.engine = Engine(CFG, engine_cfg, make_plan("stage", CFG.steps, CFG.blocks, engine_cfg.workers),
-                             on_event=self.on_event)
+        self.engine = Engine(engine_cfg, on_event=self.on_event)
         self.plans = plans
         self.observe = observe or (lambda name, c: SCENE.observation(name, c))
         self.events = []
@@ -49,7 +48,7 @@ class Run:
         for name, plan in zip(("a", "b"), self.plans):
             await self.engine.add_stream(
                 name, lambda c, n=name: Observation(self.observe(n, c), self.engine.clock()),
-                self.got[name].append, plan=plan, slo_interval_ms=100.0)
+                self.got[name].append, model=ServedModel(CFG), plan=plan, slo_interval_ms=100.0)
         return self
 
     async def __aexit__(self, *exc) -> None:

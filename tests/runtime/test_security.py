@@ -19,7 +19,7 @@ from physis_ros.observations import SyntheticScene
 from physis_ros.reference import ReferenceRollout
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
-from physis_ros.runtime.engine import Engine, Observation
+from physis_ros.runtime.engine import Engine, Observation, ServedModel
 from physis_ros.runtime.plans import make_plan
 from physis_ros.runtime.security import CurveKeys, generate_keys, is_loopback
 
@@ -38,12 +38,12 @@ def test_curve_engine_serves_and_refuses_strangers(tmp_path):
     scene = SyntheticScene(cfg.observation_shapes)
 
     async def main():
-        engine = Engine(cfg, EngineConfig(workers=2, curve_keys=str(keys_dir)), make_plan("stage", 4, 8, 2))
+        engine = Engine(EngineConfig(workers=2, curve_keys=str(keys_dir)))
         await engine.start()
         try:
             got = []
             await engine.add_stream("robot0", lambda c: Observation(scene.observation("robot0", c), engine.clock()),
-                                    got.append, chunks=4)
+                                    got.append, chunks=4, model=ServedModel(cfg), plan=make_plan("stage", 4, 8, 2))
             await engine.wait_stream("robot0")
             ctx = zmq.Context()
             attempts = {"plain": None, "wrong key": CurveKeys.load(stranger_dir)}

@@ -35,9 +35,10 @@ def test_round_trip_every_dtype(dtype):
 
 @pytest.mark.parametrize("msg, channel", [
     (p.Output(stream="r", chunk=1, epoch=0, worker="w1", trace=[p.TraceEntry(1, 7, "w1", 0.0, 1.0, 4)]), wire.OUTPUT),
-    (p.Load(req=3, model={"name": "tiny-wam"}, blocks=[0, 1], profile={"0": {"1": 0.5}},
-            faults=p.FaultInjection(drop_task=4)), wire.TO_WORKER),
-    (p.StartStream(req=4, stream="r", epoch=1, stages=[(4, 0)], routes=[p.Route((4, 0), "ipc:///tmp/x")]),
+    (p.Load(req=3, batching="adaptive", faults=p.FaultInjection(drop_task=4)), wire.TO_WORKER),
+    (p.StartStream(req=4, stream="r", epoch=1, model=p.ModelRef(id="m", config={"name": "m"},
+                                                                   batch_costs={"0": {"1": 0.5}}),
+                   stages=[(4, 0)], routes=[p.Route((4, 0), "ipc:///tmp/x")]),
      wire.TO_WORKER),
     (p.StopStream(req=5, stream="r"), wire.TO_WORKER),
     (p.Hello(worker="w0", data="tcp://127.0.0.1:5", pid=12, device="cpu", host="h"), wire.TO_ENGINE),

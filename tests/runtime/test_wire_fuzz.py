@@ -18,7 +18,7 @@ from physis_ros.observations import SyntheticScene
 from physis_ros.reference import ReferenceRollout
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
-from physis_ros.runtime.engine import Engine, Observation
+from physis_ros.runtime.engine import Engine, Observation, ServedModel
 from physis_ros.runtime.plans import make_plan
 
 LIMIT = 64 * 1024
@@ -29,8 +29,9 @@ VALID = [
                        sent=1.0, hops=[0.1], trace=TRACE), {"x": torch.randn(1, 16, 7), "obs/state": torch.randn(1, 7)}),
     (wire.OUTPUT, p.Output(stream="robot0", chunk=3, epoch=0, worker="w1", sent=2.0, trace=TRACE),
      {"x": torch.randn(1, 16, 7)}),
-    (wire.TO_WORKER, p.Load(req=1, model={"name": "tiny-wam"}, blocks=[0], profile={"0": {"1": 0.5}}), {}),
+    (wire.TO_WORKER, p.Load(req=1, batching="on"), {}),
     (wire.TO_WORKER, p.StartStream(req=2, stream="robot0", epoch=1, stages=[(4, 0)],
+                                   model=p.ModelRef(id="m", config={"name": "m"}, batch_costs={"0": {"1": 0.5}}),
                                    routes=[p.Route((4, 0), "tcp://127.0.0.1:5")]), {}),
     (wire.TO_WORKER, p.StopStream(req=3, stream="robot0"), {}),
     (wire.TO_ENGINE, p.Hello(worker="w0", data="tcp://127.0.0.1:5", pid=4, device="cpu"), {}),
@@ -137,7 +138,7 @@ def test_worker_fed_garbage_keeps_serving():
     garbage = [hostile(rng.randrange(2**32))[1] for _ in range(500)]
 
     async def main():
-        engine = Engine(cfg, EngineConfig(workers=1, plan="sequential"), make_plan("sequential", cfg.steps, cfg.blocks, 1))
+        engine = Engine(EngineConfig(workers=1, plan="sequential"))
         await engine.start()
         try:
             ctx = zmq.Context()
@@ -149,7 +150,8 @@ def test_worker_fed_garbage_keeps_serving():
             ctx.term()
             got = []
             await engine.add_stream("robot0", lambda c: Observation(scene.observation("robot0", c), engine.clock()),
-                                    got.append, chunks=5)
+                                    got.append, chunks=5, model=ServedModel(cfg),
+                                    plan=make_plan("sequential", cfg.steps, cfg.blocks, 1))
             await engine.wait_stream("robot0")
             return got, (await engine.pool.request("w0", p.Stats(req=0))).stats
         finally:

@@ -10,7 +10,7 @@ from physis_ros.config import to_mapping
 from physis_ros.model import load_model_config
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
-from physis_ros.runtime.worker import SlotMap, Worker
+from physis_ros.runtime.worker import Worker
 
 CFG = load_model_config("tiny-wam")
 
@@ -43,10 +43,13 @@ def engine_end():
     end.close()
 
 
+MODEL = p.ModelRef(id="tiny-wam", config=to_mapping(CFG))
+
+
 def make_worker(engine_end, **load) -> Worker:
     w = Worker(engine_end.addr, "w0", forward_logs=False)
-    w.cmd_load(p.Load(req=0, model=to_mapping(CFG), max_streams=2, **load))
-    w.cmd_start_stream(p.StartStream(req=0, stream="robot0", epoch=0, stages=[(4, 0), (4, 1)],
+    w.cmd_load(p.Load(req=0, **load))
+    w.start_stream_now(p.StartStream(req=0, stream="robot0", epoch=0, model=MODEL, stages=[(4, 0), (4, 1)],
                                      routes=[p.Route((4, 0), w.data_addr), p.Route((4, 1), "tcp://127.0.0.1:9")]))
     return w
 
@@ -61,16 +64,6 @@ def worker(engine_end):
 def task(stream="robot0", chunk=0, stage=(4, 0), epoch=0):
     obs = {"obs/image": torch.zeros(1, 3, 32, 32), "obs/state": torch.zeros(1, 7)}
     return wire.encode(p.Task(stream=stream, chunk=chunk, stage=stage, epoch=epoch, order=float(chunk)), obs)
-
-
-def test_slots_are_stable_per_stream_and_step():
-    slots = SlotMap(max_streams=2, steps=4)
-    assert slots.add("a") == 0 and slots.add("b") == 1 and slots.add("a") == 0
-    assert [slots.slot("b", k) for k in (1, 4)] == [4, 7]
-    slots.remove("a")
-    assert slots.add("c") == 0
-    with pytest.raises(RuntimeError, match="no free KV slot for stream 'd'"):
-        slots.add("d")
 
 
 def test_tasks_are_checked_against_the_streams_placement(worker, engine_end):
@@ -139,7 +132,8 @@ def test_a_failed_send_is_reported_as_lost(worker, engine_end):
 
 
 def test_control_requests_are_typed_and_failures_answered(worker, engine_end):
-    worker.handle_control(wire.Received(p.StartStream(req=9, stream="robot1", epoch=0, stages=[(9, 0)], routes=[])))
+    worker.handle_control(wire.Received(p.StartStream(req=9, stream="robot1", epoch=0, model=MODEL, stages=[(9, 0)],
+                                                      routes=[])))
     worker.handle_control(wire.Received(p.Stats(req=10)))
     replies = {m.req: m for m in engine_end.received() if isinstance(m, (p.Ack, p.Failed))}
     assert isinstance(replies[9], p.Failed) and "do not exist" in replies[9].error

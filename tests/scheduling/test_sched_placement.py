@@ -171,3 +171,26 @@ def test_invariants_under_arrivals_and_departures(ops, split):
         assert np.allclose(cluster.mem, mem, rtol=1e-12, atol=1.0)
         assert (cluster.util <= 0.85 + 1e-9).all()
         assert (cluster.mem <= cluster.mem_cap).all()
+
+
+def test_time_sharing_is_credited_at_the_measured_batch_curve():
+    """A block's stages co-hosted on one device run batched: admission charges the batch-cost curve,
+    not batch-1 cost, so more streams fit; removing them all leaves the device exactly idle."""
+    order = [(k, b) for k in (4, 3, 2, 1) for b in (0, 1)]
+    overhead_bound = {s: {1: 1.0, 2: 1.2, 4: 1.6} for s in order}  # a batch of 4 costs 1.6 singles
+    prof = dataclasses.replace(make_profile("m", steps=4, blocks=2), stage_ms=overhead_bound)
+    admitted = {}
+    for max_batch in (1, 4):
+        cluster = Cluster([make_device()], 0.0, {"m": prof}, max_batch=max_batch)
+        sched = JointScheduler(cluster, make_config())
+        n = 0
+        while sched.admit(StreamRequest(f"s{n}", "m", slo_ms=40.0)).admitted:
+            n += 1
+        admitted[max_batch] = n
+        if max_batch == 4:
+            # 8 stages per stream: 4 steps of each block, batched 4 at a time at 1.6 / 4 = 0.4 of a single
+            assert cluster.util[0] == pytest.approx(n * 8 * 0.4 / 40.0)
+        for i in range(n):
+            sched.remove(f"s{i}")
+        assert cluster.util[0] == 0.0 and cluster.mem[0] == 0.0
+    assert admitted == {1: 5, 4: 12}  # 8 ms of batch-1 work per 40 ms: 5 alone; batched: 3.2 ms each

@@ -1,34 +1,117 @@
-"""The simulator: joint never admits fewer streams than the equal split; report24 targets; physis-sim."""
+"""The simulator: joint never admits fewer streams than the equal split; report24 (the report's own
+setting and the calibrated one); the arithmetic of the report's counts; physis-sim."""
 
 import json
+import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from physis_ros.cli.sim import main as sim_main
 from physis_ros.scheduling.settings import load_scheduling
-from physis_ros.scheduling.simulator import REPORT24_MODELS, Workload, compare
+from physis_ros.scheduling.simulator import (REPORT24_GROUPS, REPORT24_MODELS, REPORT24_PAPER, Workload, compare,
+                                             implied_workload, report24_stated)
 
 from sched_helpers import make_config
 
 
-def test_report24_cli_meets_targets(tmp_path, capsys):
+def test_report24_cli_prints_both_settings(tmp_path, capsys):
     out = tmp_path / "r24.json"
     assert sim_main(["--scenario", "report24", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
+    text = capsys.readouterr().out
+    # calibrated setting: config SLOs, equal group sized from the SLO, then all five mixed
     rows = {r["model"]: r for r in data["scenarios"]}
     assert set(REPORT24_MODELS) <= set(rows) and any(m.startswith("mixed:") for m in rows)
+    assert data["calibrated_setting"]["slo_ms"] == load_scheduling().scenarios["report24"]
     for r in data["scenarios"]:
         assert {"model", "devices", "slo_ms", "admitted", "placement_ms_p99"} <= set(r)
         assert r["devices"] == 24
         assert r["admitted"]["joint"] >= r["admitted"]["equal"] > 0, r["model"]
         assert r["joint"]["all_meet_slo"] and r["joint"]["cluster"]["utilisation_max"] <= 1 - r["headroom"] + 1e-9
     for m in REPORT24_MODELS:
-        assert rows[m]["equal_group_size"] > 1                      # the SLOs leave joint room to pack
+        assert rows[m]["equal_group_size"] > 1 and rows[m]["equal_group_rule"] == "smallest meeting the SLO"
         assert rows[m]["profile_source"][m] == "roofline-model:h200"
+        assert rows[m]["report_paper"] == dict(zip(("equal", "joint"), REPORT24_PAPER[m]))
     for m in ("wan2.1-1.3b", "wan2.2-5b"):
         assert rows[m]["admitted"]["joint"] >= 1.7 * rows[m]["admitted"]["equal"]
-    assert "wan2.1-14b" in capsys.readouterr().out                  # the table
+    # the report's own setting: SLO 1600 ms everywhere, its groups, its counts alongside ours
+    stated = data["report_setting"]
+    assert stated["slo_ms"] == 1600 and stated["equal_groups"] == REPORT24_GROUPS and stated["devices"] == 24
+    assert [r["model"] for r in stated["scenarios"]] == list(REPORT24_MODELS)
+    for r in stated["scenarios"]:
+        m = r["model"]
+        assert r["slo_ms"] == 1600 and r["equal_group_size"] == REPORT24_GROUPS[m]
+        assert r["report_paper"] == dict(zip(("equal", "joint"), REPORT24_PAPER[m]))
+        assert r["workload"]["chunk_ms"] == r["stream_compute_ms"] > 0 and r["workload"]["tokens_per_chunk"] > 0
+        assert {"headroom 0.1", "headroom 0"} == set(r["report_implies"])
+    # both tables on stdout, the report's counts beside ours
+    assert "the report's setting" in text and "calibrated" in text
+    first, second = text.split("report24, calibrated")
+    for m in REPORT24_MODELS:
+        eq, jt = REPORT24_PAPER[m]
+        assert f"{eq}->{jt}" in first and f"{eq}->{jt}" in second
+        assert f"{rows[m]['stream_compute_ms']:.1f}" in first and f"{rows[m]['stream_compute_ms']:.1f}" in second
+
+
+def _one_stream_fits(profile, group, budget, device_bytes):
+    """Does one stream fit a group of ``group`` devices? Computed here apart from ranks.py: the fewest
+    contiguous pieces of its stages, each with its outgoing hop within ``budget``, must be <= group."""
+    pieces, acc = 1, profile.hop_ms
+    for ms in profile.costs():
+        assert ms + profile.hop_ms <= budget           # every stage fits alone
+        if acc + ms > budget:
+            pieces, acc = pieces + 1, profile.hop_ms
+        acc += ms
+    whole = (profile.blocks * profile.block_weight_bytes + len(profile.order) * profile.kv_bytes
+             + 2 * profile.hidden_bytes)
+    assert whole <= device_bytes                       # memory cannot bind: a whole stream fits one device
+    return pieces <= group
+
+
+def test_report_setting_fixed_groups_and_counts(h200_profiles):
+    """The report's setting: SLO 1600 ms and its groups (not sized from the SLO); the equal split admits
+    floor(24 / g) groups x one stream per group (if it fits); joint >= equal, within the devices' time."""
+    dev, profiles = h200_profiles
+    config = load_scheduling()
+    budget = 1600 * (1 - config.headroom)
+    stated = report24_stated(config, dev, profiles)
+    assert stated["slo_ms"] == 1600 and stated["devices"] == 24
+    for r in stated["scenarios"]:
+        m, g = r["model"], REPORT24_GROUPS[r["model"]]
+        prof = profiles[m]
+        assert r["slo_ms"] == 1600 and r["equal_group_size"] == g and r["equal_group_rule"] == "fixed"
+        capacity = 1 if _one_stream_fits(prof, g, budget, dev.usable_bytes) else 0
+        assert r["admitted"]["equal"] == (24 // g) * capacity, m
+        assert r["admitted"]["joint"] >= r["admitted"]["equal"], m
+        assert r["admitted"]["joint"] <= math.floor(24 * budget / prof.chunk_ms()), m   # devices' time
+        assert r["joint"]["all_meet_slo"] and r["equal"]["all_meet_slo"]
+        assert r["workload"]["devices_per_stream"] == round(prof.chunk_ms() / budget, 3)
+    # a fixed group smaller than a stream needs admits nothing (33B needs 2 H200s at 1600 ms)
+    h3 = compare(dev, 24, profiles, Workload(["h3-33b"], {"h3-33b": 1600.0}), config, group=1)
+    assert not _one_stream_fits(profiles["h3-33b"], 1, budget, dev.usable_bytes)
+    assert h3["admitted"]["equal"] == 0 and h3["equal"]["rejections"] == {"slo-unreachable": 1}
+    assert h3["admitted"]["joint"] > 0
+
+
+def test_implied_workload_arithmetic():
+    """W intervals (lo, hi] from counts: B = 1600 x 0.9 = 1440 ms on 24 devices."""
+    w = implied_workload(2, 12, 39, 1600, 0.1)          # the report's 1.3B
+    assert w["budget_ms"] == 1440
+    assert w["equal"]["by_need"] == [1440, 2880]        # a group of 2 by need: one device is not enough
+    assert w["equal"]["time_shared"] == [1440, 2880]    # floor(2B / W) = 1
+    assert w["joint"]["firm"] == [0, round(24 * 1440 / 39, 1)]          # 39 W <= 24 B
+    assert w["joint"]["at_packing_bound"] == [24 * 1440 / 40, round(24 * 1440 / 39, 1)]
+    assert w["both"]["by_need"] is None and w["both"]["time_shared"] is None
+    assert w["both"]["dedicated_at_packing_bound"] == [864, 886.2]
+    w = implied_workload(1, 24, 18, 1600, 0.1)          # the report's 14B: joint below equal
+    assert w["joint"]["firm"] == [1440, 1920]           # 18 < 24 = floor(24 / 1): a stream needs > 1 device
+    assert all(v is None for v in w["both"].values())
+    w = implied_workload(4, 6, 10, 1600, 0.0)           # 33B without headroom: B = 1600
+    assert w["equal"]["by_need"] == [4800, 6400] and w["joint"]["firm"] == [3200, 3840]
+    assert w["both"]["by_need"] is None and w["both"]["time_shared"] == [3200, 3840]
+    w = implied_workload(2, 12, 20, 1000, 0.0)          # consistent counts: W in (1000, 1200]
+    assert w["both"]["by_need"] == [1000, 1200]
 
 
 @settings(max_examples=25, deadline=None)
