@@ -10,7 +10,7 @@
 # Every step is guarded by a stamp, so `make setup` with nothing changed is a
 # no-op:
 #   .venv/.stamps/requirements   <- requirements.txt
-#   physis_ros/msg/.built        <- msg/*.msg CMakeLists.txt package.xml tools/build_msgs.sh
+#   physis_ros/msg/.built        <- msg/*.msg srv/*.srv action/*.action CMakeLists.txt package.xml tools/build_msgs.sh
 #   .venv/.stamps/editable       <- setup.py
 # The msg stamp lives inside the generated (git-ignored) physis_ros/msg/, so
 # deleting that directory also triggers a rebuild.
@@ -25,7 +25,7 @@ REQ_STAMP      := $(STAMPS)/requirements
 MSG_STAMP      := physis_ros/msg/.built
 EDITABLE_STAMP := $(STAMPS)/editable
 
-MSG_FILES := $(wildcard msg/*.msg)
+MSG_FILES := $(wildcard msg/*.msg srv/*.srv action/*.action)
 
 PYTEST_ARGS ?=
 DEMO_ARGS   ?= --duration 20
@@ -61,7 +61,7 @@ demo: setup
 	$(VENV)/bin/physis-demo $(DEMO_ARGS)
 
 clean:
-	rm -rf build physis_ros/msg
+	rm -rf build physis_ros/msg physis_ros/srv physis_ros/action
 	rm -f physis_ros/physis_ros_s__*.so
 	rm -f $(VENV)/lib/libphysis_ros__*.so
 

@@ -48,7 +48,8 @@ setup(
     # Generated message code (physis_ros/msg, type support extension modules)
     # is included when present so that a regular (non-editable) wheel works
     # too, provided tools/build_msgs.sh ran first.
-    package_data={PACKAGE: ["*.so"], f"{PACKAGE}.msg": ["*.py"]},
+    package_data={PACKAGE: ["*.so"], f"{PACKAGE}.msg": ["*.py"], f"{PACKAGE}.srv": ["*.py"],
+                  f"{PACKAGE}.action": ["*.py"]},
     include_package_data=False,
     data_files=_data_files(),
     install_requires=[

@@ -63,10 +63,14 @@ GEN="$STAGE/lib/$PYVER/site-packages/$PKG"
 [ -f "$GEN/msg/__init__.py" ] || { echo "build_msgs: generated package missing at $GEN" >&2; exit 1; }
 
 # 2. generated Python -> source tree (replace stale copies)
-rm -rf "$ROOT/$PKG/msg"
 rm -f "$ROOT/$PKG"/${PKG}_s__*.so
-mkdir -p "$ROOT/$PKG/msg"
-cp "$GEN"/msg/*.py "$ROOT/$PKG/msg/"
+for kind in msg srv action; do
+  rm -rf "$ROOT/$PKG/$kind"
+  if [ -d "$GEN/$kind" ]; then
+    mkdir -p "$ROOT/$PKG/$kind"
+    cp "$GEN/$kind"/*.py "$ROOT/$PKG/$kind/"
+  fi
+done
 cp "$GEN"/${PKG}_s__*.so "$ROOT/$PKG/"
 [ -f "$ROOT/$PKG/__init__.py" ] || { echo "build_msgs: $PKG/__init__.py missing" >&2; exit 1; }
 
@@ -79,9 +83,11 @@ for res in "$STAGE"/share/ament_index/resource_index/*/"$PKG"; do
   mkdir -p "$VENV/share/ament_index/resource_index/$kind"
   cp "$res" "$VENV/share/ament_index/resource_index/$kind/$PKG"
 done
-rm -rf "$VENV/share/$PKG/msg"
 mkdir -p "$VENV/share/$PKG"
-cp -r "$STAGE/share/$PKG/msg" "$VENV/share/$PKG/msg"
+for kind in msg srv action; do
+  rm -rf "$VENV/share/$PKG/$kind"
+  if [ -d "$STAGE/share/$PKG/$kind" ]; then cp -r "$STAGE/share/$PKG/$kind" "$VENV/share/$PKG/$kind"; fi
+done
 cp "$ROOT/package.xml" "$VENV/share/$PKG/package.xml"
 # launch/ and config/ of the source tree, linked so that edits take effect
 # (ament_index_python.get_package_share_directory('physis_ros') -> VENV/share/physis_ros)
@@ -89,4 +95,4 @@ for d in launch config; do
   if [ -d "$ROOT/$d" ]; then ln -sfn "$ROOT/$d" "$VENV/share/$PKG/$d"; fi
 done
 
-echo "build_msgs: $PKG.msg built ($(ls "$ROOT/$PKG/msg" | grep -c '^_[a-z].*\.py$') modules)"
+echo "build_msgs: $PKG.msg/srv/action built ($(ls "$ROOT/$PKG"/msg "$ROOT/$PKG"/srv "$ROOT/$PKG"/action | grep -c '^_[a-z].*\.py$') modules)"

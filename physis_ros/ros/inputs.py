@@ -3,8 +3,9 @@
 Two modes:
 
 - **latest** (default): a depth-1 slot per input; each chunk takes the latest
-  image and the latest joint state at the moment it enters the pipeline. If the
-  latest image is older than ``max_age_s`` (camera stopped) no chunk starts.
+  image and the latest joint state (and, for a world model, the latest actions to
+  imagine) at the moment it enters the pipeline. If the latest image is older than
+  ``max_age_s`` (camera stopped) no chunk starts.
 - **deterministic**: images queue in arrival order (bounded; overflow is
   dropped and counted) and chunk ``c`` consumes the ``c``-th complete
   observation: the image plus the joint state with the same header stamp, or,
@@ -76,10 +77,15 @@ def pair_observations(images: Sequence[tuple[int, T]], joints: Sequence[tuple[in
 
 
 class StreamInput:
-    """Thread-safe: ``put_*`` from the executor thread, ``take`` from the engine's loop thread."""
+    """Thread-safe: ``put_*`` from the executor thread, ``take`` from the engine's loop thread.
+
+    The camera image drives the chunks; every other observation the model takes (``paired``:
+    ``state`` from joint_states, ``actions`` for a world model) is paired to it by stamp with
+    :func:`pick_joint`'s rule, each on its own."""
 
     def __init__(self, deterministic: bool = False, queue_limit: int = 10000, pair_timeout_s: float = 0.5,
-                 max_age_s: float = 0.0, now: Callable[[], float] | None = None):
+                 max_age_s: float = 0.0, now: Callable[[], float] | None = None,
+                 paired: Sequence[str] = ("state",)):
         self.deterministic = deterministic
         self.queue_limit = queue_limit
         self.pair_timeout_s = pair_timeout_s
@@ -87,10 +93,10 @@ class StreamInput:
         self.now = now or time.time
         self.lock = threading.Lock()
         self.image: Sample | None = None
-        self.joints: Sample | None = None
         self.images: deque[Sample] = deque()
-        self.joint_history: deque[Sample] = deque()
-        self.received = Counter()   # images, joints
+        self.latest: dict[str, Sample | None] = {name: None for name in paired}
+        self.history: dict[str, deque[Sample]] = {name: deque() for name in paired}
+        self.received = Counter()   # images, joints, actions
         self.rejected = Counter()   # reason -> count
         self.used = 0
         self.last_image_ns: int | None = None
@@ -114,15 +120,20 @@ class StreamInput:
             else:
                 self.images.append(sample)
 
-    def put_joints(self, sample: Sample) -> None:
+    def put(self, name: str, sample: Sample) -> None:
+        """A paired observation (``state``, ``actions``) arrived."""
         sample.arrival = time.monotonic()
         with self.lock:
-            self.received["joints"] += 1
-            self.joints = sample
+            self.received[_COUNTER.get(name, name)] += 1
+            self.latest[name] = sample
             if self.deterministic:
-                if len(self.joint_history) >= self.queue_limit:
-                    self.joint_history.popleft()
-                self.joint_history.append(sample)
+                history = self.history[name]
+                if len(history) >= self.queue_limit:
+                    history.popleft()
+                history.append(sample)
+
+    def put_joints(self, sample: Sample) -> None:
+        self.put("state", sample)
 
     def take(self) -> Taken | None:
         """The observation for the next chunk, or None if there is none yet."""
@@ -137,31 +148,40 @@ class StreamInput:
             return taken
 
     def _take_latest(self) -> Taken | None:
-        image, joints = self.image, self.joints
-        if image is None or joints is None:
+        image = self.image
+        if image is None or any(s is None for s in self.latest.values()):
             return None
         sec = image.ns * 1e-9
         if self.max_age_s > 0 and self.now() - sec > self.max_age_s:
             return None  # the camera stopped: do not act on a stale view
-        return Taken({"image": image.data, "state": joints.data}, image.stamp, sec)
+        return Taken({"image": image.data, **{k: s.data for k, s in self.latest.items()}}, image.stamp, sec)
 
     def _take_deterministic(self) -> Taken | None:
         while self.images:
             image = self.images[0]
-            stamps = [j.ns for j in self.joint_history]
-            complete = (any(ns > image.ns for ns in stamps)
-                        or time.monotonic() - image.arrival > self.pair_timeout_s)
-            verdict, i = pick_joint(image.ns, stamps, complete)
-            if verdict == "wait":
-                return None
+            chosen: dict[str, int] = {}
+            for name, history in self.history.items():
+                stamps = [x.ns for x in history]
+                complete = (any(ns > image.ns for ns in stamps)
+                            or time.monotonic() - image.arrival > self.pair_timeout_s)
+                verdict, i = pick_joint(image.ns, stamps, complete)
+                if verdict == "wait":
+                    return None
+                if verdict == "drop":
+                    break
+                chosen[name] = i
             self.images.popleft()
-            if verdict == "drop":
+            if len(chosen) < len(self.history):
                 self.rejected["unpaired"] += 1
                 continue
-            joints = self.joint_history[i]
-            while self.joint_history and self.joint_history[0].ns < joints.ns:
-                self.joint_history.popleft()  # older than what this image used: no later image needs them
-            return Taken({"image": image.data, "state": joints.data}, image.stamp, image.ns * 1e-9)
+            data = {"image": image.data}
+            for name, i in chosen.items():
+                history = self.history[name]
+                picked = history[i]
+                data[name] = picked.data
+                while history and history[0].ns < picked.ns:
+                    history.popleft()  # older than what this image used: no later image needs them
+            return Taken(data, image.stamp, image.ns * 1e-9)
         return None
 
     def snapshot(self) -> dict[str, Any]:
@@ -169,3 +189,6 @@ class StreamInput:
             return {"received": dict(self.received), "rejected": dict(self.rejected), "used": self.used,
                     "queued": len(self.images), "waiting_since": self.waiting_since,
                     "last_image_ns": self.last_image_ns}
+
+
+_COUNTER = {"state": "joints"}   # what /diagnostics has always called joint states
