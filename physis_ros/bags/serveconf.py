@@ -66,9 +66,6 @@ class ServeInfo:
         per_stream = [s.topics[t] for s in self.streams for t in ("action_chunk", "joint_trajectory")]
         return per_stream + [self.telemetry_topic, "/diagnostics"]
 
-    def stream_of_topic(self, topic: str) -> StreamInfo | None:
-        return next((s for s in self.streams if topic in s.topics.values()), None)
-
 
 def default_serve_config() -> Path | None:
     try:

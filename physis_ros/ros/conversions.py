@@ -444,35 +444,22 @@ def trajectory_velocities(positions: np.ndarray, period: float) -> np.ndarray:
     return vel
 
 
-class TrajectoryBuilder:
-    """Builds a stream's JointTrajectory messages, reusing one message object (rclpy message objects
-    are slow to construct): the result is valid until the next :meth:`build`. Point i is at
-    ``start + (i + 1) * control_period``; positions are the action rows, velocities
-    :func:`trajectory_velocities`."""
-
-    def __init__(self, stream: StreamConfig, horizon: int):
-        self.period = stream.control_period
-        self.msg = JointTrajectory()
-        self.msg.header.frame_id = stream.frame_id
-        self.msg.joint_names = list(stream.joint_names)
-        self.msg.points = [JointTrajectoryPoint(time_from_start=duration_msg((i + 1) * self.period))
-                           for i in range(horizon)]
-
-    def build(self, actions: np.ndarray, start: Time) -> JointTrajectory:
-        positions = np.ascontiguousarray(actions, dtype=np.float64)
-        velocities = trajectory_velocities(positions, self.period)
-        if len(positions) != len(self.msg.points):
-            raise ValueError(f"{len(positions)} action rows, builder made for {len(self.msg.points)}")
-        self.msg.header.stamp = start
-        for p, pos, vel in zip(self.msg.points, positions, velocities):
-            p.positions = array.array("d", pos.tobytes())
-            p.velocities = array.array("d", vel.tobytes())
-        return self.msg
-
-
 def trajectory_msg(stream: StreamConfig, actions: np.ndarray, start: Time) -> JointTrajectory:
-    """Action rows as joint positions (+ velocities), a fresh message (see :class:`TrajectoryBuilder`)."""
-    return TrajectoryBuilder(stream, len(actions)).build(actions, start)
+    """Action rows as joint positions, with :func:`trajectory_velocities`; point i at
+    ``start + (i + 1) * control_period``. (The node publishes the same message as pre-serialized bytes,
+    :mod:`physis_ros.ros.raw`; this is its definition and the tests' reference.)"""
+    period = stream.control_period
+    positions = np.ascontiguousarray(actions, dtype=np.float64)
+    velocities = trajectory_velocities(positions, period)
+    msg = JointTrajectory()
+    msg.header.stamp = start
+    msg.header.frame_id = stream.frame_id
+    msg.joint_names = list(stream.joint_names)
+    msg.points = [JointTrajectoryPoint(positions=array.array("d", pos.tobytes()),
+                                       velocities=array.array("d", vel.tobytes()),
+                                       time_from_start=duration_msg((i + 1) * period))
+                  for i, (pos, vel) in enumerate(zip(positions, velocities))]
+    return msg
 
 
 def trajectory_start(stream: StreamConfig, obs_stamp: Time, emit: float) -> Time:
