@@ -73,6 +73,7 @@ setup(
             "physis-serve=physis_ros.cli.serve:main",
             "physis-demo=physis_ros.cli.demo:main",
             "physis-synthetic=physis_ros.ros.synthetic:main",
+            "physis-stream=physis_ros.cli.stream:main",
         ],
     },
 )

@@ -6,9 +6,11 @@ Without ``--config`` the configuration comes from ROS parameters (what
 ``ros2 launch physis_ros serve.launch.py`` passes). The node is a lifecycle node: with
 ``--autostart`` (the default) it configures (engine + workers) and activates (outputs armed) at
 once; ``--no-autostart`` leaves it unconfigured for a lifecycle manager. A lifecycle shutdown
-ends the process (exit 0). Exit codes: 0 after a clean
+ends the process (exit 0). The config's streams are admitted at start-up (one not admitted is
+reported, or with ``--strict`` ends the server with exit 2); more robots join through the
+``~/serve_stream`` action (``physis-stream add``). Exit codes: 0 after a clean
 stop, 1 if the engine failed (did not start, or lost a worker it could not restart), 2 for a
-usage or configuration error (bad flag or value, a physis-serve flag placed after --ros-args,
+config stream refused under --strict, or a usage or configuration error (bad flag or value, a physis-serve flag placed after --ros-args,
 config missing/empty/binary/invalid: the message names the key; unreadable checkpoint, profile
 or keys directory), 70 internal error (a bug; PHYSIS_DEBUG=1 shows the traceback). Errors are
 one line on stderr: 'physis-serve: error: <what and the fix>'.
@@ -33,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="serve YAML (plain or ROS 2 parameters format), e.g. config/serve.yaml")
     p.add_argument("--model", type=model_arg, default="", help="model preset or YAML (overrides the config; empty: keep)")
     p.add_argument("--workers", type=nonneg_int, default=0, help="local worker processes (overrides; 0: keep)")
-    p.add_argument("--plan", default="", help="placement plan (overrides; empty: keep)")
+    p.add_argument("--plan", default="", help="engine.plan (overrides; empty: keep); the server places each "
+                                              "stream by admission, offline runs and benchmarks use the plan")
     p.add_argument("--deterministic", action="store_true",
                    help="each chunk consumes the next complete observation in arrival order")
     p.add_argument("--use-sim-time", action="store_true", help="stamp from /clock (same as -p use_sim_time:=true)")
@@ -41,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after this many seconds of serving (0: until Ctrl-C / SIGTERM)")
     p.add_argument("--start-timeout", type=positive_float, default=120.0, help="give up if the engine is not up by then")
     p.add_argument("--summary-json", help="write per-stream totals here on exit")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 2 if a stream of the config is not admitted at start-up (default: report it, serve the "
+                        "others)")
     p.add_argument("--autostart", nargs="?", const=True, default=True, type=_boolean,
                    metavar="BOOL", help="configure and activate the lifecycle node at start (default: true)")
     p.add_argument("--no-autostart", dest="autostart", action="store_false",
@@ -164,9 +170,16 @@ def _serve(argv: list[str] | None = None) -> int:
                 code = 1
                 break
             if serving_since is None:
-                if engine.ready.is_set():
+                node.publish_diagnostics()  # flips the state to serving once the config's streams are in
+                if node.state == "serving":
                     serving_since = time.monotonic()
-                    node.publish_diagnostics()  # flips the state to serving at once
+                    refused = {n: v for n, v in node.startup.items() if v != "admitted"}
+                    if refused and (args.strict or node.config.admission.strict):
+                        for n, v in refused.items():
+                            print(f"physis-serve: error: config stream {n} not admitted ({v}) and --strict",
+                                  file=sys.stderr)
+                        code = 2
+                        break
                 elif time.monotonic() - node.engine_started > args.start_timeout:
                     log.error(f"engine did not start within {args.start_timeout:.0f} s")
                     code = 1
@@ -182,6 +195,9 @@ def _serve(argv: list[str] | None = None) -> int:
                 code = code or 1
             report = node.report()
             for name, r in report.items():
+                if "not_admitted" in r:
+                    print(f"physis-serve: {name}: not admitted ({r['not_admitted']})", file=sys.stderr)
+                    continue
                 rejected = ", ".join(f"{k} {v}" for k, v in sorted(r["rejected"].items())) or "none"
                 print(f"physis-serve: {name}: {r['chunks']} chunks, interval p50 {r['interval_ms_p50']:.1f} ms, "
                       f"latency p50 {r['latency_ms_p50']:.1f} ms, rejected inputs: {rejected}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Action-conditioned world model head: action chunk + state -> latent frames [F, C, h, w]."""
+"""Action-conditioned world model head: current image + state + action chunk -> latent frames [F, C, h, w]."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ from physis_ros.model.dit import DiTModel
 class ACWMModel(DiTModel):
     @property
     def condition_tokens(self) -> int:
-        return self.config.acwm.action_horizon + 1
+        io = self.config.acwm
+        return (io.image_size // io.image_patch) ** 2 + io.action_horizon + 1
 
     def build_io(self) -> nn.Module:
         c, io = self.config, self.config.acwm
         d, patch_dim = c.hidden, io.latent_channels * io.patch * io.patch
         return nn.ModuleDict({
+            "patch": nn.Conv2d(io.image_channels, d, io.image_patch, stride=io.image_patch),
             "action": nn.Linear(io.action_dim, d),
             "state": nn.Linear(io.state_dim, d),
             "latent_in": nn.Linear(patch_dim, d),
@@ -38,9 +40,10 @@ class ACWMModel(DiTModel):
         return y.reshape(b, f, c, gh * p, gw * p)
 
     def encode(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        patches = self.io["patch"](obs["image"]).flatten(2).transpose(1, 2)
         actions = self.io["action"](obs["actions"])
         state = self.io["state"](obs["state"]).unsqueeze(1)
-        return torch.cat([actions, state], dim=1)
+        return torch.cat([patches, actions, state], dim=1)
 
     def embed(self, cond: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         h = torch.cat([cond, self.io["latent_in"](self._patchify(x))], dim=1)

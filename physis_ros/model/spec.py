@@ -27,8 +27,12 @@ class WAMIO:
 
 @dataclass(frozen=True)
 class ACWMIO:
-    """Action-conditioned world model I/O: action chunk + state in, latent frames [F, C, h, w] out."""
+    """Action-conditioned world model I/O: the current camera image + state + the action chunk to imagine
+    in, predicted latent frames [F, C, h, w] out."""
 
+    image_size: int = field(default=32, metadata=bounded(ge=4))
+    image_channels: int = field(default=3, metadata=bounded(choices=(1, 3)))
+    image_patch: int = field(default=8, metadata=bounded(ge=1))
     action_horizon: int = field(default=16, metadata=bounded(ge=1))
     action_dim: int = field(default=7, metadata=bounded(ge=1))
     state_dim: int = field(default=7, metadata=bounded(ge=1))
@@ -42,6 +46,8 @@ class ACWMIO:
         for side in ("latent_height", "latent_width"):
             if getattr(self, side) % self.patch:
                 raise ConfigError("acwm.patch", f"{self.patch} must divide {side} {getattr(self, side)}")
+        if self.image_size % self.image_patch:
+            raise ConfigError("acwm.image_patch", f"{self.image_patch} must divide image_size {self.image_size}")
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,7 @@ class ModelConfig:
         io = self.acwm
         assert io is not None
         per_frame = (io.latent_height // io.patch) * (io.latent_width // io.patch)
-        return io.action_horizon + 1 + io.frames * per_frame
+        return (io.image_size // io.image_patch) ** 2 + io.action_horizon + 1 + io.frames * per_frame
 
     @property
     def output_shape(self) -> tuple[int, ...]:
@@ -109,7 +115,8 @@ class ModelConfig:
             return {"image": (io.image_channels, io.image_size, io.image_size), "state": (io.state_dim,)}
         io = self.acwm
         assert io is not None
-        return {"actions": (io.action_horizon, io.action_dim), "state": (io.state_dim,)}
+        return {"image": (io.image_channels, io.image_size, io.image_size), "state": (io.state_dim,),
+                "actions": (io.action_horizon, io.action_dim)}
 
     def block_params(self) -> int:
         """Parameters of one transformer block (attention, MLP, adaLN modulation)."""

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 from sensor_msgs.msg import CompressedImage, Image, JointState
+from trajectory_msgs.msg import JointTrajectory
 
 from physis_ros.model.spec import ModelConfig
+from physis_ros.msg import ActionChunk
 from physis_ros.ros import conversions as conv
 from physis_ros.ros.config import StreamConfig
 
@@ -42,3 +44,14 @@ def accept_joints(msg: JointState, stream: StreamConfig, now: float | None = Non
     if now is not None:
         conv.check_stamp(msg.header.stamp, now, stream.max_future_s, stream.max_age_s)
     return conv.joints_from_msg(msg, list(stream.joint_names), stream.max_joints, stream.max_abs_position)
+
+
+def accept_actions(msg: ActionChunk | JointTrajectory, stream: StreamConfig, model: ModelConfig) -> np.ndarray:
+    """A world model's ``actions`` input: the first steps of an ActionChunk or JointTrajectory, columns
+    mapped by the stream's joint names. (No stamp check: actions are a command to imagine, stamped with
+    whatever observation the policy acted on, not a sensor reading.)"""
+    horizon = model.observation_shapes["actions"][0]
+    names = list(stream.joint_names)
+    if isinstance(msg, JointTrajectory):
+        return conv.actions_from_trajectory(msg, names, horizon, stream.max_abs_position)
+    return conv.actions_from_chunk(msg, names, horizon, stream.max_abs_position)

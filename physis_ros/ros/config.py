@@ -70,9 +70,15 @@ class TopicsConfig:
         "ros2_control joint_trajectory_controller directly"))
     telemetry: str = field(default="telemetry", metadata=described(
         "this stream's own physis_ros/ChunkTelemetry topic (published only with telemetry: true)"))
+    actions: str = field(default="actions", metadata=described(
+        "world models (ACWM): the actions to imagine, a physis_ros/ActionChunk or trajectory_msgs/JointTrajectory "
+        "topic (actions_type); e.g. /robot0/action_chunk to imagine what a WAM stream of this server commands"))
+    predicted_frames: str = field(default="predicted_frames", metadata=described(
+        "world models (ACWM): physis_ros/PredictedFrames output topic"))
 
     def check(self, prefix: str) -> None:
-        for name in ("image", "compressed_image", "joint_states", "action_chunk", "joint_trajectory", "telemetry"):
+        for name in ("image", "compressed_image", "joint_states", "action_chunk", "joint_trajectory", "telemetry",
+                     "actions", "predicted_frames"):
             value = getattr(self, name)
             if not _TOPIC.match(value) or "//" in value or value.endswith("/"):
                 raise ConfigError(f"{prefix}.{name}", f"{value!r} is not a valid ROS topic name")
@@ -94,16 +100,23 @@ class ImageConfig:
 
 @dataclass(frozen=True)
 class StreamConfig:
-    """One robot: its namespace, joints, SLO, input handling and topics."""
+    """One robot: its model, namespace, joints, SLO, input handling and topics."""
 
     joint_names: list[str] = field(metadata=described(
         "the model's action/state columns in order, matched by name in joint_states"))
+    model: str = field(default="", metadata=described(
+        "model preset, model YAML or checkpoint (.safetensors) of this stream (empty: the server's model)"))
+    actions_type: str = field(default="action_chunk", metadata=bounded(
+        choices=("action_chunk", "joint_trajectory"), doc="world models (ACWM): message type of topics.actions"))
     namespace: str = field(default="", metadata=described("namespace of the stream's topics (empty: its name)"))
     slo_interval_ms: float | None = field(default=None, metadata=bounded(
         gt=0.0, doc="output interval target: telemetry deadline_miss, /diagnostics verdicts, task deadlines "
                     "(unset: none)"))
     control_rate_hz: float = field(default=50.0, metadata=bounded(
         gt=0.0, doc="action steps per second: ActionChunk.control_period and trajectory point timing"))
+    execution_horizon: int = field(default=0, metadata=bounded(
+        ge=0, doc="control steps each chunk is executed for (s; 0: half the model's horizon): chunk c covers "
+                  "steps [c*s, c*s + H), and the stream's interval is s / control_rate_hz"))
     compressed: bool = field(default=False, metadata=described(
         "subscribe sensor_msgs/CompressedImage (jpeg/png, decoded with OpenCV) instead of Image"))
     image: ImageConfig = field(default_factory=ImageConfig)
@@ -153,12 +166,38 @@ class StreamConfig:
 
 
 @dataclass(frozen=True)
+class AdmissionConfig:
+    """How streams are admitted: the joint scheduler over this server's workers (one device each)."""
+
+    headroom: float = field(default=0.1, metadata=bounded(
+        ge=0.0, le=0.9, doc="every worker keeps this fraction of its time free (utilisation <= 1 - headroom)"))
+    device: str = field(default="", metadata=described(
+        "device spec of the workers (config/devices/<name>.yaml; empty: cpu for CPU workers, h200 for cuda)"))
+    profiles: str = field(default="", metadata=described(
+        "directory of physis-profile JSON files (<model>.<device>.json) to admit with; empty or missing "
+        "file: measure the model here at first use"))
+    profile_repeats: int = field(default=8, metadata=bounded(ge=1, le=1000, doc="timing rounds when measuring"))
+    corun_slowdown: float = field(default=1.15, metadata=bounded(
+        ge=1.0, le=10.0, doc="CPU workers sharing the host run this much slower than the one-process "
+                             "measurement (physis-profile --corun measures it)"))
+    pace_margin: float = field(default=0.05, metadata=bounded(
+        ge=0.0, le=0.5, doc="streams are released (and admitted) every SLO x (1 - pace_margin): the margin absorbs "
+                            "release and transport jitter, so intervals stay within the SLO"))
+    strict: bool = field(default=False, metadata=described(
+        "a config stream that is not admitted at start-up stops the server (exit 2) instead of being "
+        "reported"))
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """The whole server: model, engine, streams (robots) and node-wide settings."""
 
-    streams: dict[str, StreamConfig] = field(metadata=described("the robots served, by stream name"))
-    model: str = field(default="tiny-wam", metadata=described("model preset (config/models/) or path to a model YAML"))
+    streams: dict[str, StreamConfig] = field(default_factory=dict, metadata=described(
+        "the robots served from start-up, by stream name (more join through the serve_stream action)"))
+    model: str = field(default="tiny-wam", metadata=described(
+        "the default model: preset (config/models/), model YAML or checkpoint (.safetensors)"))
     engine: EngineConfig = field(default_factory=EngineConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     # Each chunk consumes the next complete observation in arrival order instead of the latest one.
     deterministic: bool = field(default=False, metadata=described(
         "chunk c consumes the c-th complete observation (bag replay checks) instead of the latest one"))
@@ -183,8 +222,6 @@ class ServeConfig:
         ge=0.0, doc="least time between two warnings of one kind per stream (s)"))
 
     def validate(self) -> None:
-        if not self.streams:
-            raise ConfigError("streams", "needs at least one stream")
         namespaces: dict[str, str] = {}
         for name, stream in self.streams.items():
             if not _NAME.match(name):
@@ -203,15 +240,25 @@ class ServeConfig:
             raise ConfigError("telemetry_topic", f"{self.telemetry_topic!r} is not a valid ROS topic name")
 
     def namespace_of(self, stream: str) -> str:
-        return (self.streams[stream].namespace or stream).strip("/")
+        return stream_namespace(stream, self.streams[stream])
 
     def topic(self, stream: str, name: str) -> str:
         """Full topic name of one of a stream's topics (relative to the node namespace unless absolute)."""
-        rel = getattr(self.streams[stream].topics, name)
-        if rel.startswith("/"):
-            return rel
-        ns = self.streams[stream].namespace or stream
-        return f"{ns.rstrip('/')}/{rel}" if ns.startswith("/") else f"{ns}/{rel}"
+        return stream_topic(stream, self.streams[stream], name)
+
+
+def stream_namespace(name: str, stream: StreamConfig) -> str:
+    return (stream.namespace or name).strip("/")
+
+
+def stream_topic(name: str, stream: StreamConfig, which: str) -> str:
+    """Full name of one of a stream's topics (``which``: a TopicsConfig field), relative to the node's
+    namespace unless absolute."""
+    rel = getattr(stream.topics, which)
+    if rel.startswith("/"):
+        return rel
+    ns = stream.namespace or name
+    return f"{ns.rstrip('/')}/{rel}" if ns.startswith("/") else f"{ns}/{rel}"
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -282,19 +329,56 @@ def load_serve_config(path: str | Path | None = None, overrides: dict[str, Any] 
     return serve_config(deep_merge(load_serve_mapping(path), overrides or {}), source=str(path))
 
 
-def check_against_model(config: ServeConfig, model: ModelConfig) -> None:
-    """The streams must fit the model: a WAM with an image and a joint state in, [horizon, dof] out."""
-    if model.kind != "wam" or model.wam is None:
-        raise ConfigError("model", f"model '{model.name}' is a {model.kind}; the ROS action server serves "
-                                   f"world-action models (camera + joint state in, action chunk out)")
-    unsupported = sorted(set(model.observation_shapes) - {"image", "state"})
+OBSERVATION_TOPICS = {"image": "topics.image", "state": "topics.joint_states", "actions": "topics.actions"}
+
+
+def check_stream_model(key: str, stream: StreamConfig, model: ModelConfig) -> None:
+    """A stream must fit its model: every observation the model takes has a topic that feeds it (camera,
+    joint states, actions to imagine), and the joint names cover its state and action columns.
+    ``key``: the stream's dotted config key, for the error."""
+    unsupported = sorted(set(model.observation_shapes) - set(OBSERVATION_TOPICS))
     if unsupported:
-        raise ConfigError("model", f"model '{model.name}' needs observations {unsupported} that no ROS topic feeds")
-    dof, state_dim = model.wam.dof, model.wam.state_dim
-    if state_dim != dof:
-        raise ConfigError("model", f"model '{model.name}' has state_dim {state_dim} != dof {dof}; the node maps "
-                                   f"one list of joint names onto both")
-    for name, stream in config.streams.items():
-        if len(stream.joint_names) != dof:
-            raise ConfigError(f"streams.{name}.joint_names",
-                              f"{len(stream.joint_names)} joint names but model '{model.name}' has dof {dof}")
+        raise ConfigError(f"{key}.model", f"model '{model.name}' needs observations {unsupported} that no ROS "
+                                          f"topic feeds")
+    if "image" not in model.observation_shapes:
+        raise ConfigError(f"{key}.model", f"model '{model.name}' takes no camera image; the server's streams are "
+                                          f"driven by their camera")
+    n = len(stream.joint_names)
+    for name, shape in model.observation_shapes.items():
+        width = {"state": shape[0], "actions": shape[-1]}.get(name)
+        if width is not None and width != n:
+            raise ConfigError(f"{key}.joint_names", f"{n} joint names but model '{model.name}' takes {name} of "
+                                                    f"{width} columns")
+    if model.kind == "wam" and model.output_shape[-1] != n:
+        raise ConfigError(f"{key}.joint_names", f"{n} joint names but model '{model.name}' outputs "
+                                                f"{model.output_shape[-1]} action columns")
+    horizon = model_horizon(model)
+    if stream.execution_horizon > horizon:
+        raise ConfigError(f"{key}.execution_horizon", f"{stream.execution_horizon} steps but model '{model.name}' "
+                                                      f"plans {horizon}; use 1..{horizon}")
+    timeline = timeline_interval_ms(stream, model)
+    if stream.slo_interval_ms is not None and stream.slo_interval_ms > timeline + 1e-9:
+        raise ConfigError(f"{key}.slo_interval_ms", f"{stream.slo_interval_ms:g} ms is longer than the control "
+                                                    f"timeline allows: a chunk every {execution_steps(stream, model)} "
+                                                    f"steps at {stream.control_rate_hz:g} Hz is {timeline:g} ms "
+                                                    f"(lower it, or raise execution_horizon)")
+
+
+def model_horizon(model: ModelConfig) -> int:
+    """Control steps one chunk plans: a WAM's action horizon, a world model's imagined actions."""
+    return model.observation_shapes["actions"][0] if model.kind == "acwm" else model.output_shape[0]
+
+
+def execution_steps(stream: StreamConfig, model: ModelConfig) -> int:
+    """s: the control steps each chunk is executed for."""
+    return stream.execution_horizon or max(1, model_horizon(model) // 2)
+
+
+def timeline_interval_ms(stream: StreamConfig, model: ModelConfig) -> float:
+    """The interval the control timeline needs: s / control_rate."""
+    return execution_steps(stream, model) / stream.control_rate_hz * 1e3
+
+
+def slo_interval_ms(stream: StreamConfig, model: ModelConfig) -> float:
+    """The stream's SLO interval: as configured, else its control timeline's."""
+    return stream.slo_interval_ms if stream.slo_interval_ms is not None else timeline_interval_ms(stream, model)

@@ -32,7 +32,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from physis_ros.model.spec import ModelConfig
-from physis_ros.msg import ActionChunk, ChunkTelemetry
+from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
 from physis_ros.ros.config import StreamConfig
 from physis_ros.telemetry import ChunkRecord
 
@@ -308,14 +308,13 @@ def image_from_msg(msg: Image | CompressedImage, stream: StreamConfig, model: Mo
     """The model's ``image`` input from a camera message (InputRejected if it is unusable). Messages
     over ``stream.image.max_bytes`` (raw bytes, or a compressed image's decoded size) are refused before
     any work; the full-size image is never copied or converted to float."""
-    assert model.wam is not None
+    channels, size, _ = model.observation_shapes["image"]
     max_bytes = stream.image.max_bytes
     if isinstance(msg, CompressedImage):
         pixels, encoding = compressed_pixels(msg, max_bytes)
     else:
         pixels, encoding = image_pixels(msg, max_bytes), msg.encoding.lower()
-    return preprocess(pixels, encoding, model.wam.image_size, model.wam.image_channels,
-                      stream.image.preprocess, stream.image.pad_value)
+    return preprocess(pixels, encoding, size, channels, stream.image.preprocess, stream.image.pad_value)
 
 
 class HeapTrimmer:
@@ -406,6 +405,51 @@ def joints_from_msg(msg: JointState, joint_names: list[str], max_joints: int | N
     return out
 
 
+def _float32_rows(rows: np.ndarray, what: str, max_abs: float) -> np.ndarray:
+    """Rows checked in float32 (the model's precision), as :func:`joints_from_msg` checks positions."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.asarray(rows, dtype=np.float64).astype(np.float32)
+    if not np.isfinite(out).all() or np.abs(out).max(initial=0.0) > max_abs:
+        raise InputRejected("nonfinite", f"{what} holds values float32 cannot represent or beyond {max_abs:g}")
+    return out
+
+
+def actions_from_chunk(msg: ActionChunk, joint_names: list[str], horizon: int,
+                       max_abs: float = 1e9) -> np.ndarray:
+    """The actions a world model imagines, [horizon, len(joint_names)], from an ActionChunk (this server's
+    WAM output, or any policy's): its first ``horizon`` steps, columns mapped by joint name."""
+    names = list(msg.joint_names)
+    rows, dof = int(msg.horizon), int(msg.dof)
+    actions = np.frombuffer(msg.actions, dtype=np.float32) if len(msg.actions) else np.zeros(0, np.float32)
+    if len(names) != dof or actions.size != rows * dof:
+        raise InputRejected("malformed", f"ActionChunk of {rows}x{dof} with {len(names)} joint names and "
+                                         f"{actions.size} values")
+    return _select(actions.reshape(rows, dof), names, joint_names, horizon, "ActionChunk", max_abs)
+
+
+def actions_from_trajectory(msg: JointTrajectory, joint_names: list[str], horizon: int,
+                            max_abs: float = 1e9) -> np.ndarray:
+    """The actions to imagine from a JointTrajectory: the positions of its first ``horizon`` points."""
+    names = list(msg.joint_names)
+    if any(len(p.positions) != len(names) for p in msg.points):
+        raise InputRejected("malformed", f"JointTrajectory points must each hold {len(names)} positions")
+    rows = np.array([list(p.positions) for p in msg.points], dtype=np.float64).reshape(len(msg.points), len(names))
+    return _select(rows, names, joint_names, horizon, "JointTrajectory", max_abs)
+
+
+def _select(rows: np.ndarray, names: list[str], joint_names: list[str], horizon: int, what: str,
+            max_abs: float) -> np.ndarray:
+    index = {n: i for i, n in enumerate(names)}
+    if len(index) != len(names):
+        raise InputRejected("malformed", f"{what} lists a joint twice")
+    missing = [n for n in joint_names if n not in index]
+    if missing:
+        raise InputRejected("missing_joints", f"{what} lacks joint(s) {', '.join(missing)} (got {_names(names)})")
+    if len(rows) < horizon:
+        raise InputRejected("size", f"{what} has {len(rows)} steps; the world model imagines {horizon}")
+    return _float32_rows(rows[:horizon, [index[n] for n in joint_names]], what, max_abs)
+
+
 def observation_from_msgs(image_msg: Image | CompressedImage, joint_msg: JointState, stream: StreamConfig,
                           model: ModelConfig) -> dict[str, np.ndarray]:
     """The observation tensors (unbatched float32) one chunk consumes, exactly as the node builds them."""
@@ -429,6 +473,20 @@ def action_chunk_msg(stream_name: str, stream: StreamConfig, chunk: int, actions
     msg.dof = dof
     # array.array is the setter's fast path (a numpy array is checked element by element)
     msg.actions = array.array("f", np.ascontiguousarray(actions, dtype=np.float32).tobytes())
+    return msg
+
+
+def frames_msg(stream_name: str, stream: StreamConfig, chunk: int, frames: np.ndarray, obs_stamp: Time
+               ) -> PredictedFrames:
+    """A world model's chunk: latent frames [F, C, h, w] as a PredictedFrames message."""
+    f, c, h, w = frames.shape
+    msg = PredictedFrames()
+    msg.header.stamp = obs_stamp
+    msg.header.frame_id = stream.frame_id
+    msg.stream = stream_name
+    msg.chunk_index = chunk
+    msg.frames, msg.channels, msg.height, msg.width = f, c, h, w
+    msg.latents = array.array("f", np.ascontiguousarray(frames, dtype=np.float32).tobytes())
     return msg
 
 

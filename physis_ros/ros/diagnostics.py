@@ -178,6 +178,15 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
     return _status(name, hardware_id or name, level, msg, values, prefix)
 
 
+def pending_stream_status(name: str, verdict: str | None, engine_state: str, prefix: str = PREFIX,
+                          hardware_id: str = "") -> DiagnosticStatus:
+    """A stream of the config that is not served: waiting for admission (WARN), or refused (ERROR, the reason)."""
+    if verdict:
+        return _status(name, hardware_id or name, ERROR, f"not admitted: {verdict}", {"admitted": False}, prefix)
+    return _status(name, hardware_id or name, WARN, f"waiting for admission (engine {engine_state})",
+                   {"admitted": False}, prefix)
+
+
 def worker_status(name: str, pid: int, last_seen: float, stats: dict[str, Any], timeout_s: float,
                   alive: bool, hardware_id: str = "", state: str = "", prefix: str = PREFIX) -> DiagnosticStatus:
     """``state``: the engine's word for the worker (up, starting, restarting, down), if it has one."""

@@ -1,47 +1,38 @@
 """The engine's asyncio loop (uvloop) in a thread of its own, beside the rclpy executor.
 
-The executor thread never waits on the engine: observations reach it through
-``observe`` callbacks (called on the engine's loop, non-blocking) and outputs
-leave through ``on_output`` callbacks (also on the engine's loop).
+The executor thread never waits on the engine: streams are added and removed through
+:meth:`EngineThread.submit` (a ``concurrent.futures.Future`` the caller polls), observations reach
+the engine through ``observe`` callbacks and outputs leave through ``on_output`` callbacks (both
+called on the engine's loop, non-blocking), and health is the engine's own snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import signal
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import uvloop
 
+from physis_ros.runtime.engine import Engine, EngineHealth, ObserveFn, OutputFn, ServedModel, StreamEvent
+from physis_ros.runtime.plans import Plan
 from physis_ros.runtime.settings import EngineConfig
-from physis_ros.model.spec import ModelConfig
-from physis_ros.runtime.engine import Engine, ObserveFn, OutputFn, ServedModel, StreamEvent
-from physis_ros.runtime.planner import resolve_plan
 
 log = logging.getLogger("physis.ros")
 
 
-@dataclass
-class StreamSpec:
-    name: str
-    observe: ObserveFn
-    on_output: OutputFn
-    slo_interval_ms: float | None = None
-
-
 class EngineThread:
-    def __init__(self, model: ModelConfig, config: EngineConfig, streams: list[StreamSpec],
-                 clock: Callable[[], float], on_event: Callable[[StreamEvent], None] | None = None):
-        self.model = model
-        self.on_event = on_event
+    def __init__(self, config: EngineConfig, clock: Callable[[], float],
+                 on_event: Callable[[StreamEvent], None] | None = None):
         self.config = config
-        self.specs = streams
         self.clock = clock
+        self.on_event = on_event
         self.engine: Engine | None = None
-        self.ready = threading.Event()      # engine started and all streams added
+        self.ready = threading.Event()      # the workers are up (or the start failed: see ``failure``)
         self.finished = threading.Event()   # the thread's loop is done (engine stopped)
         self.error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -56,11 +47,45 @@ class EngineThread:
     @property
     def failure(self) -> BaseException | None:
         """Why the engine cannot serve: a start error, or a lost worker it could not (or may not)
-        restart. A worker it restarts only fails its streams for a while (see ``on_event``)."""
+        restart. A worker it restarts only resets its streams for a while (see ``on_event``)."""
         if self.error is not None:
             return self.error
         return self.engine.failure if self.engine is not None else None
 
+    def health(self) -> EngineHealth | None:
+        return self.engine.health() if self.engine is not None else None
+
+    # ---- streams (any thread) -------------------------------------------------------------------
+    def submit(self, make: Callable[[Engine], Coroutine[Any, Any, Any]]) -> concurrent.futures.Future:
+        """Run ``make(engine)`` on the engine's loop; its future completes there (poll it, do not block)."""
+        if not self.ready.is_set() or self.failure is not None or self._loop is None:
+            failed: concurrent.futures.Future = concurrent.futures.Future()
+            failed.set_exception(RuntimeError(f"the engine is not serving ({self.failure or 'not started'})"))
+            return failed
+        return asyncio.run_coroutine_threadsafe(make(self.engine), self._loop)
+
+    def add_stream(self, name: str, observe: ObserveFn, on_output: OutputFn, *, model: ServedModel, plan: Plan,
+                   slo_interval_ms: float | None, release_interval_ms: float | None = None
+                   ) -> concurrent.futures.Future:
+        return self.submit(lambda engine: engine.add_stream(
+            name, observe, on_output, model=model, plan=plan, slo_interval_ms=slo_interval_ms,
+            release_interval_ms=release_interval_ms))
+
+    def remove_stream(self, name: str) -> concurrent.futures.Future:
+        async def remove(engine: Engine) -> None:
+            if name in engine.streams:
+                await engine.remove_stream(name)
+        return self.submit(remove)
+
+    def set_slo(self, stream: str, slo_interval_ms: float | None) -> None:
+        """Change a stream's SLO interval at run time (deadline-miss flags, task deadlines, its bound)."""
+        async def update(engine: Engine) -> None:
+            s = engine.streams.get(stream)
+            if s is not None:
+                s.slo_interval_ms = slo_interval_ms
+        self.submit(update)
+
+    # ---- the loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
         # Worker processes are forked from this thread and inherit its signal mask: with SIGINT blocked
         # they ignore a terminal's Ctrl-C (sent to the whole foreground process group), which reaches
@@ -87,28 +112,18 @@ class EngineThread:
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
+        engine = Engine(self.config, clock=self.clock, on_event=self.on_event)
+        self.engine = engine
         try:
-            resolved = resolve_plan(self.model, self.config)
-            self.served = ServedModel(self.model, self.config.checkpoint, resolved.profile)
-            self.plan = resolved.plan
-            engine = Engine(self.config, clock=self.clock, on_event=self.on_event)
-            self.engine = engine
             await engine.start()  # stops its own workers if it fails
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 self.error = exc
             raise
         try:
-            for spec in self.specs:
-                await engine.add_stream(spec.name, spec.observe, spec.on_output, model=self.served, plan=self.plan,
-                                        slo_interval_ms=spec.slo_interval_ms)
             self.ready.set()
             if not self._stop_requested.is_set():
                 await self._stop.wait()
-        except BaseException as exc:
-            if not isinstance(exc, asyncio.CancelledError):
-                self.error = exc
-            raise
         finally:
             await asyncio.shield(engine.stop())
 
@@ -129,22 +144,3 @@ class EngineThread:
         if self._thread.is_alive():
             self._thread.join(timeout)
         return not self._thread.is_alive()
-
-    def set_slo(self, stream: str, slo_interval_ms: float | None) -> None:
-        """Change a stream's SLO interval at run time (deadline-miss flags, task deadlines), from any
-        thread: the spec (for a stream not added yet) and, on the loop, the engine's stream state."""
-        for spec in self.specs:
-            if spec.name == stream:
-                spec.slo_interval_ms = slo_interval_ms
-        loop, engine = self._loop, self.engine
-        if loop is None or engine is None:
-            return
-
-        def _set() -> None:
-            s = engine.streams.get(stream)
-            if s is not None:
-                s.slo_interval_ms = slo_interval_ms
-        try:
-            loop.call_soon_threadsafe(_set)
-        except RuntimeError:
-            pass  # loop already closed

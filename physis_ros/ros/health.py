@@ -1,10 +1,11 @@
 """Gathering ``/diagnostics`` for ``physis_server``: the node's streams, the engine's workers (through
-:meth:`~physis_ros.ros.node.PhysisServer.engine_health`, the one place that reads engine internals)
+:func:`engine_snapshot`, the one place that reads the engine: its own health snapshot)
 and the lifecycle state, turned into statuses by the pure functions of
 :mod:`physis_ros.ros.diagnostics`. Runs on the executor thread."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -15,24 +16,36 @@ from physis_ros.telemetry import percentile
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
+    from physis_ros.ros.streams import RosStream
 
 
-def stream_stats(node: PhysisServer, name: str, now: float) -> dict[str, Any]:
+def stream_stats(node: PhysisServer, st: RosStream, now: float) -> dict[str, Any]:
     """Windowed stats of one stream (node clock ``now``) plus the node-side handover/publish times."""
-    st = node.streams[name]
-    with st.stats_lock:
-        records, total, misses = list(st.stats.records), st.stats.total, st.stats.deadline_misses
-        handover, publish = list(st.handover_ms), list(st.publish_ms)
-    out = diag.window_stats(records, now, node.config.diagnostics_window_s, st.config.slo_interval_ms,
+    records, total, misses, handover, publish = st.records()
+    out = diag.window_stats(records, now, node.config.diagnostics_window_s, st.slo_interval_ms,
                             total=total, misses_total=misses)
     out.update(handover_ms_p50=percentile(handover, 50), handover_ms_p99=percentile(handover, 99),
                publish_ms_p50=percentile(publish, 50), publish_ms_p99=percentile(publish, 99))
     return out
 
 
+def engine_snapshot(node: PhysisServer) -> dict[str, Any]:
+    """The engine's workers and each stream's workers, as plain data, from its ``health()`` snapshot (taken
+    on its own loop: the one place the node reads the engine)."""
+    h = node.engine.health() if node.engine is not None else None
+    if h is None:
+        return {"workers": {}, "streams": {}}
+    workers = {w.name: {"pid": w.pid, "state": w.state, "alive": w.state in ("up", "starting"),
+                        "last_seen": h.taken - w.heartbeat_age_s if math.isfinite(w.heartbeat_age_s) else 0.0,
+                        "host": w.host, "device": w.device,
+                        "stats": {**dict(w.stats), "restarts": w.restarts, "queue": w.queue}}
+               for w in h.workers}
+    return {"workers": workers, "streams": {name: list(s.workers) for name, s in h.streams.items()}}
+
+
 def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
     cfg, ecfg = node.config, node.config.engine
-    snap = node.engine_health() or {"workers": {}, "streams": {}}
+    snap = engine_snapshot(node)
     mono = time.monotonic()
     worker_hw, down, out = {}, [], []
     for wname, w in snap["workers"].items():
@@ -44,7 +57,7 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
                                       w["alive"], hardware_id=worker_hw[wname], state=w["state"],
                                       prefix=node.diag_prefix))
     failure = node.engine.failure if node.engine is not None else None
-    engine = diag.engine_status(node.state, node.model.name, ecfg.plan, ecfg.workers,
+    engine = diag.engine_status(node.state, node.model.name, "admission", ecfg.workers,
                                 str(failure) if failure else None,
                                 telemetry_subscribers=node.pub_telemetry.get_subscription_count(),
                                 armed=node.armed, lifecycle=node.lifecycle, workers_down=sorted(down),
@@ -52,7 +65,7 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
     now = node.now()
     since = None if node.serving_since is None else mono - node.serving_since
     streams = []
-    for name, st in node.streams.items():
+    for name, st in list(node.streams.items()):
         inputs = st.input.snapshot()
         total_rejects = sum(inputs["rejected"].values())
         new = total_rejects - st.rejects_reported
@@ -60,17 +73,22 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
         waiting = inputs["waiting_since"]
         idle = None if waiting is None else mono - waiting
         if node.state == "serving" and idle is not None and idle > cfg.diagnostics_starved_s:
-            node._warn(st, "idle", f"stream {name}: no fresh observation for {idle:.1f} s (images "
-                                   f"{inputs['received'].get('images', 0)}, joint states "
-                                   f"{inputs['received'].get('joints', 0)} received so far)")
-        inputs.update(failed=st.failed, failures=st.failures, lost_chunks=st.lost_chunks,
-                      action_chunk_subscribers=st.pub_chunk.get_subscription_count(),
-                      joint_trajectory_subscribers=st.pub_traj.get_subscription_count())
+            st.warn("idle", f"stream {name}: no fresh observation for {idle:.1f} s (images "
+                            f"{inputs['received'].get('images', 0)}, joint states "
+                            f"{inputs['received'].get('joints', 0)} received so far)")
+        inputs.update(failed=st.health.failed, failures=st.health.failures, lost_chunks=st.health.lost_chunks,
+                      **st.subscriber_counts())
         hw = diag.stream_hardware_id(node.hostname, [worker_hw[w] for w in snap["streams"].get(name, [])
                                                      if w in worker_hw])
         streams.append(diag.stream_status(
-            name, stream_stats(node, name, now), inputs, slo_interval_ms=st.config.slo_interval_ms,
+            name, stream_stats(node, st, now), inputs, slo_interval_ms=st.slo_interval_ms,
             new_rejects=new, engine_state=node.state, idle_s=idle, armed=node.armed, hardware_id=hw,
             miss_rate_warn=cfg.diagnostics_miss_rate_warn, starved_s=cfg.diagnostics_starved_s,
             since_s=since, prefix=node.diag_prefix))
+    for name in node.config.streams:
+        if name not in node.streams:
+            verdict = node.startup.get(name)
+            streams.append(diag.pending_stream_status(name, None if verdict in (None, "admitted") else verdict,
+                                                      node.state, prefix=node.diag_prefix,
+                                                      hardware_id=node.hostname))
     return [engine, *streams, *out]

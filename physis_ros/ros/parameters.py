@@ -209,6 +209,7 @@ class ServeParameters:
         self.config: ServeConfig = serve_config(mapping)
         self.types: dict[str, Parameter.Type] = {}
         self._apply: Callable[[ServeConfig, ServeConfig], None] | None = None
+        self._check: Callable[[ServeConfig], None] | None = None
 
     def declare(self) -> None:
         node = self.node
@@ -225,9 +226,12 @@ class ServeParameters:
             else:
                 node.declare_parameter(leaf.name, value, desc, ignore_override=True)
 
-    def attach(self, apply: Callable[[ServeConfig, ServeConfig], None]) -> None:
-        """Start validating and applying changes; ``apply(old, new)`` runs after a set succeeded."""
-        self._apply = apply
+    def attach(self, apply: Callable[[ServeConfig, ServeConfig], None],
+               check: Callable[[ServeConfig], None] | None = None) -> None:
+        """Start validating and applying changes; ``check(new)`` may refuse a change with a ConfigError
+        beyond what the config alone says (a stream's model), ``apply(old, new)`` runs after a set
+        succeeded."""
+        self._apply, self._check = apply, check
         self.node.add_pre_set_parameters_callback(self._coerce)
         self.node.add_on_set_parameters_callback(self._validate)
         self.node.add_post_set_parameters_callback(self._applied)
@@ -257,7 +261,9 @@ class ServeParameters:
             if p.type_ == Parameter.Type.NOT_SET:
                 return SetParametersResult(successful=False, reason=f"{p.name} cannot be unset")
         try:
-            self._updated(ours)
+            updated = self._updated(ours)
+            if self._check is not None:
+                self._check(updated)
         except ConfigError as exc:
             return SetParametersResult(successful=False, reason=str(exc))
         return SetParametersResult(successful=True)

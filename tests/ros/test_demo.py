@@ -15,7 +15,7 @@ from rosprobe import JOINTS, TAG, child_env, processes_with_marker, write_config
 def test_demo_runs_and_exits_cleanly(tmp_path):
     marker = uuid.uuid4().hex
     config = write_config(tmp_path / "serve.yaml", {
-        name: {"namespace": f"{TAG}_demo_{name}", "joint_names": JOINTS, "slo_interval_ms": 500.0}
+        name: {"namespace": f"{TAG}_demo_{name}", "joint_names": JOINTS}
         for name in ("robot0", "robot1")}, telemetry_topic=f"{TAG}_demo_telemetry",
         engine={"workers": 1, "plan": "sequential"})  # the 2-worker pipeline is covered by test_node
     out = tmp_path / "demo.json"

@@ -111,7 +111,8 @@ def test_trajectory_topic_applies_to_a_single_stream_config(tmp_path, capsys):
     try:
         node = PhysisServer(single, None, context=context, trajectory_topic="/arm_controller/joint_trajectory")
         try:
-            assert node.streams["arm"].pub_traj.topic_name == "/arm_controller/joint_trajectory"
+            # (streams get their topics when admitted, once configured: the config carries the remap)
+            assert node.config.topic("arm", "joint_trajectory") == "/arm_controller/joint_trajectory"
             assert node.get_parameter("streams.arm.topics.joint_trajectory").value == "/arm_controller/joint_trajectory"
         finally:
             node.destroy_node()

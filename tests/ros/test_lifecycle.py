@@ -35,7 +35,7 @@ class Live:
 
         self.marker = uuid.uuid4().hex
         self.config = write_config(tmp / "serve.yaml", {
-            "l0": {"namespace": NS, "joint_names": JOINTS, "slo_interval_ms": 400.0, "max_age_s": 1.0,
+            "l0": {"namespace": NS, "joint_names": JOINTS, "max_age_s": 1.0,
                    "telemetry": True, "topics": {"joint_trajectory": CONTROLLER_TOPIC}}},
             telemetry_topic=f"/{TAG}_ltelemetry", diagnostics_period_s=0.25, diagnostics_window_s=2.0,
             diagnostics_starved_s=1.0, engine={"workers": 1, "plan": "sequential"})

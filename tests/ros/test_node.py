@@ -46,7 +46,7 @@ class Live:
 
         self.marker = uuid.uuid4().hex
         self.config = write_config(tmp / "serve.yaml", {
-            name: {"namespace": ns_, "joint_names": JOINTS, "slo_interval_ms": 500.0, "control_rate_hz": 50.0,
+            name: {"namespace": ns_, "joint_names": JOINTS, "control_rate_hz": 50.0, "execution_horizon": 4,
                    "max_age_s": 5.0, "image": {"preprocess": "center_crop"}}
             for name, ns_ in STREAMS.items()},
             telemetry_topic=TELEMETRY, diagnostics_period_s=0.5, warn_throttle_s=0.2,
@@ -155,7 +155,7 @@ def test_telemetry_agrees_with_what_the_subscriber_saw(live):
                 prev = tel[(name, c - 1)]
                 assert t.output_interval_ms == pytest.approx((sec(t.emit_stamp) - sec(prev.emit_stamp)) * 1e3,
                                                              abs=1e-3)
-                assert t.deadline_miss == (t.output_interval_ms > 500.0)
+                assert t.deadline_miss == (t.output_interval_ms > 80.0)   # the SLO: its control timeline
 
 
 def test_bad_inputs_are_rejected_counted_and_reported(live):
@@ -236,7 +236,7 @@ def test_diagnostics_report_streams_workers_and_engine(live):
     assert engine["state"] == "serving" and engine["_level"] == 0
     assert engine["armed"] == "True" and engine["lifecycle"] == "active"   # --autostart (the default)
     r0 = diag_values(last, "r0")
-    assert float(r0["chunks_per_s"]) > 0 and r0["slo_interval_ms"] == "500.000"
+    assert float(r0["chunks_per_s"]) > 0 and r0["slo_interval_ms"] == "80.000"   # its control timeline: 4 steps at 50 Hz
     assert int(r0["chunks_total"]) >= 12
     # hardware ids name host and device: the workers', and for a stream the devices of its workers
     host = socket.gethostname()

@@ -7,8 +7,9 @@ import yaml
 
 from physis_ros.config import ConfigError, repo_config_dir
 from physis_ros.model.presets import load_model_config
-from physis_ros.ros.config import (ServeConfig, check_against_model, deep_merge, load_serve_config,
-                                   load_serve_mapping, serve_config, unflatten, unwrap_ros_parameters)
+from physis_ros.ros.config import (ServeConfig, check_stream_model, deep_merge, load_serve_config,
+                                   load_serve_mapping, serve_config, slo_interval_ms, unflatten,
+                                   unwrap_ros_parameters)
 
 JOINTS = [f"joint{i}" for i in range(1, 8)]
 
@@ -24,7 +25,8 @@ def test_bundled_serve_yaml():
     assert cfg.topic("robot0", "image") == "robot0/camera/image_raw"
     assert cfg.topic("robot1", "joint_trajectory") == "robot1/joint_trajectory"
     assert cfg.streams["robot0"].joint_names == JOINTS
-    check_against_model(cfg, load_model_config(cfg.model))
+    for name, s in cfg.streams.items():
+        check_stream_model(f"streams.{name}", s, load_model_config(s.model or cfg.model))
 
 
 def test_plain_and_ros_parameter_formats_agree(tmp_path):
@@ -56,8 +58,6 @@ def test_namespaces_and_absolute_topics():
 
 
 @pytest.mark.parametrize("mapping, key, text", [
-    ({}, "streams", "required key is missing"),
-    ({"streams": {}}, "streams", "at least one stream"),
     (base(preprocess="crop"), "streams.robot0.preprocess", "unknown key"),
     (base(image={"preprocess": "crop"}), "streams.robot0.image.preprocess", "allowed values"),
     (base(slo_interval_ms=0), "streams.robot0.slo_interval_ms", "must be > 0"),
@@ -75,6 +75,7 @@ def test_namespaces_and_absolute_topics():
     ({"streams": {"0bad": {"joint_names": ["a"]}}}, "streams.0bad", "stream names"),
 ])
 def test_errors_name_the_key(mapping, key, text):
+    """(A config without streams is fine: the server waits for robots to join.)"""
     with pytest.raises(ConfigError) as err:
         serve_config(mapping)
     assert err.value.key == key, str(err.value)
@@ -82,13 +83,26 @@ def test_errors_name_the_key(mapping, key, text):
 
 
 def test_model_mismatch_names_the_key():
-    cfg = serve_config(base(joint_names=["a", "b"]))
+    wam, acwm = load_model_config("tiny-wam"), load_model_config("tiny-acwm")
     with pytest.raises(ConfigError) as err:
-        check_against_model(cfg, load_model_config("tiny-wam"))
-    assert err.value.key == "streams.robot0.joint_names" and "dof 7" in str(err.value)
+        check_stream_model("streams.robot0", serve_config(base(joint_names=["a", "b"])).streams["robot0"], wam)
+    assert err.value.key == "streams.robot0.joint_names" and "takes state of 7 columns" in str(err.value)
+    check_stream_model("streams.robot0", serve_config(base()).streams["robot0"], acwm)  # world models serve too
     with pytest.raises(ConfigError) as err:
-        check_against_model(serve_config(base()), load_model_config("tiny-acwm"))
-    assert err.value.key == "model"
+        check_stream_model("streams.robot0", serve_config(base(execution_horizon=20)).streams["robot0"], wam)
+    assert err.value.key == "streams.robot0.execution_horizon"
+
+
+def test_the_slo_follows_the_control_timeline_and_may_not_exceed_it():
+    wam = load_model_config("tiny-wam")                      # a chunk plans 16 steps
+    s = serve_config(base(control_rate_hz=50.0)).streams["robot0"]
+    assert slo_interval_ms(s, wam) == pytest.approx(160.0)    # s = 8 (half the horizon) at 50 Hz
+    s = serve_config(base(control_rate_hz=50.0, execution_horizon=4)).streams["robot0"]
+    assert slo_interval_ms(s, wam) == pytest.approx(80.0)
+    too_long = serve_config(base(control_rate_hz=50.0, execution_horizon=4, slo_interval_ms=100.0)).streams["robot0"]
+    with pytest.raises(ConfigError) as err:
+        check_stream_model("streams.robot0", too_long, wam)
+    assert err.value.key == "streams.robot0.slo_interval_ms" and "80 ms" in str(err.value)
 
 
 def test_file_errors_name_the_file(tmp_path):
@@ -137,7 +151,8 @@ def test_node_takes_its_config_from_ros_parameters(tmp_path):
             assert cfg.use_sim_time and node.get_parameter("use_sim_time").value is True
             assert cfg.streams["robot0"].joint_names == JOINTS
             topics = {name for name, _ in node.get_topic_names_and_types()}
-            assert {"/robot0/action_chunk", "/robot1/joint_trajectory", "/telemetry", "/diagnostics"} <= topics
+            # the streams' own topics appear when they are admitted, once configured
+            assert {"/telemetry", "/diagnostics", "/physis_server/serve_stream/_action/status"} <= topics
         finally:
             node.destroy_node()
         with pytest.raises(ConfigError) as err:
@@ -145,3 +160,7 @@ def test_node_takes_its_config_from_ros_parameters(tmp_path):
         assert err.value.key == "streams.robot0.joint_names"
     finally:
         rclpy.try_shutdown(context=context)
+
+
+def test_a_config_without_streams_is_a_server_waiting_for_robots():
+    assert serve_config({}).streams == {} and serve_config({"streams": {}}).streams == {}

@@ -201,7 +201,7 @@ def test_lost_worker_is_reported_restarted_and_the_stream_carries_on(sim):
     assert [m.header.stamp for m in after] == [img.header.stamp for img in more]
     assert [m.chunk_index for m in after] == list(range(N, N + 3))  # nothing was in flight: no gap
     assert sim.server.poll() is None
-    assert "stream d0 failed" in sim.server.log_path.read_text()
+    assert "stream d0 reset (worker_lost)" in sim.server.log_path.read_text()
 
 
 def test_sim_server_stops_cleanly_with_no_orphans(sim):

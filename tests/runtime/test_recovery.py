@@ -91,6 +91,7 @@ def test_an_output_without_its_tensor_resets_only_its_stream():
             await run.until(lambda: any(e.kind == "readmitted" for e in run.events))
             n_a, n_b = len(run.got["a"]), len(run.got["b"])
             await run.until(lambda: len(run.got["a"]) >= n_a + 3 and len(run.got["b"]) >= n_b + 3)
+            await run.until(lambda: engine.health().dropped.get("malformed", 0) >= 1)  # (a snapshot every 0.1 s)
             return run.events, engine.stream_status("a"), engine.health(), run.chunks("a"), run.chunks("b")
 
     events, status, health, a, b = uvloop.run(main())

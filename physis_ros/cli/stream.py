@@ -1,0 +1,194 @@
+"""``physis-stream``: robots join and leave a running physis_server, for hosts without ``ros2`` tooling.
+
+    physis-stream add --name NAME --namespace NS --joints j1,j2,... [--model PRESET] [--slo-ms X]
+                      [--control-rate-hz R] [--json OUT] [--duration S]
+    physis-stream list [--json OUT]
+    physis-stream remove NAME
+
+``add`` sends a ServeStream goal to ``<server>/serve_stream`` and prints one JSON line once the
+server has decided, ``{"accepted": bool, "reason": str, "workers": [...]}`` (also written to
+``--json``). An admitted stream stays served while the command runs: it prints the server's
+feedback about once per second, and cancels the goal (freeing the capacity) on Ctrl-C or after
+``--duration`` seconds. ``list`` and ``remove`` call ``<server>/list_streams`` and
+``<server>/remove_stream``. ``--server`` is the node's name (default /physis_server); ROS
+arguments go after ``--ros-args``.
+
+Exit status: 0 success (admitted, then cancelled or ended; listed; removed); 1 not admitted, the
+stream ended by the server, or nothing to remove; 2 usage error or no server answering within
+``--timeout``; 70 internal error (a bug; PHYSIS_DEBUG=1 shows the traceback); 130 interrupted
+before the server answered. Errors are one line on stderr: 'physis-stream: error: <what and the fix>'.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+
+from physis_ros.cli.common import (ArgumentParser, CliError, nonneg_float, positive_float, run_main,
+                                   split_ros_args, write_json)
+
+PROG = "physis-stream"
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description=__doc__)
+    p.add_argument("--server", default="/physis_server", help="the server node's full name")
+    p.add_argument("--timeout", type=positive_float, default=30.0, help="wait this long for the server to answer")
+    sub = p.add_subparsers(dest="command", required=True)
+    add = sub.add_parser("add", help="join a robot (stays attached; Ctrl-C or --duration cancels)")
+    add.add_argument("--name", required=True, help="stream name (letters, digits, _)")
+    add.add_argument("--namespace", default="", help="topics under /<namespace>/ (default: the name)")
+    add.add_argument("--joints", required=True, help="comma-separated joint names, in the model's column order")
+    add.add_argument("--model", default="", help="preset, model YAML or checkpoint (default: the server's)")
+    add.add_argument("--slo-ms", type=nonneg_float, default=0.0, help="output interval SLO (0: the control timeline)")
+    add.add_argument("--control-rate-hz", type=nonneg_float, default=0.0, help="action steps per second (0: default)")
+    add.add_argument("--actions-topic", default="", help="world models: the actions to imagine")
+    add.add_argument("--image-topic", default="")
+    add.add_argument("--joint-states-topic", default="")
+    add.add_argument("--duration", type=nonneg_float, default=0.0, help="cancel after this many seconds (0: never)")
+    add.add_argument("--json", help="write the admission decision here")
+    lst = sub.add_parser("list", help="the streams served")
+    lst.add_argument("--json", help="write the list here")
+    rm = sub.add_parser("remove", help="remove a stream (any: config or joined)")
+    rm.add_argument("name")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(PROG, _main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(split_ros_args(PROG, argv))
+    import rclpy
+    from rclpy.node import Node
+
+    context = rclpy.Context()
+    rclpy.init(args=[PROG, *argv], context=context)
+    node = Node(f"physis_stream_{int(time.time() * 1000) % 10**9}", context=context)
+    try:
+        if args.command == "add":
+            return _add(node, args)
+        if args.command == "list":
+            return _list(node, args)
+        return _remove(node, args)
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+
+
+def _spin_until(node, future, timeout: float) -> bool:
+    from rclpy.executors import SingleThreadedExecutor
+
+    executor = SingleThreadedExecutor(context=node.context)
+    executor.add_node(node)
+    deadline = time.monotonic() + timeout
+    while not future.done() and time.monotonic() < deadline:
+        executor.spin_once(timeout_sec=0.05)
+    executor.remove_node(node)
+    return future.done()
+
+
+def _service(node, kind, name: str, request, timeout: float):
+    client = node.create_client(kind, name)
+    if not client.wait_for_service(timeout_sec=timeout):
+        raise CliError(f"no server answers on {name} within {timeout:g} s (is physis-serve running? --server?)")
+    future = client.call_async(request)
+    if not _spin_until(node, future, timeout):
+        raise CliError(f"{name} did not answer within {timeout:g} s")
+    return future.result()
+
+
+def _list(node, args) -> int:
+    from physis_ros.srv import ListStreams
+
+    r = _service(node, ListStreams, f"{args.server}/list_streams", ListStreams.Request(), args.timeout)
+    rows = [{"stream": s, "model": m, "namespace": n, "origin": o, "slo_interval_ms": slo, "workers": w.split(",")}
+            for s, m, n, o, slo, w in zip(r.streams, r.models, r.namespaces, r.origins, r.slo_interval_ms, r.workers)]
+    for row in rows:
+        print(f"{row['stream']:<16} {row['model']:<12} /{row['namespace']:<16} {row['origin']:<7} "
+              f"SLO {row['slo_interval_ms']:.1f} ms  on {','.join(row['workers'])}")
+    if not rows:
+        print("(no stream is served)")
+    if args.json:
+        write_json(args.json, {"streams": rows})
+    return 0
+
+
+def _remove(node, args) -> int:
+    from physis_ros.srv import RemoveStream
+
+    r = _service(node, RemoveStream, f"{args.server}/remove_stream", RemoveStream.Request(stream=args.name),
+                 args.timeout)
+    print(r.message, file=sys.stdout if r.ok else sys.stderr)
+    return 0 if r.ok else 1
+
+
+def _add(node, args) -> int:
+    from rclpy.action import ActionClient
+    from rclpy.executors import SingleThreadedExecutor
+
+    from physis_ros.action import ServeStream
+
+    joints = [j.strip() for j in args.joints.split(",") if j.strip()]
+    if not joints:
+        raise CliError("--joints: give the joint names, comma-separated")
+    client = ActionClient(node, ServeStream, f"{args.server}/serve_stream")
+    if not client.wait_for_server(timeout_sec=args.timeout):
+        raise CliError(f"no server answers on {args.server}/serve_stream within {args.timeout:g} s (is physis-serve "
+                       f"running? --server?)")
+    goal = ServeStream.Goal(stream=args.name, topic_namespace=args.namespace, model=args.model, joint_names=joints,
+                            slo_interval_ms=args.slo_ms, control_rate_hz=args.control_rate_hz,
+                            actions_topic=args.actions_topic, image_topic=args.image_topic,
+                            joint_states_topic=args.joint_states_topic)
+    state = {"decided": None, "feedback": None, "last_print": 0.0}
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def decided(accepted: bool, reason: str, workers) -> None:
+        if state["decided"] is None:
+            state["decided"] = {"accepted": accepted, "reason": reason, "workers": list(workers)}
+            print(json.dumps(state["decided"]), flush=True)
+            if args.json:
+                write_json(args.json, state["decided"])
+
+    def on_feedback(msg) -> None:
+        fb = msg.feedback
+        decided(True, "", fb.workers)
+        now = time.monotonic()
+        if now - state["last_print"] >= 1.0:
+            state["last_print"] = now
+            print(f"{args.name}: {fb.state}, {fb.chunks} chunks, interval p50/p99 {fb.interval_ms_p50:.1f}/"
+                  f"{fb.interval_ms_p99:.1f} ms, latency p50/p99 {fb.latency_ms_p50:.1f}/{fb.latency_ms_p99:.1f} ms, "
+                  f"misses {fb.deadline_misses}, lost {fb.chunks_lost}", flush=True)
+
+    executor = SingleThreadedExecutor(context=node.context)
+    executor.add_node(node)
+    sent = client.send_goal_async(goal, feedback_callback=on_feedback)
+    while not sent.done():
+        if stop.is_set():
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            return 130
+        executor.spin_once(timeout_sec=0.05)
+    handle = sent.result()
+    result_future = handle.get_result_async()
+    started, cancelled = time.monotonic(), False
+    while not result_future.done():
+        executor.spin_once(timeout_sec=0.05)
+        overtime = args.duration and state["decided"] and time.monotonic() - started >= args.duration
+        if (stop.is_set() or overtime) and not cancelled:
+            cancelled = True
+            handle.cancel_goal_async()
+    result = result_future.result().result
+    if not result.accepted:
+        decided(False, result.reason, result.workers)
+        return 1
+    decided(True, "", result.workers)
+    print(json.dumps({"outcome": result.outcome, "reason": result.reason, "chunks_emitted": result.chunks_emitted,
+                      "chunks_lost": result.chunks_lost}), flush=True)
+    return 0 if result.outcome == "cancelled" else 1

@@ -1,0 +1,117 @@
+"""Streams joining and leaving a running server (:class:`StreamHub`).
+
+Every stream comes in the same way, from the serve config at start-up or from a ServeStream goal:
+its request is checked (name, namespace, joints, topics), its model resolved with a cost profile
+(off the executor thread: a first profile takes a second or two), the model checked against the
+robot, the stream admitted by the joint scheduler over the server's workers
+(:class:`~physis_ros.ros.admission.ServerAdmission`), its ROS side made, and finally the engine
+places it on its workers and feeds it, paced at its SLO interval: what admission assumed is what
+runs. A stream that cannot come in is refused with a named reason and nothing running changes.
+Leaving frees its capacity; the other streams never move.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from physis_ros.config import ConfigError
+from physis_ros.ros.admission import Admitted, Rejected, ServerAdmission
+from physis_ros.ros.config import StreamConfig, check_stream_model, slo_interval_ms, stream_namespace
+from physis_ros.ros.models import ModelCatalog
+from physis_ros.ros.streams import RosStream
+from physis_ros.ros.tasks import Ticker
+from physis_ros.scheduling.settings import load_device, load_scheduling
+
+if TYPE_CHECKING:
+    from physis_ros.ros.node import PhysisServer
+
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+
+
+class StreamHub:
+    def __init__(self, node: PhysisServer):
+        self.node = node
+        cfg = node.config
+        device = cfg.admission.device or ("cpu" if cfg.engine.device_of(0) == "cpu" else "h200")
+        scheduling = dataclasses.replace(load_scheduling(), headroom=cfg.admission.headroom)
+        max_batch = cfg.engine.max_batch if cfg.engine.batching != "off" and not cfg.deterministic else 1
+        self.admission = ServerAdmission(cfg.engine.workers, load_device(device), scheduling, max_batch)
+        self.catalog = ModelCatalog(cfg.model, "cpu" if device == "cpu" else "cuda", cfg.admission,
+                                    cfg.engine.checkpoint)
+        self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-catalog")
+        self.joining: set[str] = set()
+        self.rejections: list[tuple[str, str, str]] = []   # (stream, reason, detail), newest last
+
+    def close(self) -> None:
+        self.loader.shutdown(wait=False, cancel_futures=True)
+
+    def check(self, name: str, stream: StreamConfig) -> None:
+        """What no placement can fix, checked before anything is done (Rejected naming it)."""
+        if not _NAME.match(name or ""):
+            raise Rejected("invalid-request", f"stream name {name!r}: letters, digits and '_', starting with a letter")
+        if name in self.node.streams or name in self.joining:
+            raise Rejected("name-in-use", f"stream '{name}' is already served")
+        ns = stream_namespace(name, stream)
+        for other, st in self.node.streams.items():
+            if st.namespace == ns:
+                raise Rejected("namespace-in-use", f"namespace '{ns}' is used by stream '{other}'")
+        try:
+            stream.check(f"streams.{name}")
+        except ConfigError as exc:
+            raise Rejected("invalid-request", str(exc)) from None
+
+    async def join(self, name: str, stream: StreamConfig, origin: str, ticker: Ticker) -> tuple[RosStream, Admitted]:
+        """Admit and start a stream (a coroutine on the executor); Rejected with the reason if it cannot."""
+        node = self.node
+        if node.engine is None or not node.engine.ready.is_set() or node.engine.failure is not None:
+            raise Rejected("not-serving", f"the server is {node.state}")
+        self.check(name, stream)
+        self.joining.add(name)
+        try:
+            served = await ticker.wait(self.loader.submit(self.catalog.resolve, stream.model))
+            try:
+                check_stream_model(f"streams.{name}", stream, served.config)
+            except ConfigError as exc:
+                raise Rejected("model-mismatch", str(exc)) from None
+            slo = slo_interval_ms(stream, served.config)
+            pace = slo * (1.0 - node.config.admission.pace_margin)  # what runs is what is admitted
+            admitted = self.admission.admit(name, served, pace)
+            try:
+                st = RosStream(node, name, stream, served, origin, admitted.workers)
+                node.streams[name] = st
+                await ticker.wait(node.engine.add_stream(name, st.observe, st.on_output, model=served,
+                                                         plan=admitted.plan, slo_interval_ms=slo,
+                                                         release_interval_ms=pace))
+            except Exception as exc:
+                self._forget(name)
+                raise Rejected("not-serving", f"the engine could not start stream '{name}': {exc}") from None
+        except Rejected as exc:
+            self.rejections.append((name, exc.reason, exc.detail))
+            del self.rejections[:-100]
+            raise
+        finally:
+            self.joining.discard(name)
+        node.get_logger().info(f"stream {name} admitted ({origin}): {served.config.name}, SLO {slo:g} ms, paced "
+                               f"every {pace:g} ms, on "
+                               f"{', '.join(admitted.workers)}; worker utilisation {self.admission.utilisation()}")
+        return st, admitted
+
+    def leave(self, name: str):
+        """Stop serving a stream and free its capacity; a future of the engine's removal."""
+        st = self.node.streams.get(name)
+        if st is not None:
+            st.health.gone = True
+        future = self.node.engine.remove_stream(name) if self.node.engine is not None else None
+        self._forget(name)
+        self.node.get_logger().info(f"stream {name} removed; worker utilisation {self.admission.utilisation()}")
+        return future
+
+    def _forget(self, name: str) -> None:
+        st = self.node.streams.pop(name, None)
+        if st is not None:
+            self.node.ended[name] = st.report()   # its totals stay in the exit summary
+            st.destroy()
+        self.admission.remove(name)

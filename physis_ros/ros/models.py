@@ -1,0 +1,78 @@
+"""The models a server can serve, by reference: a preset name (``tiny-wam``), a model YAML, or a
+safetensors checkpoint (which carries its config), each with the cost profile admission decides on.
+
+A profile is read from ``admission.profiles`` (a directory of ``physis-profile`` JSON files named
+``<model>.<device>.json``) when one is there for the model, else measured here with the workers'
+own stage code (:func:`physis_ros.runtime.profiler.measure_profile`, a second or two for the tiny
+presets), once per model. CPU workers share the host's cores, which a one-process measurement does
+not see: ``admission.corun_slowdown`` (what ``physis-profile --corun`` measures) is applied to a
+measured profile that lacks it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from pathlib import Path
+
+from physis_ros.config import ConfigError
+from physis_ros.model.checkpoint import CheckpointError, read_checkpoint_config
+from physis_ros.model.presets import load_model_config
+from physis_ros.model.spec import ModelConfig
+from physis_ros.ros.admission import Rejected
+from physis_ros.ros.config import AdmissionConfig
+from physis_ros.runtime.profiler import measure_profile
+from physis_ros.runtime.streams import ServedModel
+from physis_ros.scheduling.profiles import CostProfile, profile_from_json
+
+
+def model_config_of(ref: str) -> tuple[ModelConfig, str | None]:
+    """(config, checkpoint path or None) of a model reference; Rejected("unknown-model") if unusable."""
+    try:
+        if ref.endswith(".safetensors"):
+            if not Path(ref).is_file():
+                raise Rejected("unknown-model", f"checkpoint {ref} does not exist")
+            return read_checkpoint_config(ref), str(Path(ref).resolve())
+        return load_model_config(ref), None
+    except (ConfigError, CheckpointError, OSError) as exc:
+        raise Rejected("unknown-model", f"model '{ref}': {exc}") from None
+
+
+class ModelCatalog:
+    """Resolves model references to :class:`~physis_ros.runtime.streams.ServedModel` with a cost profile;
+    thread-safe (profiles may be measured on a helper thread while the executor runs)."""
+
+    def __init__(self, default: str, device: str, config: AdmissionConfig, checkpoint: str | None = None):
+        self.default = default
+        self.device = device
+        self.config = config
+        self.default_checkpoint = checkpoint
+        self._served: dict[str, ServedModel] = {}
+        self._lock = threading.Lock()
+
+    def resolve(self, ref: str = "") -> ServedModel:
+        """The served model of ``ref`` (empty: the server's default), with its profile (measured on first
+        use: call off the executor thread)."""
+        ref = ref or self.default
+        config, checkpoint = model_config_of(ref)
+        if ref == self.default and checkpoint is None:
+            checkpoint = self.default_checkpoint
+        key = f"{config.name}@{checkpoint}"
+        with self._lock:
+            if key not in self._served:
+                self._served[key] = ServedModel(config, checkpoint, self._profile(config))
+            return self._served[key]
+
+    def _profile(self, config: ModelConfig) -> CostProfile:
+        directory = self.config.profiles
+        if directory:
+            path = Path(directory) / f"{config.name}.{self.device}.json"
+            if path.is_file():
+                try:
+                    return profile_from_json(json.loads(path.read_text()), config, where=str(path))
+                except (ConfigError, ValueError) as exc:
+                    raise Rejected("unknown-model", f"profile {path}: {exc}") from None
+        profile = measure_profile(config, self.device, repeats=self.config.profile_repeats)
+        slowdown = self.config.corun_slowdown if self.device == "cpu" else 1.0
+        return dataclasses.replace(profile, corun_slowdown=max(profile.corun_slowdown, slowdown))

@@ -1,0 +1,148 @@
+"""``~/serve_stream`` (physis_ros/action/ServeStream): robots join and leave a running server.
+
+A goal asks for one stream. Every goal is accepted as a goal, then admitted or not: when admitted,
+feedback comes about once per second (chunks, interval and latency percentiles, deadline misses,
+lost chunks, the workers it runs on) for as long as the goal runs; when not, the goal is aborted
+and its result carries the reason (``accepted: false``, ``outcome: rejected``). So a client always
+learns why. Cancelling the goal removes the stream and frees its capacity (``outcome: cancelled``);
+a stream removed through ``~/remove_stream`` ends its goal with ``outcome: removed``, and one that
+fails for good (a worker that cannot come back) with ``failed``.
+
+``~/list_streams`` (ListStreams) names every stream served, config or action; ``~/remove_stream``
+(RemoveStream) removes any of them. Goals run as coroutines on the node's executor (no thread
+waits on a robot).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+
+from physis_ros.action import ServeStream
+from physis_ros.config import ConfigError, from_mapping
+from physis_ros.ros import diagnostics as diag
+from physis_ros.ros.admission import Rejected
+from physis_ros.ros.config import StreamConfig
+from physis_ros.ros.tasks import Ticker
+from physis_ros.srv import ListStreams, RemoveStream
+
+if TYPE_CHECKING:
+    from physis_ros.ros.node import PhysisServer
+
+FEEDBACK_S = 1.0
+_TOPICS = {"image_topic": "image", "joint_states_topic": "joint_states", "actions_topic": "actions",
+           "action_chunk_topic": "action_chunk", "joint_trajectory_topic": "joint_trajectory"}
+
+
+def stream_config_of(goal: ServeStream.Goal) -> StreamConfig:
+    """The StreamConfig a goal asks for (empty and zero fields: the defaults); Rejected naming a bad field."""
+    fields = {"joint_names": list(goal.joint_names), "namespace": goal.topic_namespace, "model": goal.model,
+              "slo_interval_ms": goal.slo_interval_ms or None, "control_rate_hz": goal.control_rate_hz or None,
+              "topics": {key: getattr(goal, field) for field, key in _TOPICS.items() if getattr(goal, field)}}
+    try:
+        return from_mapping(StreamConfig, {k: v for k, v in fields.items() if v not in (None, "", {})})
+    except ConfigError as exc:
+        raise Rejected("invalid-request", str(exc)) from None
+
+
+class ServeStreamServer:
+    def __init__(self, node: PhysisServer):
+        self.node = node
+        self.ticker = Ticker(node)
+        self.goals: dict[str, object] = {}          # stream -> its goal handle
+        self.ended: dict[str, tuple[str, str]] = {}  # stream -> (outcome, reason) set by whoever ended it
+        self.server = ActionServer(node, ServeStream, "~/serve_stream", self._execute,
+                                   goal_callback=lambda goal: GoalResponse.ACCEPT,
+                                   cancel_callback=lambda handle: CancelResponse.ACCEPT)
+        self.list_service = node.create_service(ListStreams, "~/list_streams", self._list)
+        self.remove_service = node.create_service(RemoveStream, "~/remove_stream", self._remove)
+
+    def destroy(self) -> None:
+        self.server.destroy()
+        self.node.destroy_service(self.list_service)
+        self.node.destroy_service(self.remove_service)
+
+    # ---- the goal's life ------------------------------------------------------------------------------
+    async def _execute(self, handle) -> ServeStream.Result:
+        goal, node = handle.request, self.node
+        name = goal.stream
+        try:
+            st, _ = await node.hub.join(name, stream_config_of(goal), "action", self.ticker)
+        except Rejected as exc:
+            node.get_logger().warning(f"serve_stream goal for '{name}' rejected ({exc.reason}): {exc.detail}")
+            handle.abort()
+            return ServeStream.Result(accepted=False, outcome="rejected", reason=f"{exc.reason}: {exc.detail}")
+        self.goals[name] = handle
+        try:
+            while True:
+                if handle.is_cancel_requested:
+                    node.hub.leave(name)
+                    handle.canceled()
+                    return self._result(st, "cancelled", "the goal was cancelled")
+                if name in self.ended or st.health.gone or node.streams.get(name) is not st:
+                    outcome, reason = self.ended.pop(name, ("failed", st.health.failed or "the stream ended"))
+                    if outcome == "failed" and name in node.streams:
+                        node.hub.leave(name)
+                    handle.abort()
+                    return self._result(st, outcome, reason)
+                handle.publish_feedback(self._feedback(st))
+                for _ in range(int(FEEDBACK_S / 0.05)):
+                    await self.ticker.sleep(0.05)
+                    if handle.is_cancel_requested or name in self.ended or st.health.gone:
+                        break
+        finally:
+            self.goals.pop(name, None)
+
+    def end(self, name: str, outcome: str, reason: str) -> None:
+        """End a stream's goal (if it has one) with this outcome at its next turn."""
+        if name in self.goals:
+            self.ended[name] = (outcome, reason)
+
+    def _feedback(self, st) -> ServeStream.Feedback:
+        records, total, misses, _, _ = st.records()
+        w = diag.window_stats(records, self.node.now(), self.node.config.diagnostics_window_s, st.slo_interval_ms,
+                              total=total, misses_total=misses)
+        fb = ServeStream.Feedback()
+        fb.state = "resetting" if st.health.failed else "serving"
+        fb.chunks = int(total)
+        fb.interval_ms_p50, fb.interval_ms_p99 = _num(w.get("interval_ms_p50")), _num(w.get("interval_ms_p99"))
+        fb.latency_ms_p50, fb.latency_ms_p99 = _num(w.get("latency_ms_p50")), _num(w.get("latency_ms_p99"))
+        fb.deadline_misses = int(misses)
+        fb.chunks_lost = int(st.health.lost_chunks)
+        fb.workers = list(st.workers)
+        return fb
+
+    @staticmethod
+    def _result(st, outcome: str, reason: str) -> ServeStream.Result:
+        return ServeStream.Result(accepted=True, outcome=outcome, reason=reason, chunks_emitted=int(st.stats.total),
+                                  chunks_lost=int(st.health.lost_chunks), workers=list(st.workers))
+
+    # ---- services ---------------------------------------------------------------------------------------
+    def _list(self, request, response: ListStreams.Response) -> ListStreams.Response:
+        streams = list(self.node.streams.values())
+        response.streams = [s.name for s in streams]
+        response.models = [s.model.name for s in streams]
+        response.namespaces = [s.namespace for s in streams]
+        response.origins = [s.origin for s in streams]
+        response.slo_interval_ms = [float(s.slo_interval_ms) for s in streams]
+        response.workers = [",".join(s.workers) for s in streams]
+        return response
+
+    def _remove(self, request, response: RemoveStream.Response) -> RemoveStream.Response:
+        name = request.stream
+        if name not in self.node.streams:
+            response.ok, response.message = False, f"no stream '{name}' is served"
+            return response
+        self.end(name, "removed", "removed through remove_stream")
+        self.node.hub.leave(name)
+        response.ok, response.message = True, f"stream '{name}' removed"
+        return response
+
+
+def _num(value) -> float:
+    return 0.0 if value is None or (isinstance(value, float) and not math.isfinite(value)) else float(value)
+
+
+

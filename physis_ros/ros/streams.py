@@ -1,0 +1,239 @@
+"""One robot on the ROS side: the subscriptions that feed its model, the publishers of its chunks,
+and its statistics (:class:`RosStream`).
+
+Inputs: every observation the model takes has its topic (``image`` <- camera, ``state`` <-
+joint_states, ``actions`` <- the actions a world model imagines), validated by the server's
+acceptance rule (:mod:`physis_ros.ros.acceptance`) on the executor thread and paired to the camera
+image by stamp (:class:`~physis_ros.ros.inputs.StreamInput`). Outputs by what the model produces:
+a world-action model's chunk goes out as ``action_chunk`` and ``joint_trajectory`` (pre-serialized,
+:mod:`physis_ros.ros.raw`), a world model's as ``predicted_frames``; both only while the node is
+armed (lifecycle active). Telemetry always flows.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sensor_msgs.msg import CompressedImage, Image, JointState
+from trajectory_msgs.msg import JointTrajectory
+
+from physis_ros.model.spec import ModelConfig
+from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
+from physis_ros.ros import acceptance, qos
+from physis_ros.ros import conversions as conv
+from physis_ros.ros.config import StreamConfig, slo_interval_ms, stream_namespace, stream_topic
+from physis_ros.ros.inputs import Sample, StreamInput
+from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
+from physis_ros.runtime.engine import ChunkOutput, Observation, ServedModel, StreamEvent
+from physis_ros.telemetry import RollingStats
+
+if TYPE_CHECKING:
+    from physis_ros.ros.node import PhysisServer
+
+
+@dataclass
+class StreamHealthState:
+    """What happened to a stream in the engine, as the node heard it (engine thread writes, others read)."""
+
+    failed: str | None = None      # a reset under way (or for good); None once re-admitted
+    failures: int = 0
+    lost_chunks: int = 0
+    gone: bool = False
+
+
+class RosStream:
+    def __init__(self, node: PhysisServer, name: str, config: StreamConfig, served: ServedModel, origin: str,
+                 workers: list[str]):
+        self.node = node
+        self.name = name
+        self.config = config
+        self.served = served
+        self.model: ModelConfig = served.config
+        self.origin = origin              # config | action
+        self.workers = workers
+        self.slo_interval_ms = slo_interval_ms(config, self.model)
+        self.namespace = stream_namespace(name, config)
+        serve = node.config
+        paired = [k for k in self.model.observation_shapes if k != "image"]
+        self.input = StreamInput(serve.deterministic, serve.deterministic_queue, serve.pair_timeout_s,
+                                 config.max_age_s, node.now, paired)
+        self.stats = RollingStats(serve.stats_window)
+        self.stats_lock = threading.Lock()
+        self.health = StreamHealthState()
+        self.published = 0
+        self.rejects_reported = 0
+        self.last_warn: dict[str, float] = {}
+        # node-side timings (ms): engine emit -> on_output (handover), on_output -> first output published
+        self.handover_ms: deque = deque(maxlen=200)
+        self.publish_ms: deque = deque(maxlen=200)
+        self._publishers = []
+        self._subscriptions = []
+        self._make_outputs()
+        self._make_inputs()
+
+    # ---- set-up -------------------------------------------------------------------------------------
+    def topic(self, which: str) -> str:
+        return stream_topic(self.name, self.config, which)
+
+    def _publisher(self, kind, which: str, profile, lifecycle: bool = True):
+        make = self.node.create_lifecycle_publisher if lifecycle else self.node.create_publisher
+        pub = make(kind, self.topic(which), profile, qos_overriding_options=qos.OVERRIDES)
+        if lifecycle and self.node.armed:
+            pub.on_activate(None)  # a stream joining an active node: armed like the others (they start disabled)
+        self._publishers.append(pub)
+        return pub
+
+    def _make_outputs(self) -> None:
+        s = self.config
+        self.pub_chunk = self.pub_traj = self.pub_frames = self.pub_telemetry = None
+        if self.model.kind == "wam":
+            horizon, dof = self.model.output_shape
+            self.pub_chunk = self._publisher(ActionChunk, "action_chunk", qos.profile(s.qos.action_chunk))
+            self.pub_traj = self._publisher(JointTrajectory, "joint_trajectory", qos.profile(s.qos.joint_trajectory))
+            self.raw_chunk = ActionChunkRaw(self.name, s, horizon, dof)
+            self.raw_traj = TrajectoryRaw(s, horizon, dof)
+        else:
+            self.pub_frames = self._publisher(PredictedFrames, "predicted_frames", qos.profile(s.qos.action_chunk))
+        if s.telemetry:
+            self.pub_telemetry = self._publisher(ChunkTelemetry, "telemetry", qos.profile(qos.TELEMETRY),
+                                                 lifecycle=False)
+
+    def _subscribe(self, kind, topic: str, callback, profile) -> None:
+        self._subscriptions.append(self.node.create_subscription(kind, topic, callback, profile))
+
+    def _make_inputs(self) -> None:
+        s, serve = self.config, self.node.config
+        in_qos = qos.input_profile(s.qos.input, serve.deterministic)
+        image_type, which = (CompressedImage, "compressed_image") if s.compressed else (Image, "image")
+        self._subscribe(image_type, self.topic(which), self.on_image, in_qos)
+        shapes = self.model.observation_shapes
+        if "state" in shapes:
+            self._subscribe(JointState, self.topic("joint_states"), self.on_joints, in_qos)
+        if "actions" in shapes:
+            kind = JointTrajectory if s.actions_type == "joint_trajectory" else ActionChunk
+            # The actions come from a policy (a command, not a sensor): reliable, as published.
+            self._subscribe(kind, self.topic("actions"), self.on_actions, qos.profile(s.qos.action_chunk))
+        self.node.get_logger().info(
+            f"stream {self.name} ({self.model.name}, {self.origin}): {', '.join(sub.topic_name for sub in self._subscriptions)}"
+            f" [{qos.describe(in_qos)}] -> {', '.join(p.topic_name for p in self._publishers)}; "
+            f"joints {', '.join(s.joint_names)}; workers {', '.join(self.workers)}")
+
+    def destroy(self) -> None:
+        for sub in self._subscriptions:
+            self.node.destroy_subscription(sub)
+        for pub in self._publishers:
+            if hasattr(self.node, "destroy_lifecycle_publisher") and pub is not self.pub_telemetry:
+                self.node.destroy_lifecycle_publisher(pub)
+            else:
+                self.node.destroy_publisher(pub)
+        self._subscriptions.clear()
+        self._publishers.clear()
+
+    def subscriber_counts(self) -> dict[str, int]:
+        pubs = {"action_chunk": self.pub_chunk, "joint_trajectory": self.pub_traj, "predicted_frames": self.pub_frames}
+        return {f"{k}_subscribers": p.get_subscription_count() for k, p in pubs.items() if p is not None}
+
+    # ---- inputs (executor thread) -------------------------------------------------------------------
+    def warn(self, key: str, text: str) -> None:
+        """A warning throttled per (stream, key)."""
+        now = time.monotonic()
+        last = self.last_warn.get(key)
+        if last is None or now - last >= self.node.config.warn_throttle_s:
+            self.last_warn[key] = now
+            self.node.get_logger().warning(text)
+
+    def _reject(self, exc: conv.InputRejected, what: str) -> None:
+        n = self.input.reject(exc.reason)
+        self.warn(exc.reason, f"stream {self.name}: rejected {what} [{exc.reason}]: {exc.detail} ({n} so far)")
+
+    def on_image(self, msg: Image | CompressedImage) -> None:
+        conv.HEAP.note(len(msg.data))   # after a burst of large frames: malloc_trim once (see HeapTrimmer)
+        try:
+            data = acceptance.accept_image(msg, self.config, self.model, now=self.node.now())
+        except conv.InputRejected as exc:
+            self._reject(exc, "image")
+            return
+        self.input.put_image(Sample(data, msg.header.stamp, conv.stamp_ns(msg.header.stamp)))
+
+    def on_joints(self, msg: JointState) -> None:
+        try:
+            data = acceptance.accept_joints(msg, self.config, now=self.node.now())
+        except conv.InputRejected as exc:
+            self._reject(exc, "joint_states")
+            return
+        self.input.put("state", Sample(data, msg.header.stamp, conv.stamp_ns(msg.header.stamp)))
+
+    def on_actions(self, msg: ActionChunk | JointTrajectory) -> None:
+        try:
+            data = acceptance.accept_actions(msg, self.config, self.model)
+        except conv.InputRejected as exc:
+            self._reject(exc, "actions")
+            return
+        self.input.put("actions", Sample(data, msg.header.stamp, conv.stamp_ns(msg.header.stamp)))
+
+    # ---- engine side (engine loop thread) -------------------------------------------------------------
+    def observe(self, chunk: int) -> Observation | None:
+        taken = self.input.take()
+        if taken is None:
+            return None
+        return Observation(taken.data, taken.sec, tag=taken.stamp)  # the header stamp comes back on the output
+
+    def on_output(self, out: ChunkOutput) -> None:
+        node = self.node
+        start = time.perf_counter()
+        # (the node clock is the system clock unless simulated; time.time() is the cheaper read)
+        handover = node.now() if node.config.use_sim_time else time.time()
+        stamp, rec, publish_ms = out.tag, out.record, math.nan
+        if node.closing:
+            return
+        if node.armed:  # disarmed (lifecycle inactive): chunks keep computing, nothing reaches the robot
+            s = self.config
+            if self.pub_chunk is not None:
+                # ActionChunk first: the smallest message, on the shortest path.
+                self.pub_chunk.publish(self.raw_chunk.render(out.chunk, out.output, stamp))
+                publish_ms = (time.perf_counter() - start) * 1e3
+                self.pub_traj.publish(self.raw_traj.render(out.output, conv.trajectory_start(s, stamp, rec.emit)))
+            else:
+                self.pub_frames.publish(conv.frames_msg(self.name, s, out.chunk, out.output, stamp))
+                publish_ms = (time.perf_counter() - start) * 1e3
+            self.published += 1
+        telemetry = conv.telemetry_msg(rec, stamp, handover)
+        node.pub_telemetry.publish(telemetry)
+        if self.pub_telemetry is not None:
+            self.pub_telemetry.publish(telemetry)
+        with self.stats_lock:
+            self.stats.add(rec)
+            self.handover_ms.append((handover - rec.emit) * 1e3)
+            self.publish_ms.append(publish_ms)
+
+    def on_event(self, event: StreamEvent) -> None:
+        h, log = self.health, self.node.get_logger()
+        if event.kind == "failed":
+            h.failed = event.reason
+            h.failures += 1
+            h.lost_chunks += event.lost_chunks
+            log.error(f"stream {self.name} reset ({event.cause}): {event.reason}; {event.lost_chunks} chunk(s) in "
+                      f"flight lost")
+        elif event.kind == "readmitted":
+            h.failed = None
+            log.warning(f"stream {self.name} re-admitted: {event.reason} (chunk indices skip the lost ones)")
+
+    # ---- reports (executor thread) ----------------------------------------------------------------------
+    def records(self) -> tuple[list, int, int, list[float], list[float]]:
+        with self.stats_lock:
+            return (list(self.stats.records), self.stats.total, self.stats.deadline_misses, list(self.handover_ms),
+                    list(self.publish_ms))
+
+    def report(self) -> dict[str, Any]:
+        snap = self.input.snapshot()
+        summary = self.stats.summary() if self.stats.records else {}
+        return {"chunks": self.published, "model": self.model.name, "origin": self.origin, "workers": self.workers,
+                "rejected": snap["rejected"], "received": snap["received"], "failures": self.health.failures,
+                "lost_chunks": self.health.lost_chunks,
+                "interval_ms_p50": summary.get("interval_ms_p50", math.nan),
+                "latency_ms_p50": summary.get("latency_ms_p50", math.nan)}
