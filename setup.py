@@ -32,6 +32,8 @@ def _data_files():
         (os.path.join(share, "launch"), _files("launch/*")),
         (os.path.join(share, "config"), _files("config/*.yaml")),
         (os.path.join(share, "config", "models"), _files("config/models/*.yaml")),
+        (os.path.join(share, "config", "profiles"), _files("config/profiles/*.json")),
+        (os.path.join(share, "config", "checkpoints"), _files("config/checkpoints/*")),
     ]
     return [(dest, files) for dest, files in entries if files]
 
@@ -74,6 +76,7 @@ setup(
             "physis-demo=physis_ros.cli.demo:main",
             "physis-synthetic=physis_ros.ros.synthetic:main",
             "physis-stream=physis_ros.cli.stream:main",
+            "physis-train=physis_ros.cli.train:main",
         ],
     },
 )

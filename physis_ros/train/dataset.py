@@ -1,0 +1,116 @@
+"""Demonstrations of the scripted expert on the synthetic scene, and the training sequences cut from them.
+
+An *episode* is one synthetic stream's chunks ``0..chunks-1``: each chunk's observation (camera image,
+joint state) and the expert's chunk for it (:class:`~physis_ros.observations.ScriptedExpert`). Two
+kinds of episode teach the policy both what the server's synthetic robots send and a closed loop:
+
+- ``free``: :class:`~physis_ros.observations.SyntheticScene` (joint states move on their own,
+  independent of the target: what ``physis-synthetic`` and the bags publish);
+- ``tracking``: :class:`~physis_ros.observations.TrackingScene` (the arm follows the expert);
+- ``pushed``: the same, with the arm pushed to a new pose every ``PUSH_EVERY`` chunks (so that the
+  policy also sees states far from the target, not only the first chunk of each episode).
+
+A *sequence* is ``window + 1`` consecutive chunks of one episode, all at one denoising step ``k``
+(the noisy-KV computation of DESIGN.md section 2 relates chunks only at the same step).
+Sampling is a pure function of a :class:`torch.Generator`, so a seed fixes the whole data order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from physis_ros.model.spec import ModelConfig
+from physis_ros.observations import ScriptedExpert, SyntheticScene, TrackingScene
+
+SCENES = ("free", "tracking", "pushed")
+PUSH_EVERY = 8
+
+
+def make_scene(kind: str, config: ModelConfig, expert: ScriptedExpert | None = None) -> SyntheticScene:
+    """The scene of episode kind ``kind`` (one of :data:`SCENES`) for ``config``'s observations."""
+    if kind not in SCENES:
+        raise ValueError(f"unknown scene kind '{kind}'; known: {', '.join(SCENES)}")
+    expert = expert or expert_for(config)
+    if kind == "free":
+        return SyntheticScene(config.observation_shapes)
+    return TrackingScene(config.observation_shapes, expert=expert, push_every=PUSH_EVERY if kind == "pushed" else 0)
+
+
+def expert_for(config: ModelConfig) -> ScriptedExpert:
+    """The scripted expert whose chunks have ``config``'s shape (a WAM whose state is its joints)."""
+    if config.kind != "wam" or config.wam is None:
+        raise ValueError(f"model '{config.name}' is a {config.kind}; the scripted expert trains world-action "
+                         f"models (kind 'wam')")
+    if config.wam.state_dim != config.wam.dof:
+        raise ValueError(f"model '{config.name}' has state_dim {config.wam.state_dim} != dof {config.wam.dof}; "
+                         f"the scripted expert moves the joints it observes")
+    return ScriptedExpert(horizon=config.wam.horizon)
+
+
+@dataclass
+class Episodes:
+    """Demonstrations: ``images`` [E, C, *image], ``states`` [E, C, dof], ``actions`` [E, C, H, dof]."""
+
+    streams: list[str]
+    kinds: list[str]
+    images: torch.Tensor
+    states: torch.Tensor
+    actions: torch.Tensor
+
+    @property
+    def chunks(self) -> int:
+        return self.images.shape[1]
+
+    def __len__(self) -> int:
+        return len(self.streams)
+
+
+def build_episodes(config: ModelConfig, streams: list[str], chunks: int, kinds: list[str]) -> Episodes:
+    """Episodes ``streams[i]`` of kind ``kinds[i]``, chunks ``0..chunks-1`` each (deterministic)."""
+    expert = expert_for(config)
+    scenes = {kind: make_scene(kind, config, expert) for kind in set(kinds)}
+    images, states, actions = [], [], []
+    for stream, kind in zip(streams, kinds, strict=True):
+        scene = scenes[kind]
+        obs = [scene.observation(stream, c) for c in range(chunks)]
+        images.append(np.stack([o["image"] for o in obs]))
+        states.append(np.stack([o["state"] for o in obs]))
+        actions.append(np.stack([scene.expert(stream, c, expert) for c in range(chunks)]))
+    return Episodes(list(streams), list(kinds), torch.from_numpy(np.stack(images)),
+                    torch.from_numpy(np.stack(states)), torch.from_numpy(np.stack(actions)))
+
+
+def training_episodes(config: ModelConfig, episodes: int, chunks: int, prefix: str = "train") -> Episodes:
+    """``episodes`` episodes, alternating ``free`` and ``pushed``, streams ``<prefix>-<i>``."""
+    kinds = [("free", "pushed")[i % 2] for i in range(episodes)]
+    return build_episodes(config, [f"{prefix}-{i}" for i in range(episodes)], chunks, kinds)
+
+
+@dataclass
+class Batch:
+    """``obs[s]``: observation tensors of sequence position ``s`` ([B, ...]); ``x0`` the expert chunks
+    [B, S, H, dof]; ``eps`` their noise; ``k`` the denoising step of each sequence [B]."""
+
+    obs: list[dict[str, torch.Tensor]]
+    x0: torch.Tensor
+    eps: torch.Tensor
+    k: torch.Tensor
+
+
+def sample_batch(data: Episodes, batch: int, length: int, steps: int, gen: torch.Generator) -> Batch:
+    """``batch`` sequences of ``length`` consecutive chunks (episode, start, step and noise drawn
+    from ``gen``)."""
+    if length > data.chunks:
+        raise ValueError(f"sequences of {length} chunks do not fit episodes of {data.chunks}")
+    e = torch.randint(0, len(data), (batch,), generator=gen)
+    start = torch.randint(0, data.chunks - length + 1, (batch,), generator=gen)
+    k = torch.randint(1, steps + 1, (batch,), generator=gen)
+    idx = start[:, None] + torch.arange(length)[None]                      # [B, S]
+    x0 = data.actions[e[:, None], idx]                                     # [B, S, H, dof]
+    eps = torch.randn(x0.shape, generator=gen)
+    images, states = data.images[e[:, None], idx], data.states[e[:, None], idx]
+    obs = [{"image": images[:, s], "state": states[:, s]} for s in range(length)]
+    return Batch(obs, x0, eps, k)

@@ -1,0 +1,122 @@
+"""The server's noisy-KV computation (DESIGN.md section 2), differentiable, for training.
+
+At serving time chunk ``c`` at denoising step ``k`` attends, in every block, to its own tokens and to
+the K/V that the previous ``window`` chunks of its stream wrote at the same step ``k`` (plus the
+stream's first chunk when the model keeps a sink). Training runs exactly that on sequences of
+consecutive chunks that are all at one step ``k`` (one noise level), chunk by chunk, through the
+model's own pieces (``encode``, ``embed``, ``block``, ``head``). Two details make it trainable,
+and neither changes the arithmetic:
+
+- :class:`ListKV` stands in for :class:`~physis_ros.model.kv.KVBatch`: the previous chunks' K/V
+  are kept in a Python list (the window and sink rule of :class:`~physis_ros.model.kv.KVTable`)
+  instead of being copied into a preallocated table, so autograd sees no in-place writes.
+- The model memoises its adaLN modulation per timestep; :func:`sequence_velocities` clears that memo
+  before each forward, so within one forward the modulation of a timestep is computed once (and
+  differentiated through), and never survives an optimiser step.
+
+:func:`rollout` runs the whole denoising loop with these pieces; ``tests/train`` checks that it
+equals :class:`~physis_ros.reference.ReferenceRollout` (what the server computes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from physis_ros.model.dit import DiTModel
+from physis_ros.model.presets import build_model
+from physis_ros.model.spec import ModelConfig
+
+
+def trainable_model(config: ModelConfig, device: torch.device | str = "cpu") -> DiTModel:
+    """The model of ``config`` with its seeded init (the weights of ``build_model(config)``), gradients
+    on. Its ``state_dict`` is the served model's, so :func:`~physis_ros.model.checkpoint.save_checkpoint`
+    writes a servable checkpoint."""
+    return build_model(config, device=device).requires_grad_(True)
+
+
+class ListKV:
+    """What one block of a batch of sequences has written so far at one step: duck-types
+    :class:`~physis_ros.model.kv.KVBatch` (``attend_inputs``, ``append``) with no in-place writes.
+
+    All samples of a batch are at the same position of their sequences, so every sample has the same
+    number of cached chunks and no padding mask is needed. Keeps at most ``window`` chunks, plus the
+    first chunk for good when ``sink`` (the rule of :class:`~physis_ros.model.kv.KVTable`).
+    """
+
+    def __init__(self, window: int, sink: bool = False):
+        if window < 1:
+            raise ValueError(f"window must be >= 1 chunk, got {window}")
+        self.window = window
+        self.sink = sink
+        self.chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def attend_inputs(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        if not self.chunks:
+            return k, v, None
+        keys = torch.cat([ck for ck, _ in self.chunks] + [k], dim=1)
+        values = torch.cat([cv for _, cv in self.chunks] + [v], dim=1)
+        return keys, values, None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.chunks.append((k, v))
+        if len(self.chunks) > self.window + int(self.sink):
+            del self.chunks[1 if self.sink else 0]
+
+
+def new_kvs(model: DiTModel) -> list[ListKV]:
+    """One empty :class:`ListKV` per block of ``model``."""
+    c = model.config
+    return [ListKV(c.window, c.sink) for _ in range(c.blocks)]
+
+
+def chunk_velocity(model: DiTModel, cond: torch.Tensor, x: torch.Tensor, t: torch.Tensor,
+                   kvs: Sequence[ListKV]) -> torch.Tensor:
+    """One denoising step of one chunk (per sample): the velocity the head predicts for noisy chunks
+    ``x`` at timesteps ``t``; every block reads then appends its ``kvs[b]`` (as the server's stage
+    ``(k, b)`` does with its KV slot)."""
+    h = model.embed(cond, x, t)
+    for b in range(model.config.blocks):
+        h = model.block(b, h, t, kvs[b])
+    return model.head(h, t)
+
+
+def sequence_velocities(model: DiTModel, obs: Sequence[dict[str, torch.Tensor]], x: torch.Tensor,
+                        k: torch.Tensor) -> torch.Tensor:
+    """Velocities of a batch of chunk sequences, each sequence at one denoising step.
+
+    ``obs[s]``: the batched observation tensors of position ``s`` ([B, ...] each); ``x``: the noisy
+    chunks [B, S, *output_shape] (at the noise level of step ``k``); ``k``: step index per sequence,
+    [B] integers in 1..K. Chunk ``s`` attends to the K/V chunks ``s - window .. s - 1`` wrote at the
+    same step. Returns [B, S, *output_shape].
+    """
+    model.clear_timestep_caches()   # the weights may have changed since the last call
+    t = model.timesteps.timestep(k).to(dtype=x.dtype)
+    kvs = new_kvs(model)
+    out = []
+    for s, o in enumerate(obs):
+        out.append(chunk_velocity(model, model.encode(o), x[:, s], t, kvs))
+    model.clear_timestep_caches()   # hold no graph, and no values of these weights, past the call
+    return torch.stack(out, dim=1)
+
+
+@torch.no_grad()
+def rollout(model: DiTModel, observations: Sequence[dict[str, torch.Tensor]], seed: int, stream: str
+            ) -> list[torch.Tensor]:
+    """The sequential reference loop of one stream written with :class:`ListKV` and
+    :func:`chunk_velocity` (the training computation): chunk outputs [*output_shape], one per
+    observation (batched tensors, B = 1). Equal to :class:`~physis_ros.reference.ReferenceRollout`."""
+    model.clear_timestep_caches()
+    cfg = model.config
+    kvs = {k: new_kvs(model) for k in range(1, cfg.steps + 1)}
+    outputs = []
+    for c, obs in enumerate(observations):
+        x = model.noise(seed, stream, c)
+        cond = model.encode(obs)
+        for k in range(cfg.steps, 0, -1):
+            ks = torch.tensor([k], dtype=torch.long, device=x.device)
+            t = model.timesteps.timestep(ks)
+            x = model.timesteps.update(x, chunk_velocity(model, cond, x, t, kvs[k]), ks)
+        outputs.append(x[0].float().cpu())
+    return outputs
