@@ -3,14 +3,20 @@
 Deterministic mode promises that chunk ``c`` of a stream used the ``c``-th
 complete observation of that stream: of the messages the node accepts
 (:mod:`physis_ros.ros.acceptance`, the node's own rule: encoding, sizes,
-finite joint positions, every configured joint present), the image plus the
-joint state paired as the node pairs them
-(:func:`physis_ros.ros.inputs.pair_observations`). So from the input bag alone
-we know which inputs the server must reject (and why: its counters must agree),
-how many chunks each stream must emit, which header stamp each must carry, and,
-from the accepted tensors, exactly what the sequential reference must compute
-for it. Whatever the reference says, an output with a NaN or infinite value
-(ActionChunk actions, JointTrajectory positions or velocities) fails the check.
+finite joint positions, every configured joint present; for a world model's
+actions, :func:`~physis_ros.ros.acceptance.accept_actions`), the image plus every
+other input its model takes (the joint state; a world model's actions to
+imagine), each paired to the image as the node pairs them
+(:func:`physis_ros.ros.inputs.match_observations`: exact stamp, else the latest
+at or before). So from the input bag alone we know which inputs the server must
+reject (and why: its counters must agree), how many chunks each stream must
+emit, which header stamp each must carry, and, from the accepted tensors,
+exactly what the sequential reference must compute for it. Whatever the
+reference says, an output with a NaN or infinite value (ActionChunk actions,
+JointTrajectory positions or velocities, PredictedFrames latents) fails the check.
+
+A stream's chunk is what its model produces: a world-action model's ActionChunk
+(with a JointTrajectory beside it), a world model's PredictedFrames.
 """
 
 from __future__ import annotations
@@ -22,7 +28,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from physis_ros.bags.bagio import header_stamp_ns, read_all
-from physis_ros.bags.serveconf import ServeInfo
+from physis_ros.bags.serveconf import OBSERVATION_TOPIC, ServeInfo, StreamInfo
+
+# What a role's message is called in reports (the node's wording).
+ROLE_WORDS = {"image": "camera image", "joint_states": "joint state", "actions": "actions"}
+
+
+@dataclass
+class PairedInput:
+    """One message paired to an observation's image (its joint state, its actions)."""
+    topic: str
+    raw: bytes
+    stamp_ns: int
+    data: np.ndarray | None = None     # the accepted model input (what the node stores), if computed
 
 
 @dataclass
@@ -31,12 +49,37 @@ class InputObservation:
     index: int
     stamp_ns: int        # header stamp in the bag (the image's)
     image_raw: bytes
-    joint_raw: bytes
     image_topic: str
-    joint_topic: str
-    joint_stamp_ns: int
-    image: np.ndarray | None = None    # the accepted model inputs (what the node stores), if computed
-    state: np.ndarray | None = None
+    image: np.ndarray | None = None    # the accepted model input (what the node stores), if computed
+    paired: dict[str, PairedInput] = field(default_factory=dict)   # state / actions -> the message it used
+
+    def _part(self, name: str, attr: str):
+        part = self.paired.get(name)
+        return None if part is None else getattr(part, attr)
+
+    @property
+    def joint_raw(self) -> bytes | None:
+        return self._part("state", "raw")
+
+    @property
+    def joint_topic(self) -> str | None:
+        return self._part("state", "topic")
+
+    @property
+    def joint_stamp_ns(self) -> int | None:
+        return self._part("state", "stamp_ns")
+
+    @property
+    def state(self) -> np.ndarray | None:
+        return self._part("state", "data")
+
+    @property
+    def actions(self) -> np.ndarray | None:
+        return self._part("actions", "data")
+
+    def parts(self) -> list[tuple[str, int]]:
+        """(topic, bag header stamp) of every message this observation is made of, image first."""
+        return [(self.image_topic, self.stamp_ns)] + [(p.topic, p.stamp_ns) for p in self.paired.values()]
 
 
 @dataclass
@@ -44,7 +87,7 @@ class Rejection:
     """An input message the server must not use, and why (the node's counter name)."""
     stream: str
     topic: str
-    kind: str            # image | joint_states
+    kind: str            # image | joint_states | actions
     stamp_ns: int
     reason: str          # a node reason (conversions.REASONS: encoding, size, too_large, ...), unpaired; undecodable
     detail: str
@@ -58,6 +101,7 @@ UNDECODABLE = "undecodable"
 class Inputs:
     observations: dict[str, list[InputObservation]]
     rejected: dict[str, list[Rejection]]
+    missing: dict[str, list[str]] = field(default_factory=dict)   # stream -> input topics the bag lacks
 
     def expected_rejections(self, stream: str) -> Counter:
         """Per reason, what the node's counters must show for this stream (undecodable messages aside)."""
@@ -69,9 +113,14 @@ class OutputChunk:
     stream: str          # the ``stream`` field of the message
     index: int
     stamp_ns: int
-    actions: np.ndarray  # float32 [horizon, dof]
+    values: np.ndarray   # float32: a WAM's actions [horizon, dof], a world model's latents [frames, C, h, w]
     receive_ns: int      # recorder clock
     joint_names: list[str]
+    kind: str = "action_chunk"   # the message: action_chunk | predicted_frames
+
+    @property
+    def actions(self) -> np.ndarray:
+        return self.values
 
 
 @dataclass
@@ -108,59 +157,77 @@ def input_observations(bag, serve: ServeInfo) -> dict[str, list[InputObservation
     return collect_inputs(bag, serve).observations
 
 
+def _message_class(stream: StreamInfo, role: str):
+    from physis_ros.bags.bagio import rclpy_class
+
+    return rclpy_class(stream.types[role])
+
+
+def accept_input(msg, stream: StreamInfo, role: str, serve: ServeInfo) -> np.ndarray:
+    """The model input the node stores for one message of ``role`` (image, joint_states, actions), by the
+    node's own acceptance rule; InputRejected with the node's reason if it refuses it."""
+    from physis_ros.ros.acceptance import accept_actions, accept_image, accept_joints
+
+    cfg = serve.config.streams[stream.name]
+    if role == "image":
+        return accept_image(msg, cfg, stream.model_config)
+    if role == "joint_states":
+        return accept_joints(msg, cfg)
+    return accept_actions(msg, cfg, stream.model_config)
+
+
 def collect_inputs(bag, serve: ServeInfo) -> Inputs:
-    """The bag's camera frames and joint states through the server's acceptance rule and pairing rule:
-    per stream the observations chunk 0, 1, ... must consume, and the inputs the server must reject."""
+    """The bag's inputs of every stream (camera frames, joint states, a world model's actions) through the
+    server's acceptance rule and pairing rule: per stream the observations chunk 0, 1, ... must consume,
+    and the inputs the server must reject."""
     from rclpy.serialization import deserialize_message
-    from sensor_msgs.msg import CompressedImage, Image, JointState
 
-    from physis_ros.model import load_model_config
-    from physis_ros.ros.acceptance import InputRejected, accept_image, accept_joints
-    from physis_ros.ros.inputs import pair_observations
+    from physis_ros.bags.bagio import bag_info
+    from physis_ros.ros.acceptance import InputRejected
+    from physis_ros.ros.inputs import match_observations
 
-    model = load_model_config(serve.model)
-    images: dict[str, list] = defaultdict(list)
-    joints: dict[str, list] = defaultdict(list)
+    received: dict[tuple[str, str], list] = defaultdict(list)    # (stream, role) -> [(stamp, PairedInput)]
     rejected: dict[str, list[Rejection]] = {s.name: [] for s in serve.streams}
-    by_topic = {}
+    by_topic: dict[str, list[tuple[StreamInfo, str]]] = defaultdict(list)
     for s in serve.streams:
-        by_topic[s.topics["image"]] = (s.name, "image")
-        by_topic[s.topics["joint_states"]] = (s.name, "joint_states")
+        for role in s.input_roles:
+            by_topic[s.topics[role]].append((s, role))
+    present = {t.topic for t in bag_info(bag).topics}
+    missing = {s.name: [s.topics[r] for r in s.input_roles if s.topics[r] not in present] for s in serve.streams}
     for topic, _, _, raw in read_all(bag, list(by_topic)):
-        name, kind = by_topic[topic]
-        cfg = serve.config.streams[name]
-        try:
-            stamp = header_stamp_ns(raw)
-        except Exception as exc:  # struct.error: fewer bytes than a header
-            rejected[name].append(Rejection(name, topic, kind, -1, UNDECODABLE, f"no header stamp: {exc}"))
-            continue
-        try:
-            if kind == "image":
-                msg = deserialize_message(raw, CompressedImage if cfg.compressed else Image)
-            else:
-                msg = deserialize_message(raw, JointState)
-        except Exception as exc:  # rclpy raises several types for bytes it cannot decode
-            rejected[name].append(Rejection(name, topic, kind, stamp, UNDECODABLE,
-                                            f"CDR does not decode ({type(exc).__name__}: {exc})"))
-            continue
-        try:
-            data = accept_image(msg, cfg, model) if kind == "image" else accept_joints(msg, cfg)
-        except InputRejected as exc:
-            rejected[name].append(Rejection(name, topic, kind, stamp, exc.reason, exc.detail))
-            continue
-        (images if kind == "image" else joints)[name].append((stamp, (topic, raw, data)))
+        for s, role in by_topic[topic]:
+            name = s.name
+            try:
+                stamp = header_stamp_ns(raw)
+            except Exception as exc:  # struct.error: fewer bytes than a header
+                rejected[name].append(Rejection(name, topic, role, -1, UNDECODABLE, f"no header stamp: {exc}"))
+                continue
+            try:
+                msg = deserialize_message(raw, _message_class(s, role))
+            except Exception as exc:  # rclpy raises several types for bytes it cannot decode
+                rejected[name].append(Rejection(name, topic, role, stamp, UNDECODABLE,
+                                                f"CDR does not decode ({type(exc).__name__}: {exc})"))
+                continue
+            try:
+                data = accept_input(msg, s, role, serve)
+            except InputRejected as exc:
+                rejected[name].append(Rejection(name, topic, role, stamp, exc.reason, exc.detail))
+                continue
+            received[(name, role)].append((stamp, PairedInput(topic, raw, stamp, data)))
     out = {}
     for s in serve.streams:
-        pairs = pair_observations(images[s.name], joints[s.name])
-        paired = {id(img) for img, _ in pairs}
-        for ns, img in images[s.name]:
-            if id(img) not in paired:
-                rejected[s.name].append(Rejection(s.name, img[0], "image", ns, "unpaired",
-                                                  "no accepted joint state at or before its stamp"))
-        out[s.name] = [InputObservation(s.name, i, header_stamp_ns(img[1]), img[1], jnt[1], img[0], jnt[0],
-                                        header_stamp_ns(jnt[1]), image=img[2], state=jnt[2])
-                       for i, (img, jnt) in enumerate(pairs)]
-    return Inputs(out, rejected)
+        roles = [OBSERVATION_TOPIC[o] for o in s.paired]
+        observations = []
+        for image, items, k in match_observations(received[(s.name, "image")],
+                                                  *(received[(s.name, r)] for r in roles)):
+            if items is None:
+                rejected[s.name].append(Rejection(s.name, image.topic, "image", image.stamp_ns, "unpaired",
+                                                  f"no accepted {ROLE_WORDS[roles[k]]} at or before its stamp"))
+                continue
+            observations.append(InputObservation(s.name, len(observations), image.stamp_ns, image.raw, image.topic,
+                                                 image.data, dict(zip(s.paired, items))))
+        out[s.name] = observations
+    return Inputs(out, rejected, {n: m for n, m in missing.items() if m})
 
 
 def _ns(t) -> int:
@@ -171,10 +238,11 @@ def load_outputs(recorded, serve: ServeInfo) -> Outputs:
     from rclpy.serialization import deserialize_message
     from trajectory_msgs.msg import JointTrajectory
 
-    from physis_ros.msg import ActionChunk, ChunkTelemetry
+    from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
 
-    chunk_topics = {s.topics["action_chunk"]: s.name for s in serve.streams}
-    traj_topics = {s.topics["joint_trajectory"]: s.name for s in serve.streams}
+    chunk_topics = {s.topics["action_chunk"]: s.name for s in serve.streams if s.kind == "wam"}
+    frame_topics = {s.topics["predicted_frames"]: s.name for s in serve.streams if s.kind != "wam"}
+    traj_topics = {s.topics["joint_trajectory"]: s.name for s in serve.streams if s.kind == "wam"}
     outputs = Outputs({s.name: [] for s in serve.streams}, {s.name: [] for s in serve.streams}, [], 0)
     for topic, _, log_ns, raw in read_all(recorded):
         if topic in chunk_topics:
@@ -184,6 +252,15 @@ def load_outputs(recorded, serve: ServeInfo) -> Outputs:
                 actions = actions.reshape(m.horizon, m.dof)
             outputs.chunks[chunk_topics[topic]].append(
                 OutputChunk(m.stream, int(m.chunk_index), _ns(m.header.stamp), actions, log_ns, list(m.joint_names)))
+        elif topic in frame_topics:
+            m = deserialize_message(raw, PredictedFrames)
+            latents = np.frombuffer(m.latents, dtype=np.float32).copy()
+            shape = (int(m.frames), int(m.channels), int(m.height), int(m.width))
+            if math.prod(shape) == latents.size:
+                latents = latents.reshape(shape)
+            outputs.chunks[frame_topics[topic]].append(
+                OutputChunk(m.stream, int(m.chunk_index), _ns(m.header.stamp), latents, log_ns, [],
+                            "predicted_frames"))
         elif topic in traj_topics:
             m = deserialize_message(raw, JointTrajectory)
             name = traj_topics[topic]
@@ -201,14 +278,17 @@ def load_outputs(recorded, serve: ServeInfo) -> Outputs:
 
 TELEMETRY_FIELDS = ("response_latency_ms", "output_interval_ms", "observation_age_ms", "stage_compute_ms_min",
                     "stage_compute_ms_max", "stage_compute_ms_sum", "queue_ms", "transport_ms")
+CONTROL_FIELDS = ("seam_position_jump", "seam_velocity_jump", "tracking_error")   # NaN where not known
 
 
 def telemetry_row(m, log_ns: int) -> dict:
     row = {"stream": m.stream, "chunk": int(m.chunk_index), "log_ns": log_ns,
            "observation_ns": _ns(m.observation_stamp), "enqueue_ns": _ns(m.enqueue_stamp),
            "emit_ns": _ns(m.emit_stamp), "batch_sizes": [int(b) for b in m.batch_sizes],
-           "deadline_miss": bool(m.deadline_miss)}
-    row.update({f: float(getattr(m, f)) for f in TELEMETRY_FIELDS})
+           "deadline_miss": bool(m.deadline_miss), "first_step": int(m.first_step),
+           "inference_delay_steps": int(m.inference_delay_steps), "late_points": int(m.late_points),
+           "late": bool(m.late)}
+    row.update({f: float(getattr(m, f)) for f in TELEMETRY_FIELDS + CONTROL_FIELDS})
     return row
 
 
@@ -252,16 +332,35 @@ def _check_rejections(result: Analysis, name: str, rejected: list[Rejection],
 
 
 def _check_finite(result: Analysis, name: str, got: list[OutputChunk], outputs: Outputs) -> None:
-    bad_chunks = [c.index for c in got if not np.all(np.isfinite(c.actions))]
+    bad_chunks = [c.index for c in got if not np.all(np.isfinite(c.values))]
     bad_traj = outputs.nonfinite_trajectories.get(name, [])
+    frames = bool(got) and got[0].kind == "predicted_frames"
     parts = []
     if bad_chunks:
-        parts.append(f"{len(bad_chunks)} action_chunk(s) with NaN/inf actions (chunks {_span(bad_chunks)})")
+        what = "predicted_frames message(s) with NaN/inf latents" if frames else "action_chunk(s) with NaN/inf actions"
+        parts.append(f"{len(bad_chunks)} {what} (chunks {_span(bad_chunks)})")
     if bad_traj:
         parts.append(f"{len(bad_traj)} joint_trajectory message(s) with NaN/inf positions or velocities "
                      f"(received {_span(bad_traj)})")
-    result.add(f"{name}: outputs finite", not parts,
-               "; ".join(parts) if parts else f"{len(got)} chunks and their trajectories hold finite values only")
+    ok_text = (f"{len(got)} predicted_frames hold finite latents only" if frames
+               else f"{len(got)} chunks and their trajectories hold finite values only")
+    result.add(f"{name}: outputs finite", not parts, "; ".join(parts) if parts else ok_text)
+
+
+def _check_fields(result: Analysis, stream: StreamInfo, got: list[OutputChunk]) -> None:
+    """Each chunk names its stream and has its model's output shape (and, for actions, the joint names)."""
+    name = stream.name
+    shape = tuple(stream.model_config.output_shape) if stream.model_config is not None else None
+    if stream.kind == "wam":
+        bad = [c.index for c in got if c.stream != name or c.joint_names != stream.joint_names
+               or c.values.ndim != 2 or (shape is not None and c.values.shape != shape)]
+        ok_text, bad_text = "stream, joint_names, horizon x dof consistent", "a wrong stream name, joint names or shape"
+    else:
+        bad = [c.index for c in got if c.stream != name or c.values.shape != shape]
+        ok_text = f"stream, frames x channels x height x width {'x'.join(map(str, shape))} consistent"
+        bad_text = f"a wrong stream name or a shape other than {'x'.join(map(str, shape))}"
+    result.add(f"{name}: chunk fields", not bad, ok_text if not bad else
+               f"{len(bad)} chunk(s) with {bad_text} (first {bad[0]})")
 
 
 def analyse(inputs: dict[str, list[InputObservation]] | Inputs, outputs: Outputs, serve: ServeInfo, *,
@@ -277,10 +376,12 @@ def analyse(inputs: dict[str, list[InputObservation]] | Inputs, outputs: Outputs
     """
     result = Analysis()
     rejected = inputs.rejected if isinstance(inputs, Inputs) else None
+    missing_topics = inputs.missing if isinstance(inputs, Inputs) else {}
     inputs = inputs.observations if isinstance(inputs, Inputs) else inputs
     published_stamp = published_stamp or (lambda stream, ns: ns)
     names = {s.name: s for s in serve.streams}
     for name, obs in inputs.items():
+        stream = names[name]
         got = outputs.chunks.get(name, [])
         indices = [c.index for c in got]
         n = len(obs)
@@ -288,8 +389,10 @@ def analyse(inputs: dict[str, list[InputObservation]] | Inputs, outputs: Outputs
             _check_rejections(result, name, rejected.get(name, []), server_rejected)
         _check_finite(result, name, got, outputs)
         if n == 0:
+            lacking = missing_topics.get(name)
             result.add(f"{name}: inputs", False, "the bag has no complete observation the server accepts for "
-                                                 "this stream")
+                                                 "this stream" + (f": it has no {', '.join(lacking)}" if lacking
+                                                                  else ""))
             continue
         missing = sorted(set(range(n)) - set(indices))
         extra = sorted(set(indices) - set(range(n)))
@@ -305,14 +408,11 @@ def analyse(inputs: dict[str, list[InputObservation]] | Inputs, outputs: Outputs
         result.add(f"{name}: chunk c used observation c", not wrong,
                    "header stamps match the observations in bag order" if not wrong
                    else f"{len(wrong)} chunk(s) carry another observation's stamp, first chunk {wrong[0]}")
-        bad_meta = [c.index for c in got if c.stream != name or c.joint_names != names[name].joint_names
-                    or c.actions.ndim != 2]
-        result.add(f"{name}: chunk fields", not bad_meta,
-                   "stream, joint_names, horizon x dof consistent" if not bad_meta
-                   else f"{len(bad_meta)} chunk(s) with a wrong stream name, joint names or shape (first {bad_meta[0]})")
-        trajs = outputs.trajectories.get(name, [])
-        result.add(f"{name}: one joint_trajectory per chunk", len(trajs) == len(got),
-                   f"{len(trajs)} trajectories for {len(got)} chunks")
+        _check_fields(result, stream, got)
+        if stream.kind == "wam":
+            trajs = outputs.trajectories.get(name, [])
+            result.add(f"{name}: one joint_trajectory per chunk", len(trajs) == len(got),
+                       f"{len(trajs)} trajectories for {len(got)} chunks")
         tele = [r for r in outputs.telemetry if r["stream"] == name]
         tele_idx = sorted(r["chunk"] for r in tele)
         result.add(f"{name}: one telemetry per chunk", tele_idx == sorted(indices),
@@ -338,34 +438,45 @@ def _span(values: list[int]) -> str:
     return ", ".join(map(str, values[:10])) + (f" ... ({len(values)} in all)" if len(values) > 10 else "")
 
 
-def reference_outputs(inputs: dict[str, list[InputObservation]], serve: ServeInfo) -> dict[str, list[np.ndarray]]:
-    """The sequential reference (DESIGN.md section 2) fed the same observations, per stream."""
-    import torch
+def observation_tensors(o: InputObservation, stream: StreamInfo, serve: ServeInfo) -> dict[str, np.ndarray]:
+    """The model inputs of one observation (``image``, ``state``, ``actions``: what its model takes), as the
+    node stores them; recomputed from the raw messages by the node's acceptance rule where not kept."""
     from rclpy.serialization import deserialize_message
-    from sensor_msgs.msg import CompressedImage, Image, JointState
 
-    from physis_ros.model import build_model, load_model_config
+    def tensor(observation: str, data, raw: bytes) -> np.ndarray:
+        if data is not None:
+            return data
+        role = OBSERVATION_TOPIC[observation]
+        return accept_input(deserialize_message(raw, _message_class(stream, role)), stream, role, serve)
+
+    out = {"image": tensor("image", o.image, o.image_raw)}
+    for observation, part in o.paired.items():
+        out[observation] = tensor(observation, part.data, part.raw)
+    return out
+
+
+def reference_outputs(inputs: dict[str, list[InputObservation]], serve: ServeInfo) -> dict[str, list[np.ndarray]]:
+    """The sequential reference (DESIGN.md section 2) fed the same observations, per stream, each stream
+    with its own model (the weights the server loads: its checkpoint, else the config's init)."""
+    import torch
+
+    from physis_ros.model import build_model
     from physis_ros.model.checkpoint import load_checkpoint
     from physis_ros.reference import ReferenceRollout
-    from physis_ros.ros.acceptance import accept_image, accept_joints
 
     torch.set_num_threads(1)
-    model_config = load_model_config(serve.model)
-    checkpoint = serve.config.engine.checkpoint
-    model = (load_checkpoint(checkpoint, config=model_config) if checkpoint else build_model(model_config))
-    ref = ReferenceRollout(model, serve.seed)
+    rollouts: dict[tuple[str, str | None], ReferenceRollout] = {}
     out = {}
     for name, obs in inputs.items():
-        stream_cfg = serve.config.streams[name]
-        image_type = CompressedImage if stream_cfg.compressed else Image
-        outs = []
-        for o in obs:
-            image = o.image if o.image is not None else accept_image(
-                deserialize_message(o.image_raw, image_type), stream_cfg, model_config)
-            state = o.state if o.state is not None else accept_joints(
-                deserialize_message(o.joint_raw, JointState), stream_cfg)
-            outs.append(ref.step(name, {"image": image, "state": state}).output.numpy().astype(np.float32))
-        out[name] = outs
+        stream = serve.stream(name)
+        key = (stream.model_config.name, stream.checkpoint)
+        if key not in rollouts:
+            model = (load_checkpoint(stream.checkpoint, config=stream.model_config) if stream.checkpoint
+                     else build_model(stream.model_config))
+            rollouts[key] = ReferenceRollout(model, serve.seed)
+        ref = rollouts[key]
+        out[name] = [ref.step(name, observation_tensors(o, stream, serve)).output.numpy().astype(np.float32)
+                     for o in obs]
     return out
 
 
@@ -373,7 +484,7 @@ def _compare_reference(result: Analysis, inputs, outputs: Outputs, serve: ServeI
     expected = reference_outputs(inputs, serve)
     exact = serve.bit_exact
     for name, refs in expected.items():
-        got = {c.index: c.actions for c in outputs.chunks.get(name, [])}
+        got = {c.index: c.values for c in outputs.chunks.get(name, [])}
         compared = mismatched = 0
         worst = 0.0
         first = None

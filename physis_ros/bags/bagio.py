@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
+from rosbags.interfaces import Nodetype
 from rosbags.rosbag2 import Reader, Writer
 from rosbags.rosbag2.enums import StoragePlugin
 from rosbags.rosbag2.errors import WriterError
@@ -25,13 +27,18 @@ PACKAGE = "physis_ros"
 STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
 
 # Types of the server's topics by name, so that a recorder can subscribe before
-# a publisher exists (discovery would lose the first messages).
+# a publisher exists (discovery would lose the first messages). A world model's
+# ``actions`` input has no entry: it is an ActionChunk or a JointTrajectory
+# (``streams.<name>.actions_type``), which the serve config tells
+# (:attr:`physis_ros.bags.serveconf.ServeInfo.topic_types`); discovery otherwise.
 KNOWN_TOPIC_TYPES = {
     "camera/image_raw": "sensor_msgs/msg/Image",
     "camera/image_raw/compressed": "sensor_msgs/msg/CompressedImage",
     "joint_states": "sensor_msgs/msg/JointState",
     "action_chunk": "physis_ros/msg/ActionChunk",
+    "expert_actions": "physis_ros/msg/ActionChunk",
     "joint_trajectory": "trajectory_msgs/msg/JointTrajectory",
+    "predicted_frames": "physis_ros/msg/PredictedFrames",
     "telemetry": "physis_ros/msg/ChunkTelemetry",
     "diagnostics": "diagnostic_msgs/msg/DiagnosticArray",
     "clock": "rosgraph_msgs/msg/Clock",
@@ -136,6 +143,37 @@ def ensure_type(msgtype: str) -> None:
     for sub in nested:
         ensure_type(sub)
     store.register(get_types_from_msg("\n".join(lines) + "\n", msgtype))
+
+
+_NUMPY = {"bool": np.bool_, "byte": np.uint8, "char": np.uint8, "octet": np.uint8, "float32": np.float32,
+          "float64": np.float64, "int8": np.int8, "uint8": np.uint8, "int16": np.int16, "uint16": np.uint16,
+          "int32": np.int32, "uint32": np.uint32, "int64": np.int64, "uint64": np.uint64}
+
+
+def _zero(nodetype, desc):
+    """The default value of one field (as rosidl defaults it) in the typestore's representation."""
+    if nodetype == Nodetype.NAME:
+        return new_message(desc)
+    if nodetype == Nodetype.BASE:
+        name = desc[0]
+        return "" if name in ("string", "wstring") else False if name == "bool" else \
+            0.0 if name.startswith("float") else 0
+    (sub_type, sub_desc), size = desc
+    if sub_type == Nodetype.BASE and sub_desc[0] in _NUMPY:
+        return np.zeros(size if nodetype == Nodetype.ARRAY else 0, dtype=_NUMPY[sub_desc[0]])
+    return [_zero(sub_type, sub_desc) for _ in range(size if nodetype == Nodetype.ARRAY else 0)]
+
+
+def new_message(msgtype: str, **fields):
+    """A typestore message of ``msgtype`` with ``fields`` set and every other field at its default (zero,
+    empty), so that writers keep working when a message definition gains a field."""
+    store = typestore()
+    ensure_type(msgtype)
+    unknown = set(fields) - {name for name, _ in store.fielddefs[msgtype][1]}
+    if unknown:
+        raise TypeError(f"{msgtype} has no field(s) {', '.join(sorted(unknown))}")
+    values = {name: fields[name] if name in fields else _zero(*spec) for name, spec in store.fielddefs[msgtype][1]}
+    return store.types[msgtype](**values)
 
 
 # ----------------------------------------------------------------------------- reading

@@ -1,9 +1,11 @@
 """The replay harness (``physis-bag check``, and the ``bag_check`` pytest fixture).
 
 1. starts the server (``physis-serve --config C --deterministic``) as a separate process;
-2. in this process, records the server's outputs (action chunks, trajectories,
-   telemetry, diagnostics) to a bag and waits for the engine to report "serving";
-3. replays the bag's camera and joint-state topics with their original timing,
+2. in this process, records the server's outputs (per stream by its model's kind: a
+   world-action model's action chunks and trajectories, a world model's predicted
+   frames; telemetry, diagnostics) to a bag and waits for the engine to report "serving";
+3. replays the bag's inputs (camera and joint-state topics, and a world model's actions
+   to imagine) with their original timing,
    header stamps shifted to now (``--restamp``, so that the node's stale-stamp
    check accepts them and latencies are meaningful) or, with ``--sim-time``,
    untouched with the bag's ``/clock`` driving the server (``use_sim_time``);
@@ -12,9 +14,10 @@
    server must reject (its own acceptance rule, :mod:`physis_ros.ros.acceptance`)
    listed by reason and compared with the server's counters (its
    ``--summary-json``); every chunk of an accepted observation accounted for,
-   indices contiguous, chunk ``c`` used observation ``c``, one trajectory and one
+   indices contiguous, chunk ``c`` used observation ``c``, one trajectory (WAM) and one
    telemetry per chunk, every output value finite, latency statistics, and
-   equality with the sequential reference fed the same observations.
+   equality with the sequential reference fed the same observations (image, joint
+   state and, for a world model, the actions paired to that image).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from physis_ros.bags.analysis import Analysis, Inputs, analyse, collect_inputs, load_outputs
-from physis_ros.bags.bagio import BagError, bag_info, known_topic_type
+from physis_ros.bags.bagio import BagError, bag_info
 from physis_ros.bags.serveconf import ServeInfo, load_serve_info
 
 
@@ -44,6 +47,7 @@ class CheckOptions:
     timeout_s: float = 120.0           # whole run
     start_timeout_s: float = 90.0      # server up and serving
     idle_timeout_s: float = 20.0       # no new chunk for this long after the replay: give up waiting
+    subscriber_timeout_s: float = 20.0  # serving, but an input topic has no subscriber for this long: give up
     rate: float = 1.0
     reference: bool = True
     sim_time: bool = False             # server on use_sim_time, replay publishes /clock, stamps untouched
@@ -116,6 +120,13 @@ def server_command(options: CheckOptions, serve: ServeInfo, summary_json: Path) 
     # machine cannot drop an observation (best effort, a robot's usual sensor QoS, may).
     reliable = [a for s in serve.streams for a in ("-p", f"streams.{s.name}.qos.input.reliability:=reliable",
                                                    "-p", f"streams.{s.name}.qos.input.depth:=1000")]
+    # A world model's actions are subscribed with its qos.action_chunk profile (a command, reliable as
+    # published): reliable, volatile (what the replay offers) and deep, so that none is dropped either.
+    for s in serve.streams:
+        if "actions" in s.topics:
+            reliable += [a for key, value in (("reliability", "reliable"), ("durability", "volatile"),
+                                              ("depth", "1000"))
+                         for a in ("-p", f"streams.{s.name}.qos.action_chunk.{key}:={value}")]
     return cmd + ["--ros-args", *reliable]
 
 
@@ -159,6 +170,12 @@ def run_check(options: CheckOptions) -> CheckResult:
     t_start = time.monotonic()
     try:
         serve = load_serve_info(options.config)
+        fed = serve.fed_by_outputs()
+        if fed:
+            topic, stream = next(iter(fed.items()))
+            raise BagError(f"stream {stream} takes {topic}, an output of this server: a replay cannot feed it "
+                           f"deterministically; point streams.{stream}.topics.actions at a topic the bag holds "
+                           f"(physis-bag generate --config C writes /<ns>/actions)")
         info = bag_info(options.bag)
         present = {t.topic for t in info.topics}
         inputs_topics = [t for t in serve.input_topics if t in present]
@@ -197,7 +214,7 @@ def _run(options: CheckOptions, serve: ServeInfo, inputs: Inputs, inputs_topics,
 
     deadline = time.monotonic() + options.timeout_s
     expected = {name: len(obs) for name, obs in inputs.observations.items()}
-    chunk_topic = {s.topics["action_chunk"]: s.name for s in serve.streams}
+    chunk_topic = {s.chunk_topic: s.name for s in serve.streams}
     received = {name: 0 for name in expected}
     state = {"telemetry": 0, "serving": False, "last_output": time.monotonic()}
 
@@ -216,8 +233,7 @@ def _run(options: CheckOptions, serve: ServeInfo, inputs: Inputs, inputs_topics,
     published: dict[tuple[str, int], tuple[int | None, int]] = {}
     t0 = time.monotonic()
     with RosSession("physis_bag_check") as ros, open(log_path, "w") as log:
-        recorder = Recorder(ros.node, recorded, {t: known_topic_type(t) for t in serve.output_topics},
-                            on_message=on_message)
+        recorder = Recorder(ros.node, recorded, serve.output_types, on_message=on_message)
         result.recorded = recorded
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -242,11 +258,18 @@ def _run(options: CheckOptions, serve: ServeInfo, inputs: Inputs, inputs_topics,
             replayer = Replayer(options.bag, ros.node, ReplayOptions(
                 rate=options.rate, topics=inputs_topics, restamp=not options.sim_time,
                 clock_hz=100.0 if options.sim_time else None, wait_for=inputs_topics,
-                wait_timeout_s=max(1.0, deadline - time.monotonic()), delay_s=0.5, progress=options.verbose,
-                reliable=options.server_cmd is None),
+                # serving: every config stream's subscriptions exist (or it was not admitted); discovery is quick
+                wait_timeout_s=max(1.0, min(options.subscriber_timeout_s, deadline - time.monotonic())),
+                delay_s=0.5, progress=options.verbose, reliable=options.server_cmd is None),
                 on_publish=on_publish)
             t_replay = time.monotonic()
-            replay = replayer.run()
+            try:
+                replay = replayer.run()
+            except BagError as exc:
+                if "no subscriber" not in str(exc):
+                    raise
+                raise BagError(f"the server does not take the bag's inputs: {exc} (a stream not admitted?); "
+                               f"its log ({log_path}):\n{_tail(log_path)}") from None
             result.replay = {"messages": replay.messages, "counts": replay.counts, "timing": replay.timing(),
                              "wall_s": round(replay.wall_s, 3)}
             result.seconds["replay"] = round(time.monotonic() - t_replay, 2)
@@ -278,9 +301,8 @@ def _run(options: CheckOptions, serve: ServeInfo, inputs: Inputs, inputs_topics,
         return published.get((image_topic[stream], bag_ns), (None, 0))[0]
 
     def completed_wall_ns(obs) -> int | None:
-        a = published.get((obs.image_topic, obs.stamp_ns))
-        b = published.get((obs.joint_topic, obs.joint_stamp_ns))
-        return max(a[1], b[1]) if a and b else None
+        walls = [published.get(part) for part in obs.parts()]
+        return max(w[1] for w in walls) if all(walls) else None
 
     t_an = time.monotonic()
     outputs = load_outputs(recorded, serve)

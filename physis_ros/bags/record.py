@@ -1,7 +1,7 @@
 """Record topics to a rosbag2 file (mcap or sqlite3) as raw CDR, with full message definitions.
 
-Topics whose type is known by name (the server's topics, see
-:data:`~physis_ros.bags.bagio.KNOWN_TOPIC_TYPES`) or given as ``TOPIC:TYPE`` are
+Topics whose type is known (from the serve config, :func:`server_topics`; by name, see
+:data:`~physis_ros.bags.bagio.KNOWN_TOPIC_TYPES`; or given as ``TOPIC:TYPE``) are
 subscribed at once, so nothing published after start is lost; other topics
 are subscribed as soon as discovery shows their type (``--all`` records every
 topic that appears). Subscriber QoS adapts to what the publishers offer.
@@ -27,9 +27,15 @@ if TYPE_CHECKING:
 IGNORED = {"/rosout", "/parameter_events"}
 
 
-def server_topics(serve: "ServeInfo", inputs: bool = True) -> list[str]:
-    """The server's outputs (and inputs): what ``physis-bag record`` takes by default."""
-    return (serve.input_topics if inputs else []) + serve.output_topics
+def server_topics(serve: "ServeInfo", inputs: bool = True) -> dict[str, str]:
+    """The server's outputs (and inputs) with their message types: what ``physis-bag record`` takes by
+    default. Per stream by its model's kind: a WAM's camera and joint states in, action_chunk and
+    joint_trajectory out; a world model's (ACWM) camera, joint states and actions in, predicted_frames
+    out; its own telemetry topic if it has one; the server's /telemetry and /diagnostics; with the inputs,
+    a WAM stream's expert_actions (what physis-report compares the executed trajectory with)."""
+    types = serve.topic_types
+    topics = (serve.input_topics if inputs else []) + serve.output_topics
+    return {**{t: types[t] for t in topics}, **(serve.expert_types if inputs else {})}
 
 
 def parse_topic_specs(specs: list[str]) -> dict[str, str | None]:

@@ -11,11 +11,23 @@ message is logged a few milliseconds after its stamp, as a recorder would.
 Output is deterministic: the same arguments give the same messages, stamps and
 log times, so the bundled bag can be regenerated and compared.
 
+A robot served by an action-conditioned world model (ACWM) also needs the actions to
+imagine: with an :class:`ActionsSpec` for its namespace, each tick also carries a
+``physis_ros/ActionChunk`` (or a ``trajectory_msgs/JointTrajectory``) on its actions
+topic with the same header stamp: the scene's planned joint trajectory from that
+instant (what :class:`~physis_ros.observations.SyntheticScene` renders as ``actions``),
+logged between the joint state and the image.
+
 Faults (:class:`Fault`, ``physis-bag generate --fault KIND@TICK[:NS]``) replace one
-tick's message with one the server must reject, named after the server's
-rejection counter: ``nonfinite`` (a NaN joint position), ``missing_joints`` (the
-joint state lacks the last configured joint), ``size`` (image data one row short
-of step x height), ``encoding`` (a yuv422 image, which the server does not take).
+tick's message with one the server must reject (:data:`FAULTS`: which message, and
+the server's rejection counter it lands in): ``nonfinite`` (a NaN joint position),
+``missing_joints`` (the joint state lacks the last configured joint), ``size`` (image
+data one row short of step x height), ``encoding`` (a yuv422 image, which the server
+does not take); on an actions topic ``actions_nonfinite`` (a NaN action, counted
+``nonfinite``), ``actions_malformed`` (an ActionChunk whose values disagree with its
+horizon x dof, or a trajectory point short of a position: ``malformed``),
+``actions_missing_joints`` (the last joint left out: ``missing_joints``) and
+``actions_short`` (fewer steps than the world model imagines: ``size``).
 ``physis-bag check`` on such a bag proves that the checker and the server agree
 on what is rejected and that every accepted observation still gets its chunk.
 """
@@ -28,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from physis_ros.bags.bagio import BagWriter, typestore
+from physis_ros.bags.bagio import BagWriter, new_message, typestore
 from physis_ros.bags.serveconf import DEFAULT_NAMESPACES, default_joint_names
 from physis_ros.model.interface import derived_seed
 from physis_ros.observations import SyntheticScene
@@ -36,9 +48,18 @@ from physis_ros.observations import SyntheticScene
 START_NS = 1_700_000_000_000_000_000   # a fixed epoch, so regeneration is byte-for-byte stable
 JOINT_LOG_DELAY_NS = 2_000_000          # joint states reach the recorder 2 ms after their stamp
 IMAGE_LOG_DELAY_NS = 6_000_000          # camera frames 6 ms after theirs
+ACTIONS_LOG_DELAY_NS = 4_000_000        # actions 4 ms after theirs (a policy's output)
 ENCODINGS = {"rgb8": 3, "bgr8": 3, "mono8": 1}
-# fault kind (the server's rejection counter) -> which message of the tick it spoils
-FAULTS = {"nonfinite": "joint_states", "missing_joints": "joint_states", "size": "image", "encoding": "image"}
+ACTION_CHUNK = "physis_ros/msg/ActionChunk"
+JOINT_TRAJECTORY = "trajectory_msgs/msg/JointTrajectory"
+# fault kind -> which message of the tick it spoils
+FAULTS = {"nonfinite": "joint_states", "missing_joints": "joint_states", "size": "image", "encoding": "image",
+          "actions_nonfinite": "actions", "actions_malformed": "actions", "actions_missing_joints": "actions",
+          "actions_short": "actions"}
+# fault kind -> the server's rejection counter (conversions.InputRejected reason) that counts it
+FAULT_REASONS = {"nonfinite": "nonfinite", "missing_joints": "missing_joints", "size": "size", "encoding": "encoding",
+                 "actions_nonfinite": "nonfinite", "actions_malformed": "malformed",
+                 "actions_missing_joints": "missing_joints", "actions_short": "size"}
 
 
 @dataclass(frozen=True)
@@ -50,7 +71,7 @@ class Fault:
 
     @classmethod
     def parse(cls, text: str) -> Fault:
-        """``KIND@TICK`` or ``KIND@TICK:NAMESPACE`` (e.g. ``nonfinite@3:robot0``)."""
+        """``KIND@TICK`` or ``KIND@TICK:NAMESPACE`` (e.g. ``nonfinite@3:robot0``, ``actions_nonfinite@2``)."""
         kind, at, rest = text.partition("@")
         tick, _, namespace = rest.partition(":")
         try:
@@ -65,6 +86,25 @@ class Fault:
     def applies(self, namespace: str, tick: int) -> bool:
         return tick == self.tick and self.namespace in (None, namespace)
 
+    @property
+    def reason(self) -> str:
+        """The server's rejection counter for the spoiled message."""
+        return FAULT_REASONS[self.kind]
+
+
+@dataclass(frozen=True)
+class ActionsSpec:
+    """A robot whose stream imagines actions (an ACWM): per tick one message on ``topic`` (default
+    ``/<namespace>/actions``), ``msgtype`` ActionChunk or JointTrajectory, ``horizon`` steps."""
+    namespace: str
+    topic: str = ""
+    msgtype: str = ACTION_CHUNK
+    horizon: int = 8
+
+    @property
+    def full_topic(self) -> str:
+        return self.topic or f"/{self.namespace}/actions"
+
 
 @dataclass
 class SceneSpec:
@@ -77,6 +117,10 @@ class SceneSpec:
     joint_names: list[str] = field(default_factory=default_joint_names)
     start_ns: int = START_NS
     faults: tuple[Fault, ...] = ()
+    actions: tuple[ActionsSpec, ...] = ()      # robots that also get actions to imagine
+
+    def actions_of(self, namespace: str) -> ActionsSpec | None:
+        return next((a for a in self.actions if a.namespace == namespace), None)
 
     def validate(self) -> None:
         if self.encoding not in ENCODINGS:
@@ -95,6 +139,21 @@ class SceneSpec:
             if f.namespace is not None and f.namespace not in self.namespaces:
                 raise ValueError(f"fault {f.kind}@{f.tick}:{f.namespace}: no such namespace "
                                  f"({', '.join(self.namespaces)})")
+            if FAULTS[f.kind] == "actions" and not any(
+                    f.namespace in (None, a.namespace) for a in self.actions):
+                who = f"{f.namespace} has no actions topic" if f.namespace else "no robot has an actions topic"
+                raise ValueError(f"fault {f.kind}@{f.tick}{':' + f.namespace if f.namespace else ''}: {who} "
+                                 f"(only a world model's stream takes actions)")
+        for a in self.actions:
+            if a.namespace not in self.namespaces:
+                raise ValueError(f"actions for '{a.namespace}': no such namespace ({', '.join(self.namespaces)})")
+            if a.msgtype not in (ACTION_CHUNK, JOINT_TRAJECTORY):
+                raise ValueError(f"actions for '{a.namespace}': type {a.msgtype} is neither {ACTION_CHUNK} nor "
+                                 f"{JOINT_TRAJECTORY}")
+            if a.horizon < 1:
+                raise ValueError(f"actions for '{a.namespace}': horizon must be >= 1, got {a.horizon}")
+        if len({a.namespace for a in self.actions}) != len(self.actions):
+            raise ValueError("one actions topic per namespace")
 
     @property
     def ticks(self) -> int:
@@ -122,6 +181,13 @@ def joint_velocities(dof: int, t: float, phase: float) -> np.ndarray:
     return 0.6 * w * np.cos(w * t + phase + j)
 
 
+def planned_actions(dof: int, horizon: int, t: float, phase: float, rate_hz: float) -> np.ndarray:
+    """[horizon, dof] float32: the scene's planned joint trajectory from time ``t`` (step k at
+    ``t + k / (horizon * rate_hz)``), as :class:`SyntheticScene` renders ``actions``."""
+    steps = np.arange(horizon, dtype=np.float32) / (horizon * rate_hz)
+    return np.stack([SyntheticScene.joints(dof, t + s, phase) for s in steps]).astype(np.float32)
+
+
 def _stamp(ns: int):
     from rosbags.typesys.stores.ros2_kilted import builtin_interfaces__msg__Time as Time
     sec, nsec = divmod(ns, 1_000_000_000)
@@ -139,6 +205,7 @@ def scene_messages(spec: SceneSpec):
     channels = ENCODINGS[spec.encoding]
     out = []
     for r, ns in enumerate(spec.namespaces):
+        acts = spec.actions_of(ns)
         phase = scene_phase(ns)
         offset_ns = (period_ns * 37 * r // 100) % period_ns    # robots tick out of step
         for tick in range(spec.ticks):
@@ -171,8 +238,55 @@ def scene_messages(spec: SceneSpec):
                         bytes(store.serialize_cdr(joints, "sensor_msgs/msg/JointState"))))
             out.append((f"/{ns}/camera/image_raw", "sensor_msgs/msg/Image", stamp + IMAGE_LOG_DELAY_NS,
                         bytes(store.serialize_cdr(image, "sensor_msgs/msg/Image"))))
+            if acts is not None:
+                msg = actions_message(spec, acts, ns, tick, stamp, t, phase, faults)
+                out.append((acts.full_topic, acts.msgtype, stamp + ACTIONS_LOG_DELAY_NS,
+                            bytes(store.serialize_cdr(msg, acts.msgtype))))
     out.sort(key=lambda m: m[2])
     return out
+
+
+def actions_message(spec: SceneSpec, acts: ActionsSpec, namespace: str, tick: int, stamp_ns: int, t: float,
+                    phase: float, faults: set[str]):
+    """One tick's actions to imagine (a rosbags message of ``acts.msgtype``), spoiled by ``faults``."""
+    names = list(spec.joint_names)
+    period = 1.0 / (acts.horizon * spec.rate_hz)
+    values = planned_actions(len(names), acts.horizon, t, phase, spec.rate_hz)
+    if "actions_nonfinite" in faults:
+        values[min(1, len(values) - 1), min(2, len(names) - 1)] = np.nan
+    if "actions_missing_joints" in faults:
+        names, values = names[:-1], values[:, :-1]
+    if "actions_short" in faults:
+        values = values[: max(0, acts.horizon // 2)]
+    header = new_message("std_msgs/msg/Header", stamp=_stamp(stamp_ns), frame_id=f"{namespace}/base_link")
+    if acts.msgtype == JOINT_TRAJECTORY:
+        points = []
+        for k, row in enumerate(values.astype(np.float64)):
+            if "actions_malformed" in faults and k == 0:
+                row = row[:-1]                       # a point short of a position
+            sec, nsec = divmod(int(round((k + 1) * period * 1e9)), 1_000_000_000)
+            points.append(new_message("trajectory_msgs/msg/JointTrajectoryPoint", positions=np.ascontiguousarray(row),
+                                      time_from_start=new_message("builtin_interfaces/msg/Duration", sec=sec,
+                                                                  nanosec=nsec)))
+        return new_message(JOINT_TRAJECTORY, header=header, joint_names=names, points=points)
+    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    if "actions_malformed" in faults:
+        flat = flat[:-1]                              # one value short of horizon x dof
+    # Only the fields a policy's chunk must carry: the rest (timeline bookkeeping of this server's own
+    # chunks) stays at its default, whatever this package's ActionChunk.msg adds.
+    return new_message(ACTION_CHUNK, header=header, stream=namespace, chunk_index=tick, control_period=period,
+                       joint_names=names, horizon=len(values), dof=len(names), actions=flat)
+
+
+def scene_actions(serve, namespaces) -> tuple[ActionsSpec, ...]:
+    """The actions topics a scene bag needs for a serve config (:class:`~physis_ros.bags.serveconf.ServeInfo`):
+    one per world-model stream among ``namespaces``, with the stream's actions topic, type and the horizon its
+    model imagines; none where the actions come from the server itself (another stream's output)."""
+    fed = serve.fed_by_outputs()
+    return tuple(ActionsSpec(s.namespace, s.topics["actions"], s.types["actions"],
+                             s.model_config.observation_shapes["actions"][0])
+                 for s in serve.streams
+                 if "actions" in s.topics and s.namespace in namespaces and s.topics["actions"] not in fed)
 
 
 def write_scene_bag(out: str | Path, spec: SceneSpec | None = None, storage: str = "mcap") -> dict[str, int]:

@@ -1,9 +1,10 @@
 """``physis-bag``: replay, record, check, generate and inspect rosbag2 files (no rosbag2 needed).
 
   physis-bag replay BAG [--rate R] [--loop] [--start-offset S] [--remap FROM:=TO] [--clock [HZ]]
-  physis-bag record OUT [--topics T ...] [--all] [--storage mcap|sqlite3] [--duration S]
+  physis-bag record OUT [--config serve.yaml] [--topics T ...] [--all] [--storage mcap|sqlite3] [--duration S]
   physis-bag check BAG [--config serve.yaml] [--out DIR] [--report] [--server-cmd CMD]
-  physis-bag generate OUT [--duration S] [--rate HZ] [--size WxH] [--encoding rgb8] [--fault KIND@TICK[:NS]]
+  physis-bag generate OUT [--config serve.yaml] [--duration S] [--rate HZ] [--size WxH] [--encoding rgb8]
+                          [--fault KIND@TICK[:NS]]
   physis-bag info BAG
 
 Exit status (every subcommand): 0 success; 1 a check failed (check: a failing
@@ -110,7 +111,7 @@ def cmd_record(args) -> int:
         topics = {}
     else:
         from physis_ros.bags.serveconf import load_serve_info   # imports torch (model config): only when needed
-        topics = parse_topic_specs(server_topics(load_serve_info(args.config), inputs=not args.outputs_only))
+        topics = server_topics(load_serve_info(args.config), inputs=not args.outputs_only)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -168,7 +169,7 @@ def cmd_check(args) -> int:
 # ----------------------------------------------------------------------------- generate / info
 
 def cmd_generate(args) -> int:
-    from physis_ros.bags.scene import SceneSpec, write_scene_bag
+    from physis_ros.bags.scene import SceneSpec, scene_actions, write_scene_bag
     from physis_ros.bags.serveconf import load_serve_info
 
     try:
@@ -180,7 +181,7 @@ def cmd_generate(args) -> int:
     joints = serve.streams[0].joint_names if serve.streams else None
     spec = SceneSpec(namespaces=namespaces, duration_s=args.duration, rate_hz=args.rate, width=width,
                      height=height, encoding=args.encoding, faults=tuple(args.fault or ()),
-                     **({"joint_names": joints} if joints else {}))
+                     actions=scene_actions(serve, namespaces), **({"joint_names": joints} if joints else {}))
     try:
         spec.validate()
     except ValueError as exc:
@@ -194,7 +195,8 @@ def cmd_generate(args) -> int:
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"wrote {out}: {sum(counts.values())} messages, {len(counts)} topics, {size / 1e6:.2f} MB "
           f"({len(namespaces)} robots x {spec.ticks} observations at {spec.rate_hz:g} Hz, "
-          f"{width}x{height} {spec.encoding})"
+          f"{width}x{height} {spec.encoding}"
+          + "".join(f"; actions on {a.full_topic}" for a in spec.actions) + ")"
           + (f"; faults {', '.join(f'{f.kind}@{f.tick}' + (':' + f.namespace if f.namespace else '') for f in spec.faults)}"
              if spec.faults else ""))
     return 0
@@ -281,10 +283,13 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--encoding", default="rgb8", choices=("rgb8", "bgr8", "mono8"))
     p.add_argument("--namespaces", nargs="+", help="robot namespaces (default: the server config's streams)")
     p.add_argument("--config", type=yaml_file,
-                   help="server config for namespaces and joint names (default config/serve.yaml)")
+                   help="server config for namespaces, joint names and, for a world model's (ACWM) stream, its "
+                        "actions topic and type (default config/serve.yaml)")
     p.add_argument("--fault", type=_fault, action="append", metavar="KIND@TICK[:NS]",
                    help="replace a message with one the server must reject (repeatable): nonfinite, "
-                        "missing_joints (joint state), size, encoding (image); NS: one robot (default all)")
+                        "missing_joints (joint state), size, encoding (image), actions_nonfinite, "
+                        "actions_malformed, actions_missing_joints, actions_short (a world model's actions); "
+                        "NS: one robot (default all)")
     p.add_argument("--storage", choices=("mcap", "sqlite3"), default="mcap")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.set_defaults(func=cmd_generate)

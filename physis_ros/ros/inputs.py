@@ -10,7 +10,8 @@ Two modes:
   dropped and counted) and chunk ``c`` consumes the ``c``-th complete
   observation: the image plus the joint state with the same header stamp, or,
   if stamps never match, the latest joint state at or before the image stamp
-  (:func:`pick_joint`). :func:`pair_observations` applies the same rule to
+  (:func:`pick_joint`); every other paired input (a world model's actions)
+  likewise, each on its own. :func:`pair_observations` applies the same rule to
   whole recorded sequences, for checking a replay against the reference.
 """
 
@@ -64,15 +65,48 @@ def pick_joint(image_ns: int, joint_ns: Sequence[int], complete: bool) -> tuple[
     return ("pair", best) if best >= 0 else ("drop", -1)
 
 
-def pair_observations(images: Sequence[tuple[int, T]], joints: Sequence[tuple[int, U]]) -> list[tuple[T, U]]:
-    """Offline version of the deterministic pairing over complete recordings: ``(stamp_ns, item)``
-    sequences in arrival order -> the (image item, joint item) pairs chunk 0, 1, ... consume."""
-    stamps = [ns for ns, _ in joints]
-    out = []
+def pair_observations(images: Sequence[tuple[int, T]], *paired: Sequence[tuple[int, Any]]) -> list[tuple]:
+    """Offline version of the deterministic pairing over complete recordings: ``images`` and each of
+    ``paired`` (joint states, actions to imagine, ...: the inputs :class:`StreamInput` pairs to the
+    camera, in its ``paired`` order) are ``(stamp_ns, item)`` sequences in arrival order. Returns the
+    ``(image item, paired item, ...)`` tuples chunk 0, 1, ... consume (``pair_observations(images,
+    joints)``: ``(image, joint)`` pairs). Images that cannot pair are left out
+    (:func:`match_observations` says which and why)."""
+    return [(image, *items) for image, items, _ in match_observations(images, *paired) if items is not None]
+
+
+def match_observations(images: Sequence[tuple[int, T]], *paired: Sequence[tuple[int, Any]]
+                       ) -> list[tuple[T, tuple | None, int]]:
+    """Every image with its verdict, as :meth:`StreamInput.take` decides in deterministic mode once nothing
+    more can arrive: ``(image item, (paired item, ...), -1)`` if it pairs, else ``(image item, None, k)``
+    with ``k`` the first paired input (in order) that has nothing at or before the image's stamp (the
+    server counts it ``unpaired``).
+
+    Each input is paired on its own with :func:`pick_joint`'s rule (exact stamp, else the latest at or
+    before), and, as the server forgets what no later image can use, an input's entries that arrived
+    before the one an image used and are older than it are not offered to later images (this matters
+    only when image stamps go backwards). Exact for inputs that arrive in stamp order; the server
+    decides on what has arrived so far, so an exact match that arrives after a later-stamped message
+    may be passed over online."""
+    start = [0] * len(paired)           # the server's history of input k is paired[k][start[k]:]
+    out: list[tuple[T, tuple | None, int]] = []
     for ns, image in images:
-        verdict, i = pick_joint(ns, stamps, complete=True)
-        if verdict == "pair":
-            out.append((image, joints[i][1]))
+        chosen: list[int] = []
+        missing = -1
+        for k, seq in enumerate(paired):
+            verdict, i = pick_joint(ns, [s for s, _ in seq[start[k]:]], complete=True)
+            if verdict != "pair":
+                missing = k
+                break
+            chosen.append(start[k] + i)
+        if missing >= 0:
+            out.append((image, None, missing))
+            continue
+        for k, i in enumerate(chosen):
+            seq = paired[k]
+            while start[k] < len(seq) and seq[start[k]][0] < seq[i][0]:
+                start[k] += 1
+        out.append((image, tuple(paired[k][i][1] for k, i in enumerate(chosen)), -1))
     return out
 
 

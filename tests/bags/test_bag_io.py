@@ -164,3 +164,51 @@ def test_generate_cli(tmp_path, capsys):
     assert {(t.topic, t.count) for t in info.topics} == {("/arm/camera/image_raw", 20), ("/arm/joint_states", 20)}
     assert bag_cli.main(["generate", str(out)]) == 2
     assert "exists" in capsys.readouterr().err
+
+
+def test_predicted_frames_are_known_to_the_bag_io(tmp_path):
+    """A world model's output, physis_ros/PredictedFrames, is typed by name like ActionChunk (so a recorder
+    subscribes before its publisher exists), and round-trips through a bag with its definition."""
+    from physis_ros.bags.bagio import known_topic_type
+    from physis_ros.msg import PredictedFrames
+
+    assert known_topic_type("/robot1/predicted_frames") == "physis_ros/msg/PredictedFrames"
+    assert known_topic_type("/robot1/actions") is None      # ActionChunk or JointTrajectory: the config says
+    m = PredictedFrames()
+    m.header.stamp.sec, m.stream, m.chunk_index = 1_700_000_000, "robot1", 3
+    m.frames, m.channels, m.height, m.width = 2, 4, 8, 8
+    m.latents = np.arange(512, dtype=np.float32)
+    out = tmp_path / "frames"
+    with BagWriter(out) as w:
+        w.add_topic("/robot1/predicted_frames", "physis_ros/msg/PredictedFrames")
+        w.write("/robot1/predicted_frames", 1000, serialize_message(m))
+    (topic, msgtype, _, raw), = read_all(out)
+    assert (topic, msgtype) == ("/robot1/predicted_frames", "physis_ros/msg/PredictedFrames")
+    decoded = typestore().deserialize_cdr(raw, msgtype)
+    assert decoded.chunk_index == 3 and decoded.latents.tolist() == list(range(512))
+    assert deserialize_message(raw, PredictedFrames).width == 8
+    (_, schema, encoding, _, data), = read_with_mcap(out)
+    assert (schema, encoding, data) == ("physis_ros/msg/PredictedFrames", "ros2msg", raw)
+
+
+def test_scene_actions_follow_the_config(tmp_path):
+    """generate writes a world-model stream's actions topic (type and horizon from its config and model),
+    one per camera frame with the frame's stamp; the default config (WAM streams only) gets none."""
+    from physis_ros.bags.scene import ActionsSpec, scene_actions
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: tiny-wam\nstreams:\n  robot0: {joint_names: [joint1, joint2, joint3, joint4, joint5, "
+                      "joint6, joint7]}\n  arm: {model: tiny-acwm, namespace: arm, actions_type: joint_trajectory, "
+                      "slo_interval_ms: 80.0, joint_names: [joint1, joint2, joint3, joint4, joint5, joint6, joint7]}\n")
+    serve = load_serve_info(config)
+    assert scene_actions(serve, ("robot0", "arm")) == (
+        ActionsSpec("arm", "/arm/actions", "trajectory_msgs/msg/JointTrajectory", 8),)
+    assert scene_actions(serve, ("robot0",)) == ()
+    assert scene_actions(load_serve_info(), ("robot0", "robot1")) == ()
+    messages = scene_messages(SceneSpec(namespaces=("robot0", "arm"), duration_s=0.5,
+                                        actions=scene_actions(serve, ("robot0", "arm"))))
+    stamps = {}
+    for topic, _, _, raw in messages:
+        stamps.setdefault(topic, []).append(header_stamp_ns(raw))
+    assert stamps["/arm/actions"] == stamps["/arm/camera/image_raw"] and len(stamps["/arm/actions"]) == 5
+    assert "/robot0/actions" not in stamps

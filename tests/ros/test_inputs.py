@@ -96,3 +96,58 @@ def test_offline_pairing_matches_online():
     for img, js in offline:
         assert js <= img
         assert js == img or js == max(j for j in joint_ns if j <= img)
+
+
+def test_offline_pairing_of_several_inputs_matches_online():
+    """A world model's stream pairs the joint state AND the actions to each image, each on its own by
+    the same rule; the offline pairing (what physis-bag check predicts) equals StreamInput's online one,
+    images that cannot pair (counted ``unpaired``) included, and also when image stamps go backwards
+    (the server forgets entries older than what an image used)."""
+    from physis_ros.ros.inputs import match_observations
+
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        image_ns = rng.choice(np.arange(0, 200), 40, replace=False).tolist()
+        if trial % 2 == 0:
+            image_ns.sort()                       # a camera's usual order; odd trials: out of order
+        joint_ns = sorted(rng.choice(np.arange(0, 200), 60, replace=False).tolist())
+        action_ns = sorted(rng.choice(np.arange(20, 200), 30, replace=False).tolist())  # none before 20
+        images = [(n, n) for n in image_ns]
+        offline = pair_observations(images, [(n, n) for n in joint_ns], [(n, -n) for n in action_ns])
+        verdicts = match_observations(images, [(n, n) for n in joint_ns], [(n, -n) for n in action_ns])
+        assert [(img, *items) for img, items, _ in verdicts if items is not None] == offline
+
+        inp = StreamInput(deterministic=True, pair_timeout_s=60.0, paired=("state", "actions"))
+        for n in joint_ns:
+            inp.put("state", sample(n, float(n)))
+        for n in action_ns:
+            inp.put("actions", sample(n, float(-n)))
+        inp.put_joints(sample(10**6, 0.5))         # final later messages: nothing left undecided
+        inp.put("actions", sample(10**6, 0.5))
+        for n in image_ns:
+            inp.put_image(sample(n, float(n)))
+        online = []
+        while (t := inp.take()) is not None:
+            online.append((int(t.data["image"][0]), int(t.data["state"][0]), int(t.data["actions"][0])))
+        assert online == offline, trial
+        unpaired = sum(items is None for _, items, _ in verdicts)
+        assert inp.snapshot()["rejected"].get("unpaired", 0) == unpaired
+        assert unpaired > 0                       # images before the first actions cannot pair
+        for img, js, act in offline:
+            assert js <= img and -act <= img
+        if trial % 2 == 0:                        # in stamp order: exact, else the latest at or before
+            for img, js, act in offline:
+                assert js == max(j for j in joint_ns if j <= img)
+                assert -act == max(a for a in action_ns if a <= img)
+            # which input was missing: the first in the stream's order with nothing at or before the image
+            for img, items, k in verdicts:
+                if items is None:
+                    assert k == (0 if not any(j <= img for j in joint_ns) else 1)
+
+
+def test_offline_pairing_keeps_its_image_and_joints_form():
+    """pair_observations(images, joints) still gives (image, joint) pairs; with no other input every image
+    stands alone (a model that takes the camera only)."""
+    images, joints = [(1, "i1"), (3, "i3"), (5, "i5")], [(2, "j2"), (3, "j3")]
+    assert pair_observations(images, joints) == [("i3", "j3"), ("i5", "j3")]
+    assert pair_observations(images) == [("i1",), ("i3",), ("i5",)]
