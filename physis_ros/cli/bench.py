@@ -1,6 +1,6 @@
 """``physis-bench SUBCOMMAND``: benchmarks that write JSON (and plots).
 
-    physis-bench pipeline | timeshare | soak | streams | ros  [options]   (physis-bench SUB --help)
+    physis-bench pipeline | timeshare | soak | streams | ros | admission | handoff  [options]   (physis-bench SUB --help)
 
 Each subcommand lives in ``physis_ros.bench.<name>`` and provides
 ``add_arguments(parser)`` and ``run(args) -> int``. Flags they share are checked
@@ -31,6 +31,9 @@ SUBCOMMANDS = {
     "soak": "two streams for minutes: memory, lost chunks, interval drift",
     "streams": "joint scheduling live: admit tiny-wam streams onto local workers until one is rejected",
     "ros": "ROS layer: emit -> subscriber delay and lost chunks through the real node",
+    "admission": "robots join the running server through the action until rejected; SLO vs measured, batching "
+                 "credited vs not",
+    "handoff": "chunk hand-off none/hard/soft under injected delay: seams, jerk, tracking on a simulated robot",
 }
 
 # flag (argparse dest) -> (lowest value, whether the bound is excluded)
@@ -40,6 +43,9 @@ BOUNDS = {
     "minutes": (0, True), "sample_s": (0, True), "slo_ms": (0, True), "duration": (0, True), "rate": (0, True),
     "paced_rate": (0, True), "floor_rate": (0, True), "start_timeout": (0, True), "stagger_s": (0, False),
     "warmup": (0, False), "pace_margin_ms": (0, False), "headroom": (0, False), "emit_delay_ms": (0, False),
+    "window": (0, True), "settle": (0, False), "rounds": (1, False), "max_streams": (1, False),
+    "control_rate_hz": (0, True), "second_control_rate_hz": (0, True), "pace_margin": (0, False),
+    "profile_repeats": (1, False), "robots": (1, False), "execution_horizon": (1, False),
 }
 
 

@@ -193,6 +193,8 @@ def _serve(argv: list[str] | None = None) -> int:
             if not node.close():
                 print("physis-serve: warning: engine thread did not stop in time", file=sys.stderr)
                 code = code or 1
+            if executor is not None:
+                _send_goal_results(executor, node)
             report = node.report()
             for name, r in report.items():
                 if "not_admitted" in r:
@@ -210,6 +212,17 @@ def _serve(argv: list[str] | None = None) -> int:
             node.destroy_node()
         rclpy.try_shutdown()
     return code
+
+
+def _send_goal_results(executor, node, timeout_s: float = 2.0) -> None:
+    """Goals still running were ended 'shutdown' by close(); spin until their results are out (bounded),
+    so that clients learn the outcome instead of waiting on a server that is gone."""
+    deadline = time.monotonic() + timeout_s
+    while node.actions.goals and time.monotonic() < deadline:
+        executor.spin_once(timeout_sec=0.05)
+    linger = time.monotonic() + 0.2   # the result messages themselves
+    while time.monotonic() < linger:
+        executor.spin_once(timeout_sec=0.05)
 
 
 if __name__ == "__main__":

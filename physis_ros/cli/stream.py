@@ -1,7 +1,7 @@
 """``physis-stream``: robots join and leave a running physis_server, for hosts without ``ros2`` tooling.
 
     physis-stream add --name NAME --namespace NS --joints j1,j2,... [--model PRESET] [--slo-ms X]
-                      [--control-rate-hz R] [--json OUT] [--duration S]
+                      [--control-rate-hz R] [--json OUT] [--duration S] [--*-topic T]
     physis-stream list [--json OUT]
     physis-stream remove NAME
 
@@ -9,14 +9,14 @@
 server has decided, ``{"accepted": bool, "reason": str, "workers": [...]}`` (also written to
 ``--json``). An admitted stream stays served while the command runs: it prints the server's
 feedback about once per second, and cancels the goal (freeing the capacity) on Ctrl-C or after
-``--duration`` seconds. ``list`` and ``remove`` call ``<server>/list_streams`` and
-``<server>/remove_stream``. ``--server`` is the node's name (default /physis_server); ROS
-arguments go after ``--ros-args``.
+``--duration`` seconds (counted from the admission); a server that goes away ends it (exit 1).
+``list`` and ``remove`` call ``<server>/list_streams`` and ``<server>/remove_stream``. ``--server``
+is the node's name (default /physis_server); ROS arguments go after ``--ros-args``.
 
-Exit status: 0 success (admitted, then cancelled or ended; listed; removed); 1 not admitted, the
-stream ended by the server, or nothing to remove; 2 usage error or no server answering within
-``--timeout``; 70 internal error (a bug; PHYSIS_DEBUG=1 shows the traceback); 130 interrupted
-before the server answered. Errors are one line on stderr: 'physis-stream: error: <what and the fix>'.
+Exit status: 0 success (admitted, then cancelled; listed; removed); 1 not admitted, the stream
+ended by the server (removed, failed, shutdown) or the server went away, or nothing to remove; 2
+usage error or no server answering within ``--timeout``; 70 internal error (a bug; PHYSIS_DEBUG=1
+shows the traceback); 130 interrupted before the server answered. Errors are one line on stderr: 'physis-stream: error: <what and the fix>'.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--server", default="/physis_server", help="the server node's full name")
     p.add_argument("--timeout", type=positive_float, default=30.0, help="wait this long for the server to answer")
     sub = p.add_subparsers(dest="command", required=True)
-    add = sub.add_parser("add", help="join a robot (stays attached; Ctrl-C or --duration cancels)")
+    add = sub.add_parser("add", description=__doc__, help="join a robot (stays attached; Ctrl-C or --duration cancels)")
     add.add_argument("--name", required=True, help="stream name (letters, digits, _)")
     add.add_argument("--namespace", default="", help="topics under /<namespace>/ (default: the name)")
     add.add_argument("--joints", required=True, help="comma-separated joint names, in the model's column order")
@@ -46,13 +46,16 @@ def build_parser() -> ArgumentParser:
     add.add_argument("--slo-ms", type=nonneg_float, default=0.0, help="output interval SLO (0: the control timeline)")
     add.add_argument("--control-rate-hz", type=nonneg_float, default=0.0, help="action steps per second (0: default)")
     add.add_argument("--actions-topic", default="", help="world models: the actions to imagine")
-    add.add_argument("--image-topic", default="")
+    add.add_argument("--image-topic", default="", help="camera topic (relative to the namespace, or absolute)")
     add.add_argument("--joint-states-topic", default="")
+    add.add_argument("--action-chunk-topic", default="", help="ActionChunk output topic")
+    add.add_argument("--joint-trajectory-topic", default="",
+                     help="JointTrajectory output topic, e.g. /arm_controller/joint_trajectory to feed a controller")
     add.add_argument("--duration", type=nonneg_float, default=0.0, help="cancel after this many seconds (0: never)")
     add.add_argument("--json", help="write the admission decision here")
-    lst = sub.add_parser("list", help="the streams served")
+    lst = sub.add_parser("list", description=__doc__, help="the streams served")
     lst.add_argument("--json", help="write the list here")
-    rm = sub.add_parser("remove", help="remove a stream (any: config or joined)")
+    rm = sub.add_parser("remove", description=__doc__, help="remove a stream (any: config or joined)")
     rm.add_argument("name")
     return p
 
@@ -124,8 +127,11 @@ def _remove(node, args) -> int:
 
     r = _service(node, RemoveStream, f"{args.server}/remove_stream", RemoveStream.Request(stream=args.name),
                  args.timeout)
-    print(r.message, file=sys.stdout if r.ok else sys.stderr)
-    return 0 if r.ok else 1
+    if not r.ok:
+        print(f"{PROG}: error: {r.message}", file=sys.stderr)
+        return 1
+    print(r.message)
+    return 0
 
 
 def _add(node, args) -> int:
@@ -144,8 +150,9 @@ def _add(node, args) -> int:
     goal = ServeStream.Goal(stream=args.name, topic_namespace=args.namespace, model=args.model, joint_names=joints,
                             slo_interval_ms=args.slo_ms, control_rate_hz=args.control_rate_hz,
                             actions_topic=args.actions_topic, image_topic=args.image_topic,
-                            joint_states_topic=args.joint_states_topic)
-    state = {"decided": None, "feedback": None, "last_print": 0.0}
+                            joint_states_topic=args.joint_states_topic, action_chunk_topic=args.action_chunk_topic,
+                            joint_trajectory_topic=args.joint_trajectory_topic)
+    state = {"decided": None, "decided_at": None, "last_print": 0.0}
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -153,9 +160,9 @@ def _add(node, args) -> int:
     def decided(accepted: bool, reason: str, workers) -> None:
         if state["decided"] is None:
             state["decided"] = {"accepted": accepted, "reason": reason, "workers": list(workers)}
-            print(json.dumps(state["decided"]), flush=True)
-            if args.json:
+            if args.json:   # first: once the line is out, the file is there
                 write_json(args.json, state["decided"])
+            print(json.dumps(state["decided"]), flush=True)
 
     def on_feedback(msg) -> None:
         fb = msg.feedback
@@ -169,21 +176,32 @@ def _add(node, args) -> int:
 
     executor = SingleThreadedExecutor(context=node.context)
     executor.add_node(node)
+    gone = ServerWatch(client, min(args.timeout, SERVER_GONE_S))
     sent = client.send_goal_async(goal, feedback_callback=on_feedback)
     while not sent.done():
         if stop.is_set():
             print(f"{PROG}: interrupted", file=sys.stderr)
             return 130
         executor.spin_once(timeout_sec=0.05)
+        if gone():
+            raise CliError(f"{args.server}/serve_stream went away before it answered (the server stopped?)")
     handle = sent.result()
     result_future = handle.get_result_async()
-    started, cancelled = time.monotonic(), False
+    cancelled = False
     while not result_future.done():
         executor.spin_once(timeout_sec=0.05)
-        overtime = args.duration and state["decided"] and time.monotonic() - started >= args.duration
+        if state["decided"] is not None and state["decided_at"] is None:
+            state["decided_at"] = time.monotonic()
+        overtime = args.duration and state["decided_at"] is not None and \
+            time.monotonic() - state["decided_at"] >= args.duration
         if (stop.is_set() or overtime) and not cancelled:
             cancelled = True
             handle.cancel_goal_async()
+        if gone():
+            # Without this the command waited for ever: a stopped server sends no result.
+            print(f"{PROG}: error: {args.server}/serve_stream went away while stream '{args.name}' was served (the "
+                  f"server stopped, or is unreachable)", file=sys.stderr)
+            return 1
     result = result_future.result().result
     if not result.accepted:
         decided(False, result.reason, result.workers)
@@ -192,3 +210,27 @@ def _add(node, args) -> int:
     print(json.dumps({"outcome": result.outcome, "reason": result.reason, "chunks_emitted": result.chunks_emitted,
                       "chunks_lost": result.chunks_lost}), flush=True)
     return 0 if result.outcome == "cancelled" else 1
+
+
+SERVER_GONE_S = 3.0   # the action server undiscovered this long: it stopped (a clean exit is seen at once)
+
+
+class ServerWatch:
+    """``watch()`` is True once the action server has been out of the ROS graph for ``grace_s``."""
+
+    def __init__(self, client, grace_s: float):
+        self.client, self.grace_s = client, grace_s
+        self.missing_since: float | None = None
+        self.checked = 0.0
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self.checked < 0.25:
+            return False
+        self.checked = now
+        if self.client.server_is_ready():
+            self.missing_since = None
+            return False
+        if self.missing_since is None:
+            self.missing_since = now
+        return now - self.missing_since >= self.grace_s

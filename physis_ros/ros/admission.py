@@ -31,6 +31,8 @@ REASONS = {
     "namespace-in-use": "another stream already uses that namespace",
     "invalid-request": "a field of the request is malformed (name, namespace, joints, rates, topics)",
     "not-serving": "the server is not serving (not configured, or its engine failed)",
+    "stream-limit": "the server holds engine.max_streams streams already",
+    "internal-error": "the server failed while admitting the stream (a bug; its log has the details)",
 }
 
 

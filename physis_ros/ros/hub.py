@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 from physis_ros.config import ConfigError
 from physis_ros.ros.admission import Admitted, Rejected, ServerAdmission
-from physis_ros.ros.config import StreamConfig, check_stream_model, slo_interval_ms, stream_namespace
+from physis_ros.ros.config import StreamConfig, stream_namespace
+from physis_ros.ros.stream_model import check_stream_model, slo_interval_ms
 from physis_ros.ros.models import ModelCatalog
 from physis_ros.ros.streams import RosStream
 from physis_ros.ros.tasks import Ticker
@@ -42,7 +43,7 @@ class StreamHub:
         self.catalog = ModelCatalog(cfg.model, "cpu" if device == "cpu" else "cuda", cfg.admission,
                                     cfg.engine.checkpoint)
         self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-catalog")
-        self.joining: set[str] = set()
+        self.joining: dict[str, str] = {}   # streams being admitted now -> their namespaces
         self.rejections: list[tuple[str, str, str]] = []   # (stream, reason, detail), newest last
 
     def close(self) -> None:
@@ -55,9 +56,16 @@ class StreamHub:
         if name in self.node.streams or name in self.joining:
             raise Rejected("name-in-use", f"stream '{name}' is already served")
         ns = stream_namespace(name, stream)
-        for other, st in self.node.streams.items():
-            if st.namespace == ns:
-                raise Rejected("namespace-in-use", f"namespace '{ns}' is used by stream '{other}'")
+        # Streams still being admitted hold their namespace too: two goals racing for one namespace
+        # would otherwise both pass this check while the first resolves its model.
+        used = {**{st.namespace: other for other, st in self.node.streams.items()},
+                **{n: other for other, n in self.joining.items()}}
+        if ns in used:
+            raise Rejected("namespace-in-use", f"namespace '{ns}' is used by stream '{used[ns]}'")
+        limit = self.node.config.engine.max_streams
+        if len(self.node.streams) + len(self.joining) >= limit:
+            raise Rejected("stream-limit", f"the server holds engine.max_streams={limit} streams already (remove "
+                                           f"one, or raise engine.max_streams)")
         try:
             stream.check(f"streams.{name}")
         except ConfigError as exc:
@@ -69,7 +77,7 @@ class StreamHub:
         if node.engine is None or not node.engine.ready.is_set() or node.engine.failure is not None:
             raise Rejected("not-serving", f"the server is {node.state}")
         self.check(name, stream)
-        self.joining.add(name)
+        self.joining[name] = stream_namespace(name, stream)
         try:
             served = await ticker.wait(self.loader.submit(self.catalog.resolve, stream.model))
             try:
@@ -82,9 +90,11 @@ class StreamHub:
             try:
                 st = RosStream(node, name, stream, served, origin, admitted.workers)
                 node.streams[name] = st
+                # cadence timeline: one release per admitted interval, the freshest observation each time
+                release = pace if stream.cadence == "timeline" else None
                 await ticker.wait(node.engine.add_stream(name, st.observe, st.on_output, model=served,
                                                          plan=admitted.plan, slo_interval_ms=slo,
-                                                         release_interval_ms=pace))
+                                                         release_interval_ms=release, timeline=st.timeline))
             except Exception as exc:
                 self._forget(name)
                 raise Rejected("not-serving", f"the engine could not start stream '{name}': {exc}") from None
@@ -93,7 +103,7 @@ class StreamHub:
             del self.rejections[:-100]
             raise
         finally:
-            self.joining.discard(name)
+            self.joining.pop(name, None)
         node.get_logger().info(f"stream {name} admitted ({origin}): {served.config.name}, SLO {slo:g} ms, paced "
                                f"every {pace:g} ms, on "
                                f"{', '.join(admitted.workers)}; worker utilisation {self.admission.utilisation()}")

@@ -40,6 +40,8 @@ def stream_config_of(goal: ServeStream.Goal) -> StreamConfig:
     """The StreamConfig a goal asks for (empty and zero fields: the defaults); Rejected naming a bad field."""
     fields = {"joint_names": list(goal.joint_names), "namespace": goal.topic_namespace, "model": goal.model,
               "slo_interval_ms": goal.slo_interval_ms or None, "control_rate_hz": goal.control_rate_hz or None,
+              "execution_horizon": goal.execution_horizon or None, "handoff": goal.handoff,
+              "actions_type": goal.actions_type,
               "topics": {key: getattr(goal, field) for field, key in _TOPICS.items() if getattr(goal, field)}}
     try:
         return from_mapping(StreamConfig, {k: v for k, v in fields.items() if v not in (None, "", {})})
@@ -52,7 +54,7 @@ class ServeStreamServer:
         self.node = node
         self.ticker = Ticker(node)
         self.goals: dict[str, object] = {}          # stream -> its goal handle
-        self.ended: dict[str, tuple[str, str]] = {}  # stream -> (outcome, reason) set by whoever ended it
+        self.ended: dict[int, tuple[str, str]] = {}  # id(goal handle) -> (outcome, reason) set by whoever ended it
         self.server = ActionServer(node, ServeStream, "~/serve_stream", self._execute,
                                    goal_callback=lambda goal: GoalResponse.ACCEPT,
                                    cancel_callback=lambda handle: CancelResponse.ACCEPT)
@@ -74,31 +76,43 @@ class ServeStreamServer:
             node.get_logger().warning(f"serve_stream goal for '{name}' rejected ({exc.reason}): {exc.detail}")
             handle.abort()
             return ServeStream.Result(accepted=False, outcome="rejected", reason=f"{exc.reason}: {exc.detail}")
+        except Exception as exc:  # a bug: rclpy would answer an empty result; the robot still learns why
+            node.get_logger().error(f"serve_stream goal for '{name}' failed: {type(exc).__name__}: {exc}")
+            handle.abort()
+            return ServeStream.Result(accepted=False, outcome="rejected",
+                                      reason=f"internal-error: {type(exc).__name__}: {exc}")
         self.goals[name] = handle
         try:
             while True:
+                # Only this goal's own stream is touched: once it is gone, another goal may serve the name.
+                mine = node.streams.get(name) is st
                 if handle.is_cancel_requested:
-                    node.hub.leave(name)
+                    if mine:
+                        node.hub.leave(name)
                     handle.canceled()
                     return self._result(st, "cancelled", "the goal was cancelled")
-                if name in self.ended or st.health.gone or node.streams.get(name) is not st:
-                    outcome, reason = self.ended.pop(name, ("failed", st.health.failed or "the stream ended"))
-                    if outcome == "failed" and name in node.streams:
+                if id(handle) in self.ended or st.health.gone or not mine:
+                    outcome, reason = self.ended.pop(id(handle), ("failed", st.health.failed or "the stream ended"))
+                    if outcome == "failed" and mine:
                         node.hub.leave(name)
                     handle.abort()
                     return self._result(st, outcome, reason)
                 handle.publish_feedback(self._feedback(st))
                 for _ in range(int(FEEDBACK_S / 0.05)):
                     await self.ticker.sleep(0.05)
-                    if handle.is_cancel_requested or name in self.ended or st.health.gone:
+                    if handle.is_cancel_requested or id(handle) in self.ended or st.health.gone:
                         break
         finally:
-            self.goals.pop(name, None)
+            if self.goals.get(name) is handle:
+                del self.goals[name]
+            # An end() this goal did not consume (it was cancelled at the same turn) must not outlive it.
+            self.ended.pop(id(handle), None)
 
     def end(self, name: str, outcome: str, reason: str) -> None:
         """End a stream's goal (if it has one) with this outcome at its next turn."""
-        if name in self.goals:
-            self.ended[name] = (outcome, reason)
+        handle = self.goals.get(name)
+        if handle is not None:
+            self.ended[id(handle)] = (outcome, reason)
 
     def _feedback(self, st) -> ServeStream.Feedback:
         records, total, misses, _, _ = st.records()

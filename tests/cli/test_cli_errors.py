@@ -150,12 +150,26 @@ CASES = [
     case("physis-synthetic --ros-args --rate 5", None, 2, ["--rate", "before --ros-args"]),
     case("physis-synthetic --rate 0", None, 2, ["--rate", "> 0"]),
     case("physis-synthetic --config {input}", BAD_YAML, 2, ["--config", "not valid YAML"], ".yaml"),
+    # ---- physis-stream (no server runs in this table's ROS domain)
+    case("physis-stream", None, 2, ["required", "command"]),
+    case("physis-stream add --name r", None, 2, ["required", "--joints"]),
+    case("physis-stream add --name r --joints a --slo-ms -1", None, 2, ["--slo-ms", ">= 0"]),
+    case("physis-stream add --name r --joints ,", None, 2, ["--joints", "comma-separated"]),
+    case("physis-stream list --bogus", None, 2, ["unrecognized arguments", "--bogus"]),
+    case("physis-stream remove", None, 2, ["required", "name"]),
+    case("physis-stream --timeout 0 list", None, 2, ["--timeout", "> 0"]),
+    case("physis-stream --ros-args --timeout 1 list", None, 2, ["before --ros-args"]),
+    case("physis-stream --timeout 1 --server /nobody add --name r --joints a,b", None, 2,
+         ["no server answers", "/nobody/serve_stream"]),
+    case("physis-stream --timeout 1 --server /nobody list", None, 2, ["no server answers", "/nobody/list_streams"]),
+    case("physis-stream --timeout 1 --server /nobody remove r", None, 2, ["no server answers", "/nobody/remove_stream"]),
 ]
 
 COMMANDS = ["physis-rollout", "physis-worker", "physis-bench pipeline", "physis-bench timeshare", "physis-bench soak",
             "physis-bench streams", "physis-bench ros", "physis-profile", "physis-sim", "physis-keys",
             "physis-bag info", "physis-bag replay", "physis-bag record", "physis-bag check", "physis-bag generate",
-            "physis-report", "physis-serve", "physis-demo", "physis-synthetic"]
+            "physis-report", "physis-serve", "physis-demo", "physis-synthetic", "physis-stream add", "physis-stream list",
+            "physis-stream remove"]
 
 
 def _write(path: Path, content, tmp: Path) -> None:

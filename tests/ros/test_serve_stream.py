@@ -1,0 +1,442 @@
+"""Robots joining and leaving a running server through the ServeStream action, end to end: a real
+physis-serve process (2 workers) started with no streams, real rclpy goals, services and topics from this
+test process, which also plays the robots (camera + joint states, recorded so that outputs can be checked
+against the sequential reference).
+
+One server serves the whole module, in order: refused goals -> admission until a named rejection and
+capacity freed by a cancel -> a running robot's chunks stay contiguous while another joins and another
+leaves -> duplicates refused, nothing changes -> a world model (tiny-acwm) co-served with the policy,
+imagining exactly what the policy commands (bit-for-bit against the reference) -> clean stop. The server
+runs ``--deterministic`` (chunk c consumes the c-th observation), which the world-model check needs.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import yaml
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+
+from physis_ros.ros.launcher import Child, serve_command
+
+from rosprobe import JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, diag_values, processes_with_marker
+
+RELIABLE = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
+LATCHED = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+TELEMETRY = f"/{TAG}_ss_telemetry"
+START_TIMEOUT = 90.0
+RATE_HZ = 6.0                # what the robots publish; every stream with inputs runs at this rate
+SLO_MS = 80.0                # of the streams with inputs: paced every 76 ms, faster than their cameras
+CAPACITY_SLO_MS = 60.0       # of the streams that fill the workers (no inputs: admitted, never computing)
+MAX_STREAMS = 32             # engine.max_streams: well above what fits in time, even on a fast machine
+NS = {k: f"{TAG}_{k}" for k in ("a", "b", "c", "m", "dup")}
+
+
+def ns_of(t) -> int:
+    return t.sec * 1_000_000_000 + t.nanosec
+
+
+class Robots:
+    """Camera (40x30 rgb8) + joint states for some namespaces at RATE_HZ, published from a thread of this
+    process with one stamp per tick; what went to recorded namespaces is kept by stamp."""
+
+    def __init__(self, node):
+        from sensor_msgs.msg import Image, JointState
+
+        self.node, self.Image, self.JointState = node, Image, JointState
+        self.lock = threading.Lock()
+        self.pubs: dict[str, tuple] = {}
+        self.sent: dict[str, dict[int, tuple]] = defaultdict(dict)   # ns -> stamp ns -> (Image, JointState)
+        self.recorded: set[str] = set()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def add(self, ns: str, record: bool = False) -> None:
+        from physis_ros.model.interface import derived_seed
+
+        qos = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+        pubs = (self.node.create_publisher(self.Image, f"/{ns}/camera/image_raw", qos),
+                self.node.create_publisher(self.JointState, f"/{ns}/joint_states", qos),
+                (derived_seed("scene", ns) % 1000) / 1000.0 * 2 * math.pi)
+        with self.lock:
+            self.pubs[ns] = pubs
+            if record:
+                self.recorded.add(ns)
+
+    def _run(self) -> None:
+        from physis_ros.observations import SyntheticScene
+        from physis_ros.ros.synthetic import image_bytes
+
+        period, next_tick = 1.0 / RATE_HZ, time.monotonic()
+        while not self.stop.wait(max(0.0, next_tick - time.monotonic())):
+            next_tick = max(next_tick + period, time.monotonic())
+            stamp = self.node.get_clock().now()
+            t = stamp.nanoseconds * 1e-9
+            with self.lock:
+                pubs = dict(self.pubs)
+                recorded = set(self.recorded)
+            for ns, (pub_img, pub_js, phase) in pubs.items():
+                img = self.Image()
+                img.header.stamp = stamp.to_msg()
+                img.height, img.width, img.encoding, img.step = 30, 40, "rgb8", 120
+                img.data = image_bytes(40, 30, t, phase)
+                js = self.JointState()
+                js.header.stamp = img.header.stamp
+                js.name, js.position = list(JOINTS), SyntheticScene.joints(len(JOINTS), t, phase).astype(float).tolist()
+                pub_img.publish(img)
+                pub_js.publish(js)
+                if ns in recorded:
+                    self.sent[ns][stamp.nanoseconds] = (img, js)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5.0)
+
+
+class Goal:
+    """One ServeStream goal from this process: sent, then decided (first feedback: admitted; result:
+    rejected)."""
+
+    def __init__(self, live, stream: str, **fields):
+        from physis_ros.action import ServeStream
+
+        self.live, self.stream = live, stream
+        self.fields = {"joint_names": JOINTS, **fields}
+        self.msg = ServeStream.Goal(stream=stream, **self.fields)
+        self.feedback: list = []
+        sent = live.client.send_goal_async(self.msg, feedback_callback=lambda m: self.feedback.append(m.feedback))
+        live.probe.wait(sent.done, 15.0, f"the server to take goal {stream}")
+        self.handle = sent.result()
+        assert self.handle.accepted, "every goal is taken as a goal; admission answers in the result"
+        self.result_future = self.handle.get_result_async()
+        live.probe.wait(lambda: self.feedback or self.result_future.done(), 60.0, f"admission of {stream}")
+
+    @property
+    def admitted(self) -> bool:
+        return bool(self.feedback)
+
+    def result(self, timeout: float = 15.0):
+        self.live.probe.wait(self.result_future.done, timeout, f"the result of goal {self.stream}")
+        return self.result_future.result().result
+
+    def cancel(self):
+        done = self.handle.cancel_goal_async()
+        self.live.probe.wait(done.done, 10.0, f"the server to take the cancel of {self.stream}")
+        return self.result()
+
+
+class Live:
+    def __init__(self, tmp):
+        from diagnostic_msgs.msg import DiagnosticArray
+        from rclpy.action import ActionClient
+
+        from physis_ros.action import ServeStream
+        from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
+        from physis_ros.srv import ListStreams, RemoveStream
+
+        self.marker = uuid.uuid4().hex
+        self.config = tmp / "serve.yaml"
+        # No streams: every robot joins through the action. (The liveness bound is not what this module
+        # checks: a 3 s floor keeps a busy shared CI host from resetting a stream in the middle of a check.)
+        self.config.write_text(yaml.safe_dump({"/**": {"ros__parameters": {
+            "model": "tiny-wam", "deterministic": True, "pair_timeout_s": 5.0, "telemetry_topic": TELEMETRY,
+            "diagnostics_period_s": 0.5,
+            "engine": {"workers": 2, "max_streams": MAX_STREAMS, "chunk_timeout_floor_s": 3.0}}}}))
+        self.probe = Probe("physis_serve_stream_probe")
+        self.probe.subscribe("diagnostics", DiagnosticArray, "/diagnostics", QoSProfile(depth=50))
+        self.probe.subscribe("telemetry", ChunkTelemetry, TELEMETRY, LATCHED)
+        for k in ("a", "b", "c"):
+            self.probe.subscribe(f"chunk/{k}", ActionChunk, f"/{NS[k]}/action_chunk", RELIABLE)
+        self.probe.subscribe("frames/m", PredictedFrames, f"/{NS['m']}/predicted_frames", RELIABLE)
+        self.client = ActionClient(self.probe.node, ServeStream, f"/{NODE}/serve_stream")
+        self.list_client = self.probe.node.create_client(ListStreams, f"/{NODE}/list_streams")
+        self.remove_client = self.probe.node.create_client(RemoveStream, f"/{NODE}/remove_stream")
+        self.robots = Robots(self.probe.node)
+        self.goals: dict[str, Goal] = {}
+        self.server = Child("server", serve_command(self.config, *NODE_ARGS), env=child_env(self.marker),
+                            log=tmp / "serve.log")
+
+    # ---- what the server says ----------------------------------------------------------------------------
+    def engine_state(self) -> str | None:
+        for msg, _ in reversed(self.probe.get("diagnostics")):
+            v = diag_values(msg, "engine")
+            if v is not None:
+                return v["state"]
+        return None
+
+    def call(self, client, request):
+        future = client.call_async(request)
+        self.probe.wait(future.done, 15.0, f"a reply from {client.srv_name}")
+        return future.result()
+
+    def listed(self) -> dict[str, dict]:
+        from physis_ros.srv import ListStreams
+
+        r = self.call(self.list_client, ListStreams.Request())
+        return {s: {"model": m, "namespace": n, "origin": o, "slo_interval_ms": slo, "workers": w}
+                for s, m, n, o, slo, w in zip(r.streams, r.models, r.namespaces, r.origins, r.slo_interval_ms,
+                                              r.workers)}
+
+    def chunks(self, key: str) -> list:
+        return [m for m, _ in self.probe.get(f"chunk/{key}")]
+
+    def telemetry(self, stream: str) -> list:
+        return [m for m, _ in self.probe.get("telemetry") if m.stream == stream]
+
+    def goal(self, stream: str, **fields) -> Goal:
+        g = Goal(self, stream, **fields)
+        if g.admitted:
+            self.goals[stream] = g
+        return g
+
+    def stop(self) -> int:
+        return self.server.stop(30.0)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    live = Live(tmp_path_factory.mktemp("serve_stream"))
+    try:
+        try:
+            live.probe.wait(lambda: live.engine_state() == "serving" or live.server.poll() is not None,
+                            START_TIMEOUT, "the engine to serve")
+            assert live.client.wait_for_server(timeout_sec=10.0)
+        except AssertionError:
+            raise AssertionError(f"server log:\n{live.server.tail(40)}") from None
+        assert live.server.poll() is None, f"server exited:\n{live.server.tail(40)}"
+        yield live
+    finally:
+        live.robots.close()
+        live.stop()
+        live.probe.close()
+
+
+def refused(live, stream: str, reason: str, **fields):
+    g = Goal(live, stream, **fields)
+    assert not g.admitted, f"goal {stream} was admitted; expected {reason}"
+    r = g.result()
+    assert (r.accepted, r.outcome) == (False, "rejected"), r
+    assert r.reason.startswith(reason + ": "), r.reason
+    assert (r.chunks_emitted, r.chunks_lost, list(r.workers)) == (0, 0, [])
+    return r
+
+
+def contiguous(indices: list[int]) -> bool:
+    return indices == list(range(indices[0], indices[0] + len(indices))) if indices else True
+
+
+# ---- refused goals -------------------------------------------------------------------------------------------
+def test_goals_that_cannot_be_served_are_refused_with_the_reason(live):
+    assert live.listed() == {}
+    refused(live, "ghost", "unknown-model", model="no-such-model")
+    refused(live, "ghost", "unknown-model", model="/nonexistent/model.safetensors")
+    refused(live, "ghost", "model-mismatch", joint_names=["j1", "j2", "j3"])          # tiny-wam acts on 7 joints
+    refused(live, "ghost", "model-mismatch", slo_interval_ms=500.0)                    # beyond its control timeline
+    refused(live, "9ghost", "invalid-request")
+    refused(live, "ghost", "invalid-request", joint_names=[])
+    refused(live, "ghost", "invalid-request", slo_interval_ms=-1.0)
+    refused(live, "ghost", "invalid-request", image_topic="not a topic")
+    assert live.listed() == {}
+    assert live.server.poll() is None
+
+
+# ---- admission: one by one until rejected; cancelling frees capacity -------------------------------------------
+def test_admits_robots_one_by_one_until_one_is_rejected_and_a_cancel_frees_its_capacity(live):
+    goals, rejected = [], None
+    for i in range(MAX_STREAMS):
+        g = live.goal(f"cap{i}", topic_namespace=f"{TAG}_cap{i}", slo_interval_ms=CAPACITY_SLO_MS)
+        if not g.admitted:
+            rejected = g
+            break
+        fb = g.feedback[0]
+        assert fb.state == "serving" and list(fb.workers) and set(fb.workers) <= {"w0", "w1"}
+        goals.append(g)
+    assert rejected is not None, f"{MAX_STREAMS} streams admitted on 2 workers at a {CAPACITY_SLO_MS:g} ms SLO"
+    r = rejected.result()
+    assert (r.accepted, r.outcome) == (False, "rejected") and r.reason.startswith("time-capacity: "), r.reason
+    assert len(goals) >= 2, f"only {len(goals)} stream(s) of tiny-wam fit 2 workers at {CAPACITY_SLO_MS} ms: {r.reason}"
+    listed = live.listed()
+    assert sorted(listed) == sorted(g.stream for g in goals)
+    for g in goals:
+        row = listed[g.stream]
+        assert (row["model"], row["namespace"], row["origin"]) == ("tiny-wam", f"{TAG}_{g.stream}", "action")
+        assert row["slo_interval_ms"] == pytest.approx(CAPACITY_SLO_MS)
+        assert row["workers"] == ",".join(g.feedback[0].workers)
+    # Nothing changed, so the same request is refused again ...
+    refused(live, rejected.stream, "time-capacity", **rejected.fields)
+    # ... until a robot leaves: cancelling frees exactly its capacity, and the request fits where it was.
+    last = goals.pop()
+    r = last.cancel()
+    assert (r.accepted, r.outcome, list(r.workers)) == (True, "cancelled", list(last.feedback[0].workers)), r
+    assert last.stream not in live.listed()
+    again = live.goal(rejected.stream, **rejected.fields)
+    assert again.admitted, again.result().reason
+    assert list(again.feedback[0].workers) == list(last.feedback[0].workers)
+    for g in [*goals, again]:
+        assert g.cancel().outcome == "cancelled"
+    assert live.listed() == {}
+
+
+# ---- joining and leaving while a robot runs -----------------------------------------------------------------
+def test_a_running_robots_chunks_stay_contiguous_while_another_joins_and_another_leaves(live):
+    for k in ("a", "b", "c"):
+        live.robots.add(NS[k], record=(k == "a"))
+    stream = dict(slo_interval_ms=SLO_MS, control_rate_hz=50.0)
+    a = live.goal("a", topic_namespace=NS["a"], **stream)
+    c = live.goal("c", topic_namespace=NS["c"], **stream)
+    assert a.admitted and c.admitted
+    live.probe.wait(lambda: len(live.chunks("a")) >= 5 and len(live.chunks("c")) >= 3, 30.0, "chunks of a and c")
+    a_workers = list(a.feedback[-1].workers)
+
+    joined_at = len(live.chunks("a"))
+    b = live.goal("b", topic_namespace=NS["b"], **stream)                  # another robot joins ...
+    assert b.admitted
+    live.probe.wait(lambda: len(live.chunks("b")) >= 3, 30.0, "chunks of b")
+    left_at = len(live.chunks("a"))
+    r = c.cancel()                                                         # ... and another leaves
+    assert (r.accepted, r.outcome) == (True, "cancelled") and r.chunks_emitted >= 3 and r.chunks_lost == 0, r
+    live.probe.wait(lambda: len(live.chunks("a")) >= left_at + 5, 30.0, "chunks of a after c left")
+
+    idx = [m.chunk_index for m in live.chunks("a")]
+    assert joined_at < left_at < len(idx)
+    assert contiguous(idx), f"a's chunk indices have a gap: {idx}"
+    # Telemetry (kept for late subscribers) shows every chunk of a from its first.
+    live.probe.wait(lambda: len(live.telemetry("a")) > idx[-1], 10.0, "a's telemetry")
+    tel = [m.chunk_index for m in live.telemetry("a")]
+    assert tel == list(range(len(tel))), tel
+    for m in live.chunks("a"):
+        assert (m.stream, list(m.joint_names), m.horizon, m.dof) == ("a", JOINTS, 16, 7)
+        assert np.isfinite(np.frombuffer(m.actions, np.float32)).all()
+    # The robot that left: every chunk it emitted was published and counted, then its topics stopped.
+    live.probe.wait(lambda: live.probe.node.count_publishers(f"/{NS['c']}/action_chunk") == 0, 10.0,
+                    "c's action_chunk publisher to go")
+    live.probe.wait(lambda: len(live.telemetry("c")) >= r.chunks_emitted, 10.0, "c's telemetry")
+    assert [m.chunk_index for m in live.telemetry("c")] == list(range(r.chunks_emitted))
+    n = len(live.chunks("c"))
+    assert [m.chunk_index for m in live.chunks("c")] == list(range(r.chunks_emitted))[r.chunks_emitted - n:]
+    live.probe.wait(lambda: len(live.chunks("a")) >= left_at + 8, 30.0, "more chunks of a")
+    assert len(live.chunks("c")) == n and len(live.telemetry("c")) == r.chunks_emitted
+    # Nobody moved, and the others run on.
+    assert list(a.feedback[-1].workers) == a_workers
+    assert sorted(live.listed()) == ["a", "b"]
+    assert not a.result_future.done() and not b.result_future.done()
+    fb = a.feedback[-1]
+    assert fb.state == "serving" and fb.chunks_lost == 0 and fb.chunks >= 5
+
+
+def test_a_duplicate_name_or_namespace_is_refused_and_nothing_changes(live):
+    before = live.listed()
+    count = len(live.chunks("a"))
+    refused(live, "a", "name-in-use", topic_namespace=NS["dup"])
+    refused(live, "dup", "namespace-in-use", topic_namespace=NS["a"])
+    refused(live, "dup", "namespace-in-use", topic_namespace="/" + NS["b"])
+    assert live.listed() == before
+    live.probe.wait(lambda: len(live.chunks("a")) >= count + 3, 30.0, "chunks of a")
+    idx = [m.chunk_index for m in live.chunks("a")]
+    assert contiguous(idx), f"a's chunk indices have a gap: {idx}"
+    assert not live.goals["a"].result_future.done() and not live.goals["b"].result_future.done()
+
+
+# ---- a world model co-served with the policy ----------------------------------------------------------------
+def test_a_world_model_imagines_exactly_what_the_policy_commands(live):
+    """tiny-acwm on robot a's camera and joint states, imagining a's own action chunks (the policy of the
+    same server). In deterministic mode each predicted chunk equals the sequential reference fed the image,
+    joint state and actions the server paired (exact stamp, else the latest at or before the image: its
+    acceptance and pairing rules), bit for bit."""
+    from physis_ros.model import build_model
+    from physis_ros.model.presets import load_model_config
+    from physis_ros.reference import ReferenceRollout
+    from physis_ros.ros.acceptance import accept_actions, accept_image, accept_joints
+    from physis_ros.ros.inputs import pick_joint
+    from physis_ros.ros.serve_action import stream_config_of
+
+    a = f"/{NS['a']}"
+    m = live.goal("m", topic_namespace=NS["m"], model="tiny-acwm", image_topic=f"{a}/camera/image_raw",
+                  joint_states_topic=f"{a}/joint_states", actions_topic=f"{a}/action_chunk")
+    assert m.admitted, m.result().reason
+    assert live.listed()["m"]["model"] == "tiny-acwm"
+    chunks = 6
+    live.probe.wait(lambda: len(live.telemetry("m")) >= chunks and len(live.probe.get("frames/m")) >= chunks - 1,
+                    40.0, f"{chunks} predicted chunks")
+
+    cfg = load_model_config("tiny-acwm")
+    stream = stream_config_of(m.msg)               # the stream config the server made of the goal
+    tel = live.telemetry("m")[:chunks]
+    assert [t.chunk_index for t in tel] == list(range(chunks))
+    frames = {f.chunk_index: f for f, _ in live.probe.get("frames/m")}
+    assert len(frames) >= chunks - 1              # (the very first may beat discovery)
+    policy = [(ns_of(c.header.stamp), c) for c in live.chunks("a")]   # in arrival order, as the server got them
+    sent = live.robots.sent[NS["a"]]
+    ref = ReferenceRollout(build_model(cfg), seed=0)
+    compared = exact = 0
+    for t in tel:
+        stamp = ns_of(t.observation_stamp)
+        image, joints = sent[stamp]               # the camera frame this chunk was computed from
+        verdict, i = pick_joint(stamp, [s for s, _ in policy], complete=True)
+        assert verdict == "pair", f"chunk {t.chunk_index}: no policy chunk at or before its image"
+        actions_msg = policy[i][1]
+        exact += policy[i][0] == stamp
+        obs = {"image": accept_image(image, stream, cfg), "state": accept_joints(joints, stream),
+               "actions": accept_actions(actions_msg, stream, cfg)}
+        expected = ref.step("m", obs).output.numpy()
+        if t.chunk_index == 0:
+            # The actions matter: the same image and state with other actions give other frames.
+            moved = {**obs, "actions": obs["actions"] + 0.5}
+            assert not np.array_equal(ReferenceRollout(build_model(cfg), seed=0).step("m", moved).output.numpy(),
+                                      expected)
+        f = frames.get(t.chunk_index)
+        if f is None:
+            continue
+        assert f.stream == "m" and ns_of(f.header.stamp) == stamp
+        assert (f.frames, f.channels, f.height, f.width) == expected.shape == (2, 4, 8, 8)
+        got = np.frombuffer(f.latents, np.float32).reshape(expected.shape)
+        assert np.array_equal(got, expected), (f"chunk {t.chunk_index}: max |diff| "
+                                               f"{np.abs(got - expected).max():.3g} from the reference")
+        compared += 1
+    assert compared >= chunks - 1
+    # It imagined the very chunk the policy computed from the same image (the pairing is by stamp; one
+    # image the policy did not get, over best-effort transport, would pair with its previous chunk).
+    assert exact >= chunks - 1, f"{exact} of {chunks} chunks paired with the policy's chunk of their image"
+    # The policy ran on: its chunks are still contiguous with the world model beside it.
+    idx = [c.chunk_index for c in live.chunks("a")]
+    assert contiguous(idx), f"a's chunk indices have a gap: {idx}"
+    fb = m.feedback[-1]
+    assert fb.state == "serving" and fb.chunks_lost == 0
+
+
+# ---- removal and stop ----------------------------------------------------------------------------------------
+def test_remove_stream_ends_the_goal_as_removed(live):
+    from physis_ros.srv import RemoveStream
+
+    r = live.call(live.remove_client, RemoveStream.Request(stream="b"))
+    assert r.ok, r.message
+    result = live.goals["b"].result()
+    assert (result.accepted, result.outcome) == (True, "removed") and result.chunks_emitted > 0, result
+    r = live.call(live.remove_client, RemoveStream.Request(stream="b"))
+    assert not r.ok and "b" in r.message
+    assert sorted(live.listed()) == ["a", "m"]
+
+
+def test_clean_stop_leaves_no_process(live):
+    live.running = [live.goals[s] for s in ("a", "m")]
+    rc = live.stop()
+    assert rc == 0, live.server.tail(40)
+    assert "stopping (SIGINT)" in live.server.log_path.read_text()
+    deadline = time.monotonic() + 5
+    while processes_with_marker(live.marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with_marker(live.marker) == []
+
+
+def test_goals_running_at_a_stop_end_with_outcome_shutdown(live):
+    for g in live.running:
+        assert g.result_future.done(), f"goal {g.stream} got no result when the server stopped"
+        r = g.result_future.result().result
+        assert (r.accepted, r.outcome) == (True, "shutdown"), r
