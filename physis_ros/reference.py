@@ -14,8 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from physis_ros.model.handoff import Handoff
 from physis_ros.model.interface import ServableModel
 from physis_ros.model.kv import KVBatch, KVTable
+from physis_ros.model.stages import denoise_update
 
 ObservationSource = Callable[[str, int], dict[str, np.ndarray]]
 
@@ -46,7 +48,8 @@ class ReferenceRollout:
         return self._tables[stream]
 
     @torch.no_grad()
-    def step(self, stream: str, obs: dict[str, np.ndarray]) -> ReferenceChunk:
+    def step(self, stream: str, obs: dict[str, np.ndarray], handoff: Handoff | None = None) -> ReferenceChunk:
+        """The stream's next chunk; ``handoff`` guides it towards the previous chunk (as the server did)."""
         model, cfg = self.model, self.model.config
         tables = self._stream_tables(stream)
         c = self._next_chunk[stream]
@@ -59,7 +62,7 @@ class ReferenceRollout:
             h = model.embed(cond, x, t)
             for b in range(cfg.blocks):
                 h = model.block(b, h, t, KVBatch(tables[b], [k - 1]))
-            x = model.timesteps.update(x, model.head(h, t), ks)
+            x = denoise_update(model, x, model.head(h, t), ks, KVBatch(tables[-1], [k - 1]), [handoff])
         ms = (time.perf_counter() - start) * 1e3
         self._next_chunk[stream] = c + 1
         return ReferenceChunk(stream, c, x[0].float().cpu(), ms)

@@ -30,6 +30,18 @@ class ChunkRecord:
     batch_sizes: list[int]
     worker_compute_ms: dict[str, float] = field(default_factory=dict)
     deadline_miss: bool = False
+    # On the stream's control timeline (streams with one): row i of the chunk is control step
+    # first_step + i, due at step0 + i / rate; delay_steps is the inference delay the hand-off assumed.
+    first_step: int = 0
+    step0: float = math.nan          # s, engine clock
+    delay_steps: int = 0
+    shift: int = 0                   # steps since the previous chunk's first step
+    # Where it reached the robot (filled by whoever delivers it: the node, the benchmarks' simulated robot):
+    late_points: int = 0             # rows already due when it was delivered (not executed)
+    late: bool = False               # every row was due: not executed at all
+    seam_position_jump: float = math.nan   # max |new - previous| at the first executed step (nan: none)
+    seam_velocity_jump: float = math.nan
+    tracking_error: float = math.nan       # RMS vs an expert's chunk for the same observation (nan: none)
 
     @classmethod
     def from_trace(cls, stream: str, chunk: int, obs_stamp: float, enqueue: float, emit: float,
@@ -88,7 +100,19 @@ def summarize(records: list[ChunkRecord], skip: int = 0) -> dict:
         "chunks_per_s": (len(rs) - 1) / span if span and span > 0 else float("nan"),
         "hop_ms_p50": percentile([h for r in rs for h in r.hops_ms], 50),
         "deadline_misses": sum(r.deadline_miss for r in rs),
+        "delay_steps_max": max((r.delay_steps for r in rs), default=0),
+        "late_points": sum(r.late_points for r in rs),
+        "late_chunks": sum(r.late for r in rs),
+        "seam_jump_p50": percentile([r.seam_position_jump for r in rs], 50),
+        "seam_jump_p99": percentile([r.seam_position_jump for r in rs], 99),
+        "seam_velocity_jump_p99": percentile([r.seam_velocity_jump for r in rs], 99),
+        "tracking_error_mean": _mean([r.tracking_error for r in rs]),
     }
+
+
+def _mean(values) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return float(np.mean(values)) if values else float("nan")
 
 
 class RollingStats:

@@ -109,12 +109,19 @@ def test_field_types():
         "horizon": "uint32",
         "dof": "uint32",
         "actions": "sequence<float>",
+        "first_step": "uint64",
+        "step0_stamp": "builtin_interfaces/Time",
+        "inference_delay_steps": "uint32",
+        "late": "boolean",
+        "late_points": "uint32",
     }
     fields = ChunkTelemetry.get_fields_and_field_types()
     assert fields["batch_sizes"] == "sequence<uint32>"
     assert fields["emit_stamp"] == fields["handover_stamp"] == "builtin_interfaces/Time"
-    assert fields["deadline_miss"] == "boolean"
-    assert len(fields) == 17
+    assert fields["deadline_miss"] == fields["late"] == "boolean"
+    assert fields["first_step"] == "uint64" and fields["late_points"] == "uint32"
+    assert fields["seam_position_jump"] == fields["tracking_error"] == "double"
+    assert len(fields) == 24
 
 
 @pytest.fixture

@@ -1,10 +1,14 @@
-"""Latency report of a recorded run, from its ``/telemetry`` (one ChunkTelemetry per chunk).
+"""Latency and control report of a recorded run, from its ``/telemetry`` (one ChunkTelemetry per chunk)
+and its ``action_chunk`` / ``expert_actions`` topics.
 
 Writes ``summary.md`` and ``summary.json`` (one row per stream plus ``all``) and
-four PNGs: ``interval.png`` (output interval over time, deadline misses marked),
+six PNGs: ``interval.png`` (output interval over time, deadline misses marked),
 ``latency.png`` (response latency histogram and CDF), ``stages.png`` (per-stage
-compute min/mean/max over time, and where the latency goes) and
-``observation_age.png`` (observation age over time and its histogram).
+compute min/mean/max over time, and where the latency goes),
+``observation_age.png`` (observation age over time and its histogram), and from
+:mod:`physis_ros.bags.control_report` ``control.png`` (seam jumps, inference delay
+and late points, tracking error over time) and ``executed.png`` (the executed
+command vs the expert's).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import numpy as np
 
 from physis_ros.bags.analysis import pct, telemetry_row
 from physis_ros.bags.bagio import BagError, bag_info, read_all
+from physis_ros.bags.control_report import COLUMNS as CONTROL_COLUMNS
+from physis_ros.bags.control_report import control_report, control_summary
 
 COLUMNS = [  # key, header, format
     ("chunks", "chunks", "{:.0f}"), ("chunks_per_s", "chunks/s", "{:.2f}"),
@@ -28,7 +34,7 @@ COLUMNS = [  # key, header, format
     ("stage_ms_max_p50", "max stage p50", "{:.2f}"), ("stage_ms_sum_p50", "compute p50", "{:.1f}"),
     ("queue_ms_p50", "queue p50", "{:.1f}"), ("transport_ms_p50", "transport p50", "{:.1f}"),
     ("deadline_misses", "deadline misses", "{:.0f}"),
-]
+] + CONTROL_COLUMNS
 
 
 def load_telemetry(bag, topic: str = "/telemetry") -> list[dict]:
@@ -107,12 +113,16 @@ def write_report(bag, out_dir, topic: str = "/telemetry", slo_ms: float | None =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     title = title or f"{Path(bag).name}: {len(rows)} chunks, {len(streams)} stream(s)"
+    for name, control in control_report(bag, streams, out, title).items():
+        summary[name].update(control)
+    if "all" in summary:
+        summary["all"].update(control_summary(rows, None))
     (out / "summary.json").write_text(json.dumps({"bag": str(bag), "summary": summary}, indent=2,
                                                  default=lambda v: None) + "\n")
-    (out / "summary.md").write_text(f"# Latency report: {title}\n\nAll times in milliseconds; from `{topic}` of "
-                                    f"`{bag}`.\n\n{summary_table(summary, markdown=True)}\n\n"
+    (out / "summary.md").write_text(f"# Latency and control report: {title}\n\nTimes in milliseconds, positions in "
+                                    f"rad; from `{topic}` of `{bag}`.\n\n{summary_table(summary, markdown=True)}\n\n"
                                     + "".join(f"![{p}]({p}.png)\n" for p in
-                                              ("interval", "latency", "stages", "observation_age")))
+                                              ("interval", "latency", "stages", "observation_age", "control", "executed")))
     _plots(streams, out, title, slo_ms)
     return summary
 

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=nonneg_float, default=0.0, help="seconds of serving, then stop (0: until Ctrl-C)")
     p.add_argument("--rate", type=positive_float, default=30.0, help="synthetic camera/joint-state rate (Hz)")
     p.add_argument("--width", type=positive_int, default=64, help="synthetic camera width (the model sees 32x32)")
-    p.add_argument("--height", type=positive_int, default=48)
+    p.add_argument("--height", type=positive_int, default=64)
     p.add_argument("--deterministic", action="store_true", help="serve in deterministic mode")
     p.add_argument("--start-timeout", type=positive_float, default=120.0)
     p.add_argument("--json", help="write the final per-stream summary here")
@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: {s['chunks']} chunks (indices {s['first_chunk']}..{s['last_chunk']}, gaps {s['gaps']}), "
               f"{fmt(s['chunks_per_s'])} chunks/s, interval p50/p99 {fmt(s['interval_p50'])}/"
               f"{fmt(s['interval_p99'])} ms, latency p50/p99 {fmt(s['latency_p50'])}/{fmt(s['latency_p99'])} ms, "
-              f"deadline misses {s['misses']}")
+              f"deadline misses {s['misses']}, late chunks {s['late_chunks']}, tracking error vs the expert "
+              f"{'n/a' if s['tracking_error'] is None else format(s['tracking_error'], '.4f')}")
     if args.json:
         write_json(args.json, {"config": str(config), "exit": code, "streams": summaries})
     return code

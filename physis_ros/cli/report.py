@@ -4,7 +4,10 @@
 
 Prints a summary table (per stream and all) and writes DIR/summary.md,
 DIR/summary.json and PNG plots: interval.png, latency.png, stages.png,
-observation_age.png. Record a run with ``physis-bag record`` (or keep the
+observation_age.png, control.png (seam jumps, inference delay and late points,
+tracking error over time) and executed.png (the command the robot executed, chunk
+by chunk on the control timeline, vs the expert's where the bag holds
+expert_actions). Record a run with ``physis-bag record`` (or keep the
 outputs of ``physis-bag check --out DIR``).
 
 Exit status: 0 report written; 2 usage or input error (bad flag or value, missing
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = write_report(args.bag, args.out, topic=args.topic, slo_ms=args.slo_ms, title=args.title)
     print(summary_table(summary))
     print(f"wrote {args.out}/summary.md, summary.json, interval.png, latency.png, stages.png, "
-          f"observation_age.png", file=sys.stderr)
+          f"observation_age.png, control.png, executed.png", file=sys.stderr)
     return 0
 
 

@@ -97,6 +97,12 @@ class ServableModel(nn.Module, ABC):
     def release_blocks(self, blocks: Iterable[int]) -> None:
         """Stop hosting blocks (their weights are freed once nothing else holds them)."""
 
+    def action_rows(self) -> int | None:
+        """How many leading rows of an output chunk are control steps (a policy's actions), which the
+        hand-off between chunks applies to (:mod:`physis_ros.model.handoff`); None: the output is not
+        actions (a world model's frames), there is nothing to hand off."""
+        return None
+
     def noise(self, seed: int, stream: str, chunk: int) -> torch.Tensor:
         """Initial noise of one chunk, [1, *output_shape]; identical on every device and host."""
         gen = torch.Generator().manual_seed(derived_seed("noise", seed, stream, chunk))

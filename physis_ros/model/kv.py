@@ -41,6 +41,9 @@ class KVTable:
         self.device = device
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
+        # The head stage's hand-off cache: the clean-action estimate the slot's last chunk left at this
+        # step (physis_ros.model.handoff); empty for every other block.
+        self.actions: dict[int, torch.Tensor] = {}
         self.length: dict[int, int] = {}
         self.chunks_written: dict[int, int] = {}
         for slot in range(slots):
@@ -71,13 +74,14 @@ class KVTable:
 
     def remove(self, slot: int) -> None:
         """Free a slot's memory."""
-        for store in (self.k, self.v, self.length, self.chunks_written):
+        for store in (self.k, self.v, self.length, self.chunks_written, self.actions):
             store.pop(slot, None)
 
     def reset(self, slot: int) -> None:
         """Forget a slot's history (its stream restarts)."""
         self.length[slot] = 0
         self.chunks_written[slot] = 0
+        self.actions.pop(slot, None)
 
     def cached(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the keys and values cached in a slot, oldest first: [n, heads, head_dim]."""

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from physis_ros.model.handoff import Handoff, guide
 from physis_ros.model.interface import ServableModel
 from physis_ros.model.kv import KVBatch
 from physis_ros.model.spec import ModelConfig
@@ -83,12 +84,34 @@ def split_state(state: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.
     return [{key: value[i:i + 1] for key, value in state.items()} for i in range(n)]
 
 
+def denoise_update(model: ServableModel, x: torch.Tensor, v: torch.Tensor, k: torch.Tensor, kv: KVBatch,
+                   handoffs: list[Handoff | None] | None) -> torch.Tensor:
+    """The Euler step at the end of a denoising step, with the hand-off for the tasks that carry one:
+    their chunks are guided towards the clean estimate their slot's previous chunk left at this step,
+    and leave theirs for the next (``kv.table.actions``)."""
+    x_next = model.timesteps.update(x, v, k)
+    if not handoffs or model.action_rows() is None:
+        return x_next
+    ts = model.timesteps.t
+    rows = []
+    for i, h in enumerate(handoffs):
+        if h is None or h.mode == "none":
+            rows.append(x_next[i])
+            continue
+        slot, step = kv.slots[i], int(k[i])
+        new, clean = guide(x[i], v[i], float(ts[step]), float(ts[step - 1]), kv.table.actions.get(slot), h)
+        kv.table.actions[slot] = clean
+        rows.append(new)
+    return torch.stack(rows)
+
+
 @torch.no_grad()
 def run_stage(model: ServableModel, b: int, steps: list[int], states: list[dict[str, torch.Tensor]],
-              kv: KVBatch) -> list[dict[str, torch.Tensor]]:
+              kv: KVBatch, handoffs: list[Handoff | None] | None = None) -> list[dict[str, torch.Tensor]]:
     """Run block ``b`` for tasks at denoising steps ``steps`` (one per task, any mix of steps).
 
-    Each task's state has batch size 1; ``kv.slots[i]`` is task i's slot.
+    Each task's state has batch size 1; ``kv.slots[i]`` is task i's slot; ``handoffs[i]`` its
+    chunk's hand-off (applied where block ``b`` is the last, the head of a step).
     With one task this performs exactly the operations of the sequential
     reference loop, so results are bit-identical to it.
     """
@@ -101,7 +124,7 @@ def run_stage(model: ServableModel, b: int, steps: list[int], states: list[dict[
     h = model.embed(state["cond"], state["x"], t) if b == 0 else state["h"]
     h = model.block(b, h, t, kv)
     if b == last:
-        x = model.timesteps.update(state["x"], model.head(h, t), k)
+        x = denoise_update(model, state["x"], model.head(h, t), k, kv, handoffs)
         out = {"cond": state["cond"], "x": x}
     else:
         out = {"cond": state["cond"], "x": state["x"], "h": h}

@@ -23,7 +23,6 @@ from typing import Any
 
 from physis_ros.config import ConfigError, bounded, described, from_mapping, load_yaml, repo_config_dir
 from physis_ros.runtime.settings import EngineConfig
-from physis_ros.model.spec import ModelConfig
 
 PREPROCESS_MODES = ("resize", "center_crop", "pad")
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
@@ -75,10 +74,13 @@ class TopicsConfig:
         "topic (actions_type); e.g. /robot0/action_chunk to imagine what a WAM stream of this server commands"))
     predicted_frames: str = field(default="predicted_frames", metadata=described(
         "world models (ACWM): physis_ros/PredictedFrames output topic"))
+    expert: str = field(default="expert_actions", metadata=described(
+        "world-action models: an expert's physis_ros/ActionChunk for the same observation (header stamp = the "
+        "camera image's), if one is known; telemetry then carries the tracking error against it"))
 
     def check(self, prefix: str) -> None:
         for name in ("image", "compressed_image", "joint_states", "action_chunk", "joint_trajectory", "telemetry",
-                     "actions", "predicted_frames"):
+                     "actions", "predicted_frames", "expert"):
             value = getattr(self, name)
             if not _TOPIC.match(value) or "//" in value or value.endswith("/"):
                 raise ConfigError(f"{prefix}.{name}", f"{value!r} is not a valid ROS topic name")
@@ -125,14 +127,24 @@ class StreamConfig:
     frame_id: str = field(default="", metadata=described("header.frame_id of the outputs"))
     telemetry: bool = field(default=False, metadata=described(
         "also publish this stream's ChunkTelemetry on <namespace>/telemetry (topics.telemetry), to plot one robot"))
-    # Header stamp of the JointTrajectory: "observation" (the chunk's observation stamp, so consecutive
-    # chunks line up on one timeline; points already in the past are skipped by the controller) or
-    # "emit" (the moment the chunk is published). Point i is at start + offset + (i + 1) / control_rate_hz.
-    trajectory_start: str = field(default="observation", metadata=bounded(
-        choices=("observation", "emit"), doc="JointTrajectory header stamp: the observation's stamp or the "
-                                             "moment of publication"))
+    cadence: str = field(default="timeline", metadata=bounded(
+        choices=("timeline", "free"), doc="timeline: one chunk per execution horizon, released on the control "
+                                          "timeline with the freshest observation; free: as fast as the pipeline "
+                                          "allows (benchmarks)"))
+    handoff: str = field(default="soft", metadata=bounded(
+        choices=("none", "hard", "soft"), doc="world-action models: how a chunk continues the one the robot executes "
+                                              "while it is computed: hard keeps its first d actions exactly, soft also "
+                                              "pulls the rest of the overlap toward it (real-time chunking)"))
+    extra_delay_steps: int = field(default=0, metadata=bounded(
+        ge=0, doc="control steps added to the measured inference delay d (benchmarks: a slower robot link)"))
+    # Row i of a chunk is due at row0 + i / control_rate_hz; rows already due when it is published are
+    # dropped from the JointTrajectory (counted as late points), whose header stamp is its first row's time.
+    trajectory_start: str = field(default="timeline", metadata=bounded(
+        choices=("timeline", "observation", "emit"),
+        doc="when a chunk's row 0 is due: its step on the control timeline, the observation's stamp, or one "
+            "control period after publication (then nothing is late but the chunk runs behind the timeline)"))
     trajectory_start_offset_s: float = field(default=0.0, metadata=described(
-        "added to the JointTrajectory start stamp (s)"))
+        "added to the time row 0 is due (s)"))
     max_future_s: float = field(default=0.5, metadata=bounded(
         ge=0.0, doc="reject input stamps further ahead of the node clock (s)"))
     max_age_s: float = field(default=1.0, metadata=bounded(
@@ -327,58 +339,3 @@ def load_serve_config(path: str | Path | None = None, overrides: dict[str, Any] 
     """A serve config file (the shipped one if ``path`` is None), validated."""
     path = path or default_serve_path()
     return serve_config(deep_merge(load_serve_mapping(path), overrides or {}), source=str(path))
-
-
-OBSERVATION_TOPICS = {"image": "topics.image", "state": "topics.joint_states", "actions": "topics.actions"}
-
-
-def check_stream_model(key: str, stream: StreamConfig, model: ModelConfig) -> None:
-    """A stream must fit its model: every observation the model takes has a topic that feeds it (camera,
-    joint states, actions to imagine), and the joint names cover its state and action columns.
-    ``key``: the stream's dotted config key, for the error."""
-    unsupported = sorted(set(model.observation_shapes) - set(OBSERVATION_TOPICS))
-    if unsupported:
-        raise ConfigError(f"{key}.model", f"model '{model.name}' needs observations {unsupported} that no ROS "
-                                          f"topic feeds")
-    if "image" not in model.observation_shapes:
-        raise ConfigError(f"{key}.model", f"model '{model.name}' takes no camera image; the server's streams are "
-                                          f"driven by their camera")
-    n = len(stream.joint_names)
-    for name, shape in model.observation_shapes.items():
-        width = {"state": shape[0], "actions": shape[-1]}.get(name)
-        if width is not None and width != n:
-            raise ConfigError(f"{key}.joint_names", f"{n} joint names but model '{model.name}' takes {name} of "
-                                                    f"{width} columns")
-    if model.kind == "wam" and model.output_shape[-1] != n:
-        raise ConfigError(f"{key}.joint_names", f"{n} joint names but model '{model.name}' outputs "
-                                                f"{model.output_shape[-1]} action columns")
-    horizon = model_horizon(model)
-    if stream.execution_horizon > horizon:
-        raise ConfigError(f"{key}.execution_horizon", f"{stream.execution_horizon} steps but model '{model.name}' "
-                                                      f"plans {horizon}; use 1..{horizon}")
-    timeline = timeline_interval_ms(stream, model)
-    if stream.slo_interval_ms is not None and stream.slo_interval_ms > timeline + 1e-9:
-        raise ConfigError(f"{key}.slo_interval_ms", f"{stream.slo_interval_ms:g} ms is longer than the control "
-                                                    f"timeline allows: a chunk every {execution_steps(stream, model)} "
-                                                    f"steps at {stream.control_rate_hz:g} Hz is {timeline:g} ms "
-                                                    f"(lower it, or raise execution_horizon)")
-
-
-def model_horizon(model: ModelConfig) -> int:
-    """Control steps one chunk plans: a WAM's action horizon, a world model's imagined actions."""
-    return model.observation_shapes["actions"][0] if model.kind == "acwm" else model.output_shape[0]
-
-
-def execution_steps(stream: StreamConfig, model: ModelConfig) -> int:
-    """s: the control steps each chunk is executed for."""
-    return stream.execution_horizon or max(1, model_horizon(model) // 2)
-
-
-def timeline_interval_ms(stream: StreamConfig, model: ModelConfig) -> float:
-    """The interval the control timeline needs: s / control_rate."""
-    return execution_steps(stream, model) / stream.control_rate_hz * 1e3
-
-
-def slo_interval_ms(stream: StreamConfig, model: ModelConfig) -> float:
-    """The stream's SLO interval: as configured, else its control timeline's."""
-    return stream.slo_interval_ms if stream.slo_interval_ms is not None else timeline_interval_ms(stream, model)

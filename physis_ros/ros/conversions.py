@@ -1,4 +1,4 @@
-"""ROS messages <-> model tensors: pure functions, shared by the node and the replay checker.
+"""ROS messages -> model tensors: pure functions, shared by the node and the replay checker.
 
 Input side: :func:`image_from_msg` (Image or CompressedImage -> float32 [C, S, S]
 in [0, 1], preprocessed to the model's size), :func:`joints_from_msg`
@@ -11,30 +11,24 @@ whatever arrives: messages over the configured caps (``image.max_bytes``,
 ``max_joints``) are refused before any work, images are resampled straight from
 the message buffer (:func:`area_average`: ~1.5 ms and ~1.5 MB for 1080p, never a
 full-size float copy), and joint positions are checked in float32, the model's
-precision.
-
-Output side: :func:`action_chunk_msg`, :func:`trajectory_msg`,
-:func:`telemetry_msg` build the published messages from a chunk.
+precision. (The output side is :mod:`physis_ros.ros.outputs`.)
 """
 
 from __future__ import annotations
 
-import array
 import ctypes
 import dataclasses
-import math
 import time
 
 import cv2
 import numpy as np
 from builtin_interfaces.msg import Duration, Time
 from sensor_msgs.msg import CompressedImage, Image, JointState
-from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
+from trajectory_msgs.msg import JointTrajectory
 
 from physis_ros.model.spec import ModelConfig
-from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
+from physis_ros.msg import ActionChunk
 from physis_ros.ros.config import StreamConfig
-from physis_ros.telemetry import ChunkRecord
 
 # encoding -> (channels in the message, indices of R, G, B; None for mono)
 ENCODINGS: dict[str, tuple[int, tuple[int, int, int] | None]] = {
@@ -456,103 +450,3 @@ def observation_from_msgs(image_msg: Image | CompressedImage, joint_msg: JointSt
     return {"image": image_from_msg(image_msg, stream, model),
             "state": joints_from_msg(joint_msg, list(stream.joint_names), stream.max_joints,
                                      stream.max_abs_position)}
-
-
-# ---- outputs ------------------------------------------------------------------------------------
-def action_chunk_msg(stream_name: str, stream: StreamConfig, chunk: int, actions: np.ndarray,
-                     obs_stamp: Time) -> ActionChunk:
-    horizon, dof = actions.shape
-    msg = ActionChunk()
-    msg.header.stamp = obs_stamp
-    msg.header.frame_id = stream.frame_id
-    msg.stream = stream_name
-    msg.chunk_index = chunk
-    msg.control_period = stream.control_period
-    msg.joint_names = list(stream.joint_names)
-    msg.horizon = horizon
-    msg.dof = dof
-    # array.array is the setter's fast path (a numpy array is checked element by element)
-    msg.actions = array.array("f", np.ascontiguousarray(actions, dtype=np.float32).tobytes())
-    return msg
-
-
-def frames_msg(stream_name: str, stream: StreamConfig, chunk: int, frames: np.ndarray, obs_stamp: Time
-               ) -> PredictedFrames:
-    """A world model's chunk: latent frames [F, C, h, w] as a PredictedFrames message."""
-    f, c, h, w = frames.shape
-    msg = PredictedFrames()
-    msg.header.stamp = obs_stamp
-    msg.header.frame_id = stream.frame_id
-    msg.stream = stream_name
-    msg.chunk_index = chunk
-    msg.frames, msg.channels, msg.height, msg.width = f, c, h, w
-    msg.latents = array.array("f", np.ascontiguousarray(frames, dtype=np.float32).tobytes())
-    return msg
-
-
-def trajectory_velocities(positions: np.ndarray, period: float) -> np.ndarray:
-    """Central differences (one-sided at the start); the last point's velocity is zero so that the
-    trajectory ends at rest, as joint_trajectory_controller requires by default."""
-    pos = np.asarray(positions, dtype=np.float64)
-    vel = np.zeros_like(pos)
-    if len(pos) > 2:
-        vel[1:-1] = (pos[2:] - pos[:-2]) / (2.0 * period)
-    if len(pos) > 1:
-        vel[0] = (pos[1] - pos[0]) / period
-    return vel
-
-
-def trajectory_msg(stream: StreamConfig, actions: np.ndarray, start: Time) -> JointTrajectory:
-    """Action rows as joint positions, with :func:`trajectory_velocities`; point i at
-    ``start + (i + 1) * control_period``. (The node publishes the same message as pre-serialized bytes,
-    :mod:`physis_ros.ros.raw`; this is its definition and the tests' reference.)"""
-    period = stream.control_period
-    positions = np.ascontiguousarray(actions, dtype=np.float64)
-    velocities = trajectory_velocities(positions, period)
-    msg = JointTrajectory()
-    msg.header.stamp = start
-    msg.header.frame_id = stream.frame_id
-    msg.joint_names = list(stream.joint_names)
-    msg.points = [JointTrajectoryPoint(positions=array.array("d", pos.tobytes()),
-                                       velocities=array.array("d", vel.tobytes()),
-                                       time_from_start=duration_msg((i + 1) * period))
-                  for i, (pos, vel) in enumerate(zip(positions, velocities))]
-    return msg
-
-
-def trajectory_start(stream: StreamConfig, obs_stamp: Time, emit: float) -> Time:
-    base = stamp_to_sec(obs_stamp) if stream.trajectory_start == "observation" else emit
-    if stream.trajectory_start_offset_s == 0.0 and stream.trajectory_start == "observation":
-        return obs_stamp
-    return time_msg(base + stream.trajectory_start_offset_s)
-
-
-def _finite(x: float) -> float:
-    return 0.0 if math.isnan(x) else float(x)
-
-
-def telemetry_msg(record: ChunkRecord, obs_stamp: Time | None = None, handover: float | None = None
-                  ) -> ChunkTelemetry:
-    """One ChunkTelemetry from the engine's record (times are node-clock seconds); ``handover``: when the
-    node began publishing the chunk (the emit time if not given)."""
-    emit = time_msg(record.emit)
-    msg = ChunkTelemetry()
-    msg.header.stamp = emit
-    msg.stream = record.stream
-    msg.chunk_index = record.chunk
-    msg.observation_stamp = obs_stamp if obs_stamp is not None else time_msg(record.obs_stamp)
-    msg.enqueue_stamp = time_msg(record.enqueue)
-    msg.emit_stamp = emit
-    msg.handover_stamp = emit if handover is None else time_msg(handover)
-    msg.response_latency_ms = _finite(record.latency_ms)
-    msg.output_interval_ms = _finite(record.interval_ms)
-    msg.observation_age_ms = _finite(record.obs_age_ms)
-    stages = record.stage_ms
-    msg.stage_compute_ms_min = float(min(stages, default=0.0))
-    msg.stage_compute_ms_max = float(max(stages, default=0.0))
-    msg.stage_compute_ms_sum = float(sum(stages))
-    msg.queue_ms = float(record.queue_ms)
-    msg.transport_ms = float(record.transport_ms)
-    msg.batch_sizes = [int(b) for b in record.batch_sizes]
-    msg.deadline_miss = bool(record.deadline_miss)
-    return msg

@@ -94,6 +94,14 @@ def window_stats(records: Sequence[ChunkRecord], now: float, window_s: float,
         "deadline_miss_rate": misses / len(recent) if recent else 0.0,
         "last_chunk_age_s": (now - recs[-1].emit) if recs else math.inf,
         "expected_interval_ms": expected if expected > 0 else math.nan,
+        # on the control timeline (physis_ros.timeline): what reached the robot, and how it met the last chunk
+        "inference_delay_steps": recent[-1].delay_steps if recent else 0,
+        "late_points_window": sum(r.late_points for r in recent),
+        "late_chunks_window": sum(bool(r.late) for r in recent),
+        "seam_jump_p50": percentile([r.seam_position_jump for r in recent], 50),
+        "seam_jump_p99": percentile([r.seam_position_jump for r in recent], 99),
+        "seam_velocity_jump_p99": percentile([r.seam_velocity_jump for r in recent], 99),
+        "tracking_error_p50": percentile([r.tracking_error for r in recent], 50),
     }
 
 
@@ -147,6 +155,13 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
         "action_chunk_subscribers": inputs.get("action_chunk_subscribers", 0),
         "joint_trajectory_subscribers": inputs.get("joint_trajectory_subscribers", 0),
     }
+    for key in ("inference_delay_steps", "late_points_window", "late_chunks_window"):
+        values[key] = stats.get(key, 0)
+    for key in ("seam_jump_p50", "seam_jump_p99", "seam_velocity_jump_p99", "tracking_error_p50"):
+        values[key] = float(stats.get(key, math.nan))
+    values["late_points_total"] = inputs.get("late_points", 0)
+    values["late_chunks_total"] = inputs.get("late_chunks", 0)
+    late = int(stats.get("late_chunks_window", 0))
     values.update({f"rejected.{reason}": n for reason, n in sorted(rejected.items())})
     slo = f" (SLO {slo_interval_ms:.1f} ms)" if slo_interval_ms else ""
     stall_s = 2.0 * expected_ms / 1e3 if not math.isnan(expected_ms) else starved_s
@@ -164,6 +179,9 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
             level, msg = WARN, "waiting for the first chunk"
     elif age > stall_s:
         level, msg = ERROR, f"no chunk for {age:.1f} s (expected one every {expected_ms:.0f} ms)"
+    elif late:
+        level, msg = WARN, (f"{late} chunk(s) in the last {values['window_s']:.0f} s arrived after their last step "
+                            f"was due (not sent as trajectories)")
     elif slo_interval_ms and not math.isnan(p99) and p99 > slo_interval_ms:
         level, msg = WARN, f"interval p99 {p99:.1f} ms over SLO {slo_interval_ms:.1f} ms ({rate:.1f} chunks/s)"
     elif slo_interval_ms and miss_rate > miss_rate_warn:

@@ -18,7 +18,7 @@ from typing import Any
 
 import uvloop
 
-from physis_ros.runtime.engine import Engine, EngineHealth, ObserveFn, OutputFn, ServedModel, StreamEvent
+from physis_ros.runtime.engine import Engine, EngineHealth, ObserveFn, OutputFn, ServedModel, StreamEvent, Timeline
 from physis_ros.runtime.plans import Plan
 from physis_ros.runtime.settings import EngineConfig
 
@@ -65,11 +65,11 @@ class EngineThread:
         return asyncio.run_coroutine_threadsafe(make(self.engine), self._loop)
 
     def add_stream(self, name: str, observe: ObserveFn, on_output: OutputFn, *, model: ServedModel, plan: Plan,
-                   slo_interval_ms: float | None, release_interval_ms: float | None = None
-                   ) -> concurrent.futures.Future:
+                   slo_interval_ms: float | None, release_interval_ms: float | None = None,
+                   timeline: Timeline | None = None) -> concurrent.futures.Future:
         return self.submit(lambda engine: engine.add_stream(
             name, observe, on_output, model=model, plan=plan, slo_interval_ms=slo_interval_ms,
-            release_interval_ms=release_interval_ms))
+            release_interval_ms=release_interval_ms, timeline=timeline))
 
     def remove_stream(self, name: str) -> concurrent.futures.Future:
         async def remove(engine: Engine) -> None:

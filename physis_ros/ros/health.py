@@ -77,7 +77,7 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
                             f"{inputs['received'].get('images', 0)}, joint states "
                             f"{inputs['received'].get('joints', 0)} received so far)")
         inputs.update(failed=st.health.failed, failures=st.health.failures, lost_chunks=st.health.lost_chunks,
-                      **st.subscriber_counts())
+                      late_points=st.late_points, late_chunks=st.late_chunks, **st.subscriber_counts())
         hw = diag.stream_hardware_id(node.hostname, [worker_hw[w] for w in snap["streams"].get(name, [])
                                                      if w in worker_hw])
         streams.append(diag.stream_status(

@@ -18,9 +18,12 @@ class StreamWindow:
     first_chunk: int | None = None
     last_chunk: int | None = None
     gaps: int = 0
-    rows: deque = field(default_factory=lambda: deque(maxlen=400))  # (emit_s, interval_ms, latency_ms)
+    late_chunks: int = 0
+    # (emit_s, interval_ms, latency_ms, delay_steps, seam_jump, tracking_error)
+    rows: deque = field(default_factory=lambda: deque(maxlen=400))
 
-    def add(self, chunk: int, emit: float, interval_ms: float, latency_ms: float, miss: bool) -> None:
+    def add(self, chunk: int, emit: float, interval_ms: float, latency_ms: float, miss: bool, delay_steps: int = 0,
+            late: bool = False, seam_jump: float = math.nan, tracking_error: float = math.nan) -> None:
         if self.last_chunk is not None and chunk != self.last_chunk + 1:
             self.gaps += 1
         if self.first_chunk is None:
@@ -28,14 +31,17 @@ class StreamWindow:
         self.last_chunk = chunk
         self.total += 1
         self.misses += bool(miss)
-        self.rows.append((emit, interval_ms if interval_ms > 0 else math.nan, latency_ms))
+        self.late_chunks += bool(late)
+        self.rows.append((emit, interval_ms if interval_ms > 0 else math.nan, latency_ms, delay_steps, seam_jump,
+                          tracking_error))
 
     def summary(self, window_s: float = 5.0) -> dict:
         rows = list(self.rows)
         if not rows:
             return {"chunks": self.total, "chunks_per_s": math.nan, "interval_p50": math.nan,
                     "interval_p99": math.nan, "latency_p50": math.nan, "latency_p99": math.nan,
-                    "misses": self.misses}
+                    "misses": self.misses, "delay_steps": 0, "late_chunks": self.late_chunks,
+                    "seam_jump_p99": math.nan, "tracking_error": math.nan}
         t_end = rows[-1][0]
         recent = [r for r in rows if r[0] >= t_end - window_s]
         span = recent[-1][0] - recent[0][0]
@@ -47,6 +53,10 @@ class StreamWindow:
             "latency_p50": percentile([r[2] for r in recent], 50),
             "latency_p99": percentile([r[2] for r in recent], 99),
             "misses": self.misses,
+            "delay_steps": recent[-1][3],
+            "late_chunks": self.late_chunks,
+            "seam_jump_p99": percentile([r[4] for r in recent], 99),
+            "tracking_error": percentile([r[5] for r in recent], 50),
         }
 
 
@@ -54,7 +64,7 @@ class TelemetryMonitor:
     """Subscribe to ChunkTelemetry on ``node``; ``table()`` renders the live rows."""
 
     HEADER = (f"{'t(s)':>6}  {'stream':<10} {'chunks':>7} {'chunks/s':>9} {'interval p50/p99 ms':>20} "
-              f"{'latency p50/p99 ms':>20} {'misses':>7}")
+              f"{'latency p50/p99 ms':>20} {'misses':>7} {'d':>3} {'late':>5} {'seam p99':>9} {'track err':>9}")
 
     def __init__(self, node, topic: str = "/telemetry"):
         from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
@@ -69,7 +79,8 @@ class TelemetryMonitor:
     def _on_msg(self, msg) -> None:
         w = self.streams.setdefault(msg.stream, StreamWindow())
         emit = msg.emit_stamp.sec + msg.emit_stamp.nanosec * 1e-9
-        w.add(int(msg.chunk_index), emit, msg.output_interval_ms, msg.response_latency_ms, msg.deadline_miss)
+        w.add(int(msg.chunk_index), emit, msg.output_interval_ms, msg.response_latency_ms, msg.deadline_miss,
+              int(msg.inference_delay_steps), msg.late, msg.seam_position_jump, msg.tracking_error)
 
     @property
     def total(self) -> int:
@@ -81,7 +92,9 @@ class TelemetryMonitor:
             s = self.streams[name].summary()
             lines.append(f"{elapsed:>6.1f}  {name:<10} {s['chunks']:>7} {s['chunks_per_s']:>9.1f} "
                          f"{s['interval_p50']:>9.1f} / {s['interval_p99']:>6.1f}   "
-                         f"{s['latency_p50']:>9.1f} / {s['latency_p99']:>6.1f}   {s['misses']:>7}")
+                         f"{s['latency_p50']:>9.1f} / {s['latency_p99']:>6.1f}   {s['misses']:>7} "
+                         f"{s['delay_steps']:>3} {s['late_chunks']:>5} {s['seam_jump_p99']:>9.4f} "
+                         f"{s['tracking_error']:>9.4f}")
         return lines
 
     def summaries(self) -> dict[str, dict]:

@@ -31,7 +31,8 @@ from physis_ros.ros import conversions as conv
 from physis_ros.ros import diagnostics as diag
 from physis_ros.ros import health, qos, rosout
 from physis_ros.ros.admission import Rejected
-from physis_ros.ros.config import ServeConfig, check_stream_model
+from physis_ros.ros.config import ServeConfig
+from physis_ros.ros.stream_model import check_stream_model
 from physis_ros.config import ConfigError
 from physis_ros.ros.engine_thread import EngineThread
 from physis_ros.ros.hub import StreamHub

@@ -5,9 +5,11 @@ Inputs: every observation the model takes has its topic (``image`` <- camera, ``
 joint_states, ``actions`` <- the actions a world model imagines), validated by the server's
 acceptance rule (:mod:`physis_ros.ros.acceptance`) on the executor thread and paired to the camera
 image by stamp (:class:`~physis_ros.ros.inputs.StreamInput`). Outputs by what the model produces:
-a world-action model's chunk goes out as ``action_chunk`` and ``joint_trajectory`` (pre-serialized,
-:mod:`physis_ros.ros.raw`), a world model's as ``predicted_frames``; both only while the node is
-armed (lifecycle active). Telemetry always flows.
+a world-action model's chunk goes out as ``action_chunk`` and, for the rows still ahead of the robot
+on its control timeline, ``joint_trajectory`` (pre-serialized, :mod:`physis_ros.ros.raw`; what is
+late and how the chunk meets the previous one is measured here, :mod:`physis_ros.timeline`); a
+world model's as ``predicted_frames``; both only while the node is armed (lifecycle active).
+Telemetry always flows.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ from trajectory_msgs.msg import JointTrajectory
 
 from physis_ros.model.spec import ModelConfig
 from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
-from physis_ros.ros import acceptance, qos
+from physis_ros.ros import acceptance, outputs, qos
 from physis_ros.ros import conversions as conv
-from physis_ros.ros.config import StreamConfig, slo_interval_ms, stream_namespace, stream_topic
+from physis_ros.ros.config import StreamConfig, stream_namespace, stream_topic
+from physis_ros.ros.stream_model import execution_steps, model_horizon, slo_interval_ms
 from physis_ros.ros.inputs import Sample, StreamInput
 from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
-from physis_ros.runtime.engine import ChunkOutput, Observation, ServedModel, StreamEvent
+from physis_ros.runtime.engine import ChunkOutput, Observation, ServedModel, StreamEvent, Timeline
 from physis_ros.telemetry import RollingStats
+from physis_ros.timeline import SeamTracker, kinematics, rms
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
@@ -59,6 +63,10 @@ class RosStream:
         self.slo_interval_ms = slo_interval_ms(config, self.model)
         self.namespace = stream_namespace(name, config)
         serve = node.config
+        # Deterministic serving (replay equal to the reference) takes no hand-off: it depends on measured delays.
+        self.timeline = Timeline(config.control_rate_hz, model_horizon(self.model), execution_steps(config, self.model),
+                                 handoff="none" if serve.deterministic else config.handoff,
+                                 extra_delay=config.extra_delay_steps)
         paired = [k for k in self.model.observation_shapes if k != "image"]
         self.input = StreamInput(serve.deterministic, serve.deterministic_queue, serve.pair_timeout_s,
                                  config.max_age_s, node.now, paired)
@@ -71,6 +79,9 @@ class RosStream:
         # node-side timings (ms): engine emit -> on_output (handover), on_output -> first output published
         self.handover_ms: deque = deque(maxlen=200)
         self.publish_ms: deque = deque(maxlen=200)
+        self.seams = SeamTracker()
+        self.experts: dict[int, Any] = {}   # observation stamp (ns) -> the expert's actions for it
+        self.late_points = self.late_chunks = 0
         self._publishers = []
         self._subscriptions = []
         self._make_outputs()
@@ -97,6 +108,7 @@ class RosStream:
             self.pub_traj = self._publisher(JointTrajectory, "joint_trajectory", qos.profile(s.qos.joint_trajectory))
             self.raw_chunk = ActionChunkRaw(self.name, s, horizon, dof)
             self.raw_traj = TrajectoryRaw(s, horizon, dof)
+            self.horizon = horizon
         else:
             self.pub_frames = self._publisher(PredictedFrames, "predicted_frames", qos.profile(s.qos.action_chunk))
         if s.telemetry:
@@ -118,6 +130,8 @@ class RosStream:
             kind = JointTrajectory if s.actions_type == "joint_trajectory" else ActionChunk
             # The actions come from a policy (a command, not a sensor): reliable, as published.
             self._subscribe(kind, self.topic("actions"), self.on_actions, qos.profile(s.qos.action_chunk))
+        if self.model.kind == "wam":
+            self._subscribe(ActionChunk, self.topic("expert"), self.on_expert, qos.profile(s.qos.action_chunk))
         self.node.get_logger().info(
             f"stream {self.name} ({self.model.name}, {self.origin}): {', '.join(sub.topic_name for sub in self._subscriptions)}"
             f" [{qos.describe(in_qos)}] -> {', '.join(p.topic_name for p in self._publishers)}; "
@@ -176,6 +190,19 @@ class RosStream:
             return
         self.input.put("actions", Sample(data, msg.header.stamp, conv.stamp_ns(msg.header.stamp)))
 
+    def on_expert(self, msg: ActionChunk) -> None:
+        """An expert's chunk for the observation of the same stamp: kept (briefly) for the tracking error."""
+        try:
+            rows = conv.actions_from_chunk(msg, list(self.config.joint_names), self.horizon)
+        except conv.InputRejected as exc:
+            self._reject(exc, "expert actions")
+            return
+        with self.stats_lock:   # the engine thread takes them out
+            experts = self.experts
+            experts[conv.stamp_ns(msg.header.stamp)] = rows
+            while len(experts) > 64:   # oldest first (dicts keep insertion order)
+                experts.pop(next(iter(experts)))
+
     # ---- engine side (engine loop thread) -------------------------------------------------------------
     def observe(self, chunk: int) -> Observation | None:
         taken = self.input.take()
@@ -191,18 +218,13 @@ class RosStream:
         stamp, rec, publish_ms = out.tag, out.record, math.nan
         if node.closing:
             return
-        if node.armed:  # disarmed (lifecycle inactive): chunks keep computing, nothing reaches the robot
-            s = self.config
-            if self.pub_chunk is not None:
-                # ActionChunk first: the smallest message, on the shortest path.
-                self.pub_chunk.publish(self.raw_chunk.render(out.chunk, out.output, stamp))
-                publish_ms = (time.perf_counter() - start) * 1e3
-                self.pub_traj.publish(self.raw_traj.render(out.output, conv.trajectory_start(s, stamp, rec.emit)))
-            else:
-                self.pub_frames.publish(conv.frames_msg(self.name, s, out.chunk, out.output, stamp))
-                publish_ms = (time.perf_counter() - start) * 1e3
+        if self.pub_chunk is not None:
+            publish_ms = self._publish_actions(out, handover, start)
+        elif node.armed:
+            self.pub_frames.publish(outputs.frames_msg(self.name, self.config, out.chunk, out.output, stamp))
+            publish_ms = (time.perf_counter() - start) * 1e3
             self.published += 1
-        telemetry = conv.telemetry_msg(rec, stamp, handover)
+        telemetry = outputs.telemetry_msg(rec, stamp, handover)
         node.pub_telemetry.publish(telemetry)
         if self.pub_telemetry is not None:
             self.pub_telemetry.publish(telemetry)
@@ -210,6 +232,38 @@ class RosStream:
             self.stats.add(rec)
             self.handover_ms.append((handover - rec.emit) * 1e3)
             self.publish_ms.append(publish_ms)
+
+    def _publish_actions(self, out: ChunkOutput, now: float, start: float) -> float:
+        """A world-action model's chunk: the ActionChunk, then the rows still ahead of the robot as a
+        JointTrajectory (none if all are due: a late chunk); fills the record's timeline fields. While
+        disarmed (lifecycle inactive) chunks keep computing and nothing reaches the robot."""
+        s, rec, stamp = self.config, out.record, out.tag
+        placement = outputs.place_chunk(s, rec, conv.stamp_to_sec(stamp), now, self.horizon)
+        k = placement.first_row
+        rec.late_points, rec.late = k, placement.late
+        self.late_points += k
+        self.late_chunks += placement.late
+        positions = out.output
+        with self.stats_lock:
+            expert = self.experts.pop(conv.stamp_ns(stamp), None)
+        if expert is not None and not placement.late:
+            rec.tracking_error = rms(positions[k:], expert[k:])
+        if not self.node.armed:
+            return math.nan
+        # ActionChunk first: the smallest message, on the shortest path.
+        self.pub_chunk.publish(self.raw_chunk.render(out.chunk, positions, stamp, placement))
+        publish_ms = (time.perf_counter() - start) * 1e3
+        if not placement.late:
+            vel, acc = kinematics(positions, s.control_period)
+            seam = self.seams.seam(rec.first_step, k, positions, vel)
+            rec.seam_position_jump, rec.seam_velocity_jump = seam.position_jump, seam.velocity_jump
+            self.pub_traj.publish(self.raw_traj.render(positions[k:], vel[k:], acc[k:], conv.time_msg(placement.start)))
+            self.seams.executed(rec.first_step, positions, vel)
+        else:
+            self.warn("late", f"stream {self.name}: chunk {out.chunk} arrived after its last step was due "
+                              f"({self.late_chunks} so far); not sent as a trajectory")
+        self.published += 1
+        return publish_ms
 
     def on_event(self, event: StreamEvent) -> None:
         h, log = self.health, self.node.get_logger()

@@ -39,13 +39,13 @@ from physis_ros.runtime.recovery import Recovery
 from physis_ros.runtime.security import CurveKeys
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.runtime.streams import (ChunkOutput, EngineHealth, InFlight, Observation, ObserveFn, OutputFn,
-                                        ServedModel, StreamEvent, StreamState)
+                                        ServedModel, StreamEvent, StreamState, Timeline, staggered_anchor)
 from physis_ros.runtime.workers import EngineError, WorkerPool, WorkerProc
 from physis_ros.telemetry import ChunkRecord
 
 log = logging.getLogger("physis.engine")
 __all__ = ["ChunkOutput", "Engine", "EngineError", "EngineHealth", "Observation", "ObserveFn", "OutputFn",
-           "ServedModel", "StreamEvent"]
+           "ServedModel", "StreamEvent", "Timeline"]
 BURST = 64  # output messages handled per turn before yielding to the monitor, feeders and control plane
 
 
@@ -162,7 +162,8 @@ class Engine:
     async def add_stream(self, name: str, observe: ObserveFn, on_output: OutputFn | None = None, *,
                          model: ServedModel, plan: Plan, chunks: int | None = None,
                          slo_interval_ms: float | None = None, keep_outputs: bool = False,
-                         release_interval_ms: float | None = None, emit_delay_ms: float | None = None) -> None:
+                         release_interval_ms: float | None = None, emit_delay_ms: float | None = None,
+                         timeline: Timeline | None = None) -> None:
         """Start feeding a stream of ``model``: ``chunks`` chunks (None: until removed), placed by ``plan``
         (which never changes: running streams do not move). Workers load the blocks it needs first.
 
@@ -170,7 +171,10 @@ class Engine:
         c intervals after the first, so it cannot run ahead of the robot's control timeline.
         ``emit_delay_ms`` (with a release interval) is a jitter buffer: chunk c is handed out no
         earlier than its release plus this delay, so outputs leave at the steady release cadence
-        whenever the response latency stays under the delay (the latency is the price)."""
+        whenever the response latency stays under the delay (the latency is the price).
+        ``timeline``: the stream's control timeline; each chunk then carries its first control step,
+        the inference delay measured over the last chunks and, if asked, the hand-off to its
+        predecessor (physis_ros.model.handoff)."""
         if not self._started:
             raise EngineError("start the engine before adding streams")
         if self.failure is not None:
@@ -190,12 +194,15 @@ class Engine:
             raise ValueError(f"stream '{name}' would bring the chunks in flight to {held + limit}, beyond a "
                              f"worker's ready queue (max_ready {self.config.max_ready})")
         s = StreamState(name, model, plan, observe, on_output, chunks, slo_interval_ms, asyncio.Semaphore(limit),
-                        keep_outputs=keep_outputs)
+                        keep_outputs=keep_outputs, timeline=timeline)
         if release_interval_ms:
             s.release_interval_s = release_interval_ms / 1e3
-            s.release_t0 = time.monotonic()
             if emit_delay_ms is not None:
                 s.emit_delay_s = emit_delay_ms / 1e3
+            shared, now = set(plan.workers_used), time.monotonic()
+            s.release_t0 = staggered_anchor(now, s.release_interval_s, [
+                (o.release_t0, o.release_interval_s) for o in self.streams.values()
+                if o.release_t0 is not None and o.release_interval_s and shared & set(o.plan.workers_used)]) or now
         await self.place(s)
         self.streams[name] = s
         s.feeder = asyncio.create_task(self._feed(s), name=f"feed-{name}")
@@ -261,22 +268,24 @@ class Engine:
         bound_s = self.recovery.chunk_bound_s(s)
         while s.limit is None or s.next_chunk < s.limit:
             await s.credits.acquire()
-            if s.release_interval_s is not None:
-                delay = s.release_t0 + s.next_chunk * s.release_interval_s - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+            due = await s.pace()
             obs = s.observe(s.next_chunk)
             while obs is None:  # no observation yet (a camera not publishing): poll, do not spin
                 await asyncio.sleep(0.005)
                 obs = s.observe(s.next_chunk)
             c = s.next_chunk
+            if due is not None:
+                s.release_due[c] = s.released(due)
             s.next_chunk += 1
             bound = bound_s + (0.0 if s.epoch_started else self.config.warmup_grace_s)
-            s.inflight[c] = InFlight(obs.stamp, self.clock(), obs.tag, bound, time.monotonic() + bound)
+            enqueue = self.clock()
+            f = InFlight(obs.stamp, enqueue, obs.tag, bound, time.monotonic() + bound)
+            handoff = s.place_on_timeline(f, enqueue)
+            s.inflight[c] = f
             order = time.perf_counter()
             slo_s = (s.slo_interval_ms or 1000.0) / 1e3
             task = p.Task(stream=s.name, chunk=c, stage=s.plan.first_stage, epoch=s.epoch, seed=self.config.seed,
-                          order=order, deadline=order + slo_s, sent=order)
+                          order=order, deadline=order + slo_s, sent=order, handoff=handoff)
             await self._push[s.first_addr].send_multipart(wire.encode(task, observation_payload(obs.data)),
                                                           copy=False)
 
@@ -321,6 +330,11 @@ class Engine:
         f = s.inflight.pop(msg.chunk)
         trace = [[e.step, e.block, e.worker, e.queue_ms, e.compute_ms, e.batch] for e in msg.trace]
         record = ChunkRecord.from_trace(s.name, msg.chunk, f.obs_stamp, f.enqueue, emit, trace, hops)
+        if s.timeline is not None:
+            record.first_step, record.delay_steps, record.shift = f.first_step, f.delay_steps, f.shift
+            record.step0 = s.timeline_t0 + f.first_step / s.timeline.rate_hz
+            s.delays.append(emit - f.enqueue)   # release to emit: the steps the robot runs meanwhile
+            del s.delays[:-s.timeline.delay_window]
         s.pending[msg.chunk] = ChunkOutput(s.name, msg.chunk, output, record, f.tag)
         s.epoch_started = True
         s.last_output_mono = time.monotonic()
@@ -330,13 +344,14 @@ class Engine:
     def _deliver(self, s: StreamState) -> None:
         while s.next_emit in s.pending:
             if s.emit_delay_s is not None:  # jitter buffer: hold the chunk until its slot on the timeline
-                wait = s.release_t0 + s.next_emit * s.release_interval_s + s.emit_delay_s - time.monotonic()
+                wait = s.release_due.get(s.next_emit, 0.0) + s.emit_delay_s - time.monotonic()
                 if wait > 0:
                     if not s.emit_scheduled:
                         s.emit_scheduled = True
                         asyncio.get_running_loop().call_later(wait, self._paced_deliver, s)
                     return
             out = s.pending.pop(s.next_emit)
+            s.release_due.pop(s.next_emit, None)
             rec = out.record
             if s.emit_delay_s is not None:
                 rec.emit = self.clock()

@@ -13,7 +13,7 @@ import numpy as np
 import uvloop
 
 from physis_ros.model.spec import ModelConfig
-from physis_ros.runtime.engine import ChunkOutput, Engine, Observation, ServedModel
+from physis_ros.runtime.engine import ChunkOutput, Engine, Observation, ServedModel, Timeline
 from physis_ros.runtime.planner import resolve_plan
 from physis_ros.runtime.plans import Plan
 from physis_ros.scheduling.profiles import CostProfile
@@ -23,7 +23,8 @@ Source = Callable[[str, int], dict[str, np.ndarray]]
 
 
 async def run_chunks_async(model: ModelConfig, config: EngineConfig, streams: list[str], chunks: int,
-                           source: Source, plan: Plan | None = None, profile: CostProfile | None = None
+                           source: Source, plan: Plan | None = None, profile: CostProfile | None = None,
+                           timeline: Timeline | None = None, release_interval_ms: float | None = None
                            ) -> dict[str, list[ChunkOutput]]:
     if plan is None:
         resolved = resolve_plan(model, config, profile)
@@ -33,12 +34,15 @@ async def run_chunks_async(model: ModelConfig, config: EngineConfig, streams: li
         for s in streams:
             def observe(c: int, s: str = s) -> Observation:
                 return Observation(source(s, c), engine.clock())
-            await engine.add_stream(s, observe, model=served, plan=plan, chunks=chunks, keep_outputs=True)
+            await engine.add_stream(s, observe, model=served, plan=plan, chunks=chunks, keep_outputs=True,
+                                    timeline=timeline, release_interval_ms=release_interval_ms)
         return {s: await engine.wait_stream(s) for s in streams}
 
 
 def run_chunks(model: ModelConfig, config: EngineConfig, streams: list[str], chunks: int, source: Source,
-               plan: Plan | None = None, profile: CostProfile | None = None) -> dict[str, list[ChunkOutput]]:
-    return uvloop.run(run_chunks_async(model, config, streams, chunks, source, plan, profile))
+               plan: Plan | None = None, profile: CostProfile | None = None, timeline: Timeline | None = None,
+               release_interval_ms: float | None = None) -> dict[str, list[ChunkOutput]]:
+    return uvloop.run(run_chunks_async(model, config, streams, chunks, source, plan, profile, timeline,
+                                       release_interval_ms))
 
 

@@ -75,6 +75,14 @@ class _Message(Struct, tag_field="kind", kw_only=True, forbid_unknown_fields=Tru
 
 
 # ---- data plane --------------------------------------------------------------------------------
+class HandoffSpec(Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """The hand-off of a chunk to its predecessor (physis_ros.model.handoff): applied at each step's head."""
+
+    mode: Literal["hard", "soft"]
+    d: Annotated[int, Meta(ge=0, le=65535)]        # inference delay, control steps
+    shift: Annotated[int, Meta(ge=0, le=65535)]    # control steps since the previous chunk's row 0
+
+
 class Task(_Message, tag="task"):
     """A chunk on its way to ``stage``. The first stage's task carries the observation tensors
     (``obs/<name>``); later ones carry the travelling state (``cond``, ``x``, ``h``)."""
@@ -89,6 +97,7 @@ class Task(_Message, tag="task"):
     sent: Clock = 0.0           # set by the sender, turned into a hop time by the receiver
     hops: Annotated[list[Ms], Meta(max_length=MAX_TRACE)] = []
     trace: Annotated[list[TraceEntry], Meta(max_length=MAX_TRACE)] = []
+    handoff: HandoffSpec | None = None
 
 
 class Output(_Message, tag="output"):

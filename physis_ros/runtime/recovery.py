@@ -86,6 +86,7 @@ class Recovery:
         s.epoch += 1
         s.inflight.clear()
         s.pending.clear()
+        s.release_due.clear()
         s.next_emit = s.next_chunk  # the chunks in flight are lost; counted in lost_chunks
         s.epoch_started = False
         engine.throttle.log(log, logging.ERROR, f"reset:{s.name}:{cause}",

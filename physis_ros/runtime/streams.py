@@ -4,6 +4,8 @@ the health snapshot it publishes for them."""
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,6 +74,26 @@ ObserveFn = Callable[[int], Observation | None]
 OutputFn = Callable[[ChunkOutput], None]
 
 
+@dataclass(frozen=True)
+class Timeline:
+    """A stream's control timeline: row i of chunk c is control step sigma(c) + i, where sigma(c) is the
+    step at which the chunk was released (its observation taken), counted from the stream's first
+    release at ``rate_hz``; and the hand-off between consecutive chunks (physis_ros.model.handoff)."""
+
+    rate_hz: float                 # control steps per second
+    horizon: int                   # rows of a chunk (H)
+    execution: int                 # s: steps a chunk is executed for
+    handoff: str = "none"          # none | hard | soft
+    extra_delay: int = 0           # steps added to the measured inference delay (benchmarks)
+    delay_window: int = 20         # chunks the delay estimate looks back over (older spikes are forgotten)
+    delay_quantile: float = 90.0   # conservative: a high percentile of the window's delays
+
+    @property
+    def max_delay(self) -> int:
+        """d <= s <= H - d: the delay the hand-off can honour."""
+        return max(0, min(self.execution, self.horizon - self.execution))
+
+
 @dataclass
 class InFlight:
     """A chunk between entering the pipeline and leaving it."""
@@ -81,6 +103,9 @@ class InFlight:
     tag: Any
     bound_s: float         # how long it may take
     deadline: float        # time.monotonic() by which it must have left, else its stream is reset
+    first_step: int = 0    # on the stream's timeline (see Timeline)
+    delay_steps: int = 0
+    shift: int = 0
 
 
 @dataclass
@@ -111,10 +136,86 @@ class StreamState:
     lost_chunks: int = 0
     resets: Counter = field(default_factory=Counter)   # cause -> count
     first_addr: str = ""
-    release_interval_s: float | None = None  # pace: chunk c enters no earlier than release_t0 + c * interval
-    release_t0: float = 0.0
+    timeline: Timeline | None = None
+    timeline_t0: float | None = None   # engine clock of the stream's first release: control step 0
+    last_step: int | None = None       # first step of the last chunk released
+    delays: list = field(default_factory=list)   # recent inference delays (s), newest last
+    release_interval_s: float | None = None  # pace: one release per interval, anchored at release_t0
+    release_t0: float | None = None          # time.monotonic() of the first release (moved on after a late one)
+    releases: int = 0
+    release_due: dict[int, float] = field(default_factory=dict)  # chunk -> when it was due (jitter buffer)
     emit_delay_s: float | None = None  # jitter buffer: chunk c leaves no earlier than its release + this
     emit_scheduled: bool = False
+
+    async def pace(self) -> float | None:
+        """Wait for the stream's next release on its schedule (one every release interval, anchored at its
+        first release); the time it was due (time.monotonic()), or None for an unpaced stream."""
+        if self.release_interval_s is None:
+            return None
+        if self.release_t0 is None:
+            return time.monotonic()
+        due = self.release_t0 + self.releases * self.release_interval_s
+        delay = due - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return due
+
+    def released(self, due: float) -> float:
+        """A chunk is released (its observation taken) now: keep the schedule; after a late release (a
+        camera that was silent, credits held up) the next ones do not catch up in a burst: the next
+        comes at the first slot of the same phase at least half an interval away (the phase keeps
+        streams that share a worker apart, :func:`staggered_anchor`)."""
+        now = time.monotonic()
+        interval = self.release_interval_s
+        if self.release_t0 is None:
+            self.release_t0, due = now, now
+        elif now - due > interval / 2:
+            slots = math.ceil((now + interval / 2 - self.release_t0) / interval)
+            self.release_t0 += (slots - (self.releases + 1)) * interval
+            due = now
+        self.releases += 1
+        return due
+
+    def place_on_timeline(self, f: InFlight, release: float) -> p.HandoffSpec | None:
+        """Place a chunk released now on the control timeline (its first step, the shift since the last
+        one, the delay the hand-off assumes: a high percentile of the recent delays, in steps, plus any
+        injected extra); its hand-off, if the stream asks for one."""
+        tl = self.timeline
+        if tl is None:
+            return None
+        if self.timeline_t0 is None:
+            self.timeline_t0 = release
+        f.first_step = round((release - self.timeline_t0) * tl.rate_hz)
+        f.shift = f.first_step - (self.last_step if self.last_step is not None else f.first_step)
+        self.last_step = f.first_step
+        recent = self.delays[-tl.delay_window:]
+        # Rows the robot takes from the previous chunk: those due before this one arrives (the delay in
+        # steps, rounded up, at a high percentile of the recent delays) plus the row it switches at, so
+        # that the switch itself lands on a point the previous chunk committed to.
+        measured = math.ceil(float(np.percentile(recent, tl.delay_quantile)) * tl.rate_hz) + 1 if recent else 0
+        f.delay_steps = min(tl.max_delay, measured + tl.extra_delay)
+        if tl.handoff == "none":
+            return None
+        return p.HandoffSpec(tl.handoff, f.delay_steps, min(f.shift, 65535))
+
+
+def staggered_anchor(now: float, interval: float, others: list[tuple[float, float]], candidates: int = 32,
+                     lookahead: int = 4) -> float | None:
+    """When a paced stream should make its first release so that its releases fall as far as possible
+    from those of ``others`` (their (anchor, interval) on the same workers): on a shared worker two
+    chunks released together queue behind each other, and the second one's latency grows by the
+    first one's compute. None (release now) when nothing shares its workers."""
+    if not others:
+        return None
+    horizon = now + lookahead * interval
+    theirs = [a + k * i for a, i in others
+              for k in range(max(0, math.ceil((now - a) / i)), math.ceil((horizon - a) / i) + 1)]
+
+    def gap(offset: float) -> float:
+        mine = [now + offset + k * interval for k in range(lookahead)]
+        return min(abs(m - t) for m in mine for t in theirs)
+
+    return now + max((interval * j / candidates for j in range(candidates)), key=gap)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import zmq
 
 from physis_ros.logs import Throttle
 from physis_ros.model import KVBatch
+from physis_ros.model.handoff import Handoff
 from physis_ros.model.stages import check_payload, first_state, run_stage
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
@@ -58,6 +59,11 @@ class Job:
     model: str                      # ModelRef.id of the stream's model
     state: dict[str, torch.Tensor]
     received: float = field(default_factory=time.perf_counter)
+
+    @property
+    def handoff(self) -> Handoff | None:
+        h = self.task.handoff
+        return None if h is None else Handoff(h.mode, h.d, h.shift)
 
     @property
     def weights(self) -> tuple[str, int]:
@@ -324,7 +330,7 @@ class Worker:
         try:
             with self.io.timer() as timer:
                 states = run_stage(host.model, b, [j.stage[0] for j in batch], [j.state for j in batch],
-                                   KVBatch(host.tables[b], slots))
+                                   KVBatch(host.tables[b], slots), [j.handoff for j in batch])
         except Exception as exc:  # a failing task must not take the worker down
             self.stats.errors += 1
             log.exception("worker %s: stage %s of %d task(s) failed", self.id, batch[0].stage, len(batch))

@@ -1,4 +1,4 @@
-"""Message <-> tensor conversions: decoding, preprocessing, joint mapping, rejection, outputs."""
+"""Message -> tensor conversions: decoding, preprocessing, joint mapping, rejection."""
 
 import array
 import dataclasses
@@ -17,7 +17,6 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from physis_ros.model.presets import load_model_config
 from physis_ros.ros import conversions as conv
 from physis_ros.ros.config import serve_config
-from physis_ros.telemetry import ChunkRecord
 
 JOINTS = [f"joint{i}" for i in range(1, 8)]
 MODEL = load_model_config("tiny-wam")
@@ -167,46 +166,6 @@ def test_observation_from_msgs():
     assert set(obs) == set(MODEL.observation_shapes)
     for name, shape in MODEL.observation_shapes.items():
         assert obs[name].shape == shape and obs[name].dtype == np.float32
-
-
-def test_action_chunk_and_trajectory():
-    s = stream(control_rate_hz=50.0, frame_id="base")
-    actions = RNG.standard_normal((16, 7)).astype(np.float32)
-    stamp = Time(sec=5, nanosec=7)
-    msg = conv.action_chunk_msg("r", s, 3, actions, stamp)
-    assert (msg.stream, msg.chunk_index, msg.horizon, msg.dof) == ("r", 3, 16, 7)
-    assert msg.header.stamp == stamp and msg.header.frame_id == "base"
-    assert list(msg.joint_names) == JOINTS and msg.control_period == pytest.approx(0.02)
-    np.testing.assert_array_equal(np.frombuffer(msg.actions, np.float32).reshape(16, 7), actions)
-
-    traj = conv.trajectory_msg(s, actions, stamp)
-    assert traj.header.stamp == stamp and list(traj.joint_names) == JOINTS and len(traj.points) == 16
-    pos = np.array([p.positions for p in traj.points])
-    vel = np.array([p.velocities for p in traj.points])
-    np.testing.assert_array_equal(pos, actions.astype(np.float64))
-    np.testing.assert_array_equal(vel[-1], 0.0)  # ends at rest: joint_trajectory_controller accepts it
-    np.testing.assert_allclose(vel[5], (pos[6] - pos[4]) / 0.04)
-    times = [p.time_from_start.sec + p.time_from_start.nanosec * 1e-9 for p in traj.points]
-    np.testing.assert_allclose(times, 0.02 * np.arange(1, 17))
-
-    emit_start = conv.trajectory_start(stream(trajectory_start="emit", trajectory_start_offset_s=0.1), stamp, 9.0)
-    assert conv.stamp_to_sec(emit_start) == pytest.approx(9.1)
-    assert conv.trajectory_start(s, stamp, 9.0) == stamp
-
-
-def test_telemetry_msg():
-    rec = ChunkRecord(stream="r", chunk=4, obs_stamp=100.0, enqueue=100.01, emit=100.15, interval_ms=float("nan"),
-                      stage_ms=[1.0, 3.0, 2.0], queue_ms=0.5, hops_ms=[0.1], batch_sizes=[1, 2, 1],
-                      deadline_miss=True)
-    msg = conv.telemetry_msg(rec)
-    assert msg.stream == "r" and msg.chunk_index == 4 and msg.deadline_miss
-    assert msg.output_interval_ms == 0.0  # first chunk: no interval
-    assert msg.response_latency_ms == pytest.approx(150.0) and msg.observation_age_ms == pytest.approx(10.0)
-    assert (msg.stage_compute_ms_min, msg.stage_compute_ms_max, msg.stage_compute_ms_sum) == (1.0, 3.0, 6.0)
-    assert list(msg.batch_sizes) == [1, 2, 1] and msg.header.stamp == msg.emit_stamp
-    assert conv.stamp_to_sec(msg.emit_stamp) == pytest.approx(100.15)
-    assert msg.handover_stamp == msg.emit_stamp  # no handover time given
-    assert conv.stamp_to_sec(conv.telemetry_msg(rec, handover=100.1503).handover_stamp) == pytest.approx(100.1503)
 
 
 # ---- heavy inputs (issue 12): cost, caps, float32 finiteness ------------------------------------

@@ -148,3 +148,23 @@ def test_hardware_ids():
     assert diag.stream_hardware_id("myhost", ["myhost:cuda:1", "myhost:cuda:0", "myhost:cuda:0"]) == \
         "myhost:cuda:0,myhost:cuda:1"
     assert diag.stream_hardware_id("myhost", []) == "myhost"
+
+
+def test_timeline_metrics_and_late_chunks_reach_diagnostics():
+    """A chunk that arrived after its last step was due was not sent to the robot: WARN, counted; the
+    delay, late points, seam jumps and tracking error are reported as values."""
+    now = 200.0
+    recs = records(40, 0.1, end=now)
+    for i, r in enumerate(recs):
+        r.delay_steps, r.late_points = 3, 3
+        r.seam_position_jump, r.seam_velocity_jump, r.tracking_error = 0.01 * (i % 5), 0.2, 0.05
+    stats = diag.window_stats(recs, now, 5.0, 100.0)
+    ok = status(stats)
+    v = values(ok)
+    assert ok.level == OK, ok.message
+    assert v["inference_delay_steps"] == "3" and v["late_points_window"] == "120" and v["late_chunks_window"] == "0"
+    assert float(v["seam_jump_p99"]) > 0.039 and float(v["tracking_error_p50"]) == 0.05
+    recs[-2].late = True
+    late = status(diag.window_stats(recs, now, 5.0, 100.0))
+    assert late.level == WARN and "1 chunk(s)" in late.message and "not sent" in late.message, late.message
+    assert values(late)["late_chunks_window"] == "1"

@@ -137,7 +137,7 @@ def test_activate_publishes_trajectories_on_the_controllers_topic(live):
     live.probe.wait(lambda: live.probe.count("traj") >= 5 and live.probe.count("chunk") >= 5, 30,
                     f"trajectories on {CONTROLLER_TOPIC}")
     traj, _ = live.probe.get("traj")[-1]
-    assert list(traj.joint_names) == JOINTS and len(traj.points) == 16
+    assert list(traj.joint_names) == JOINTS and 1 <= len(traj.points) <= 16
     assert live.probe.count("traj_default") == 0
     assert live.probe.node.get_publishers_info_by_topic(f"/{NS}/joint_trajectory") == []
     # per-robot telemetry beside the global topic

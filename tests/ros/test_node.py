@@ -116,18 +116,28 @@ def test_reliable_trajectory_subscriber_matches_and_trajectories_are_controller_
         q = infos[0].qos_profile
         assert q.reliability == ReliabilityPolicy.RELIABLE  # (discovery does not carry the history kind)
         chunks = {m.chunk_index: m for m in live.chunks(name)}
+        tel = {m.chunk_index: m for m, _ in live.probe.get("telemetry") if m.stream == name}
         trajs = live.probe.get(f"traj/{name}")
         assert len(trajs) >= 10  # a RELIABLE subscription only matches a RELIABLE publisher
-        for traj, info in trajs[:20]:
-            chunk = chunks[info["publication_sequence_number"] - 1]  # one trajectory per chunk, in order
+        sent = [c for _, c in sorted(chunks.items()) if not c.late]   # one trajectory per chunk not late, in order
+        offset = [i for i, c in enumerate(sent) if c.chunk_index == min(chunks)][0]
+        for (traj, info), chunk in zip(trajs[:20], sent[offset:]):
             assert list(traj.joint_names) == JOINTS
-            assert traj.header.stamp == chunk.header.stamp  # intended start: the observation time
+            k = chunk.late_points   # rows already due when it was published: dropped
+            assert 0 <= k < 16
+            # header.stamp: when point 0 is due on the control timeline, still ahead at publication
+            assert sec(traj.header.stamp) == pytest.approx(sec(chunk.step0_stamp) + k * 0.02, abs=1e-6)
+            if chunk.chunk_index in tel:
+                assert sec(traj.header.stamp) > sec(tel[chunk.chunk_index].handover_stamp)
             pos = np.array([p.positions for p in traj.points])
             vel = np.array([p.velocities for p in traj.points])
-            np.testing.assert_array_equal(pos, np.frombuffer(chunk.actions, np.float32).reshape(16, 7))
+            acc = np.array([p.accelerations for p in traj.points])
+            np.testing.assert_array_equal(pos, np.frombuffer(chunk.actions, np.float32).reshape(16, 7)[k:])
             np.testing.assert_array_equal(vel[-1], 0.0)
+            np.testing.assert_array_equal(acc[-1], 0.0)
+            assert np.isfinite(vel).all() and np.isfinite(acc).all()
             t = [sec(p.time_from_start) for p in traj.points]
-            np.testing.assert_allclose(t, 0.02 * np.arange(1, 17))
+            np.testing.assert_allclose(t, 0.02 * np.arange(16 - k), atol=1e-9)
 
 
 def test_telemetry_agrees_with_what_the_subscriber_saw(live):

@@ -1,4 +1,4 @@
-"""Pre-serialized outputs: exactly the CDR bytes of the messages conversions.py builds.
+"""Pre-serialized outputs: exactly the CDR bytes of the messages outputs.py builds.
 
 The reference is an independent serializer, rosbags (pure Python, strict about
 message size), with the physis_ros types registered from msg/*.msg; rclpy's
@@ -19,9 +19,10 @@ from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 from trajectory_msgs.msg import JointTrajectory
 
 from physis_ros.msg import ActionChunk
-from physis_ros.ros import conversions as conv
+from physis_ros.ros import outputs
 from physis_ros.ros.config import serve_config
 from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
+from physis_ros.timeline import kinematics
 
 JOINTS = ["shoulder", "elbow", "wrist_a", "wrist_b", "j5", "j6", "gripper_joint"]
 MSG_DIR = Path(__file__).resolve().parents[2] / "msg"
@@ -51,9 +52,13 @@ def _header(store, h):
 
 def rosbags_chunk(store, m: ActionChunk) -> bytes:
     """The rclpy message field by field into rosbags, serialized by rosbags."""
-    msg = store.types[CHUNK_T](header=_header(store, m.header), stream=m.stream, chunk_index=m.chunk_index,
-                               control_period=m.control_period, joint_names=list(m.joint_names),
-                               horizon=m.horizon, dof=m.dof, actions=np.array(m.actions, np.float32))
+    T = store.types
+    msg = T[CHUNK_T](header=_header(store, m.header), stream=m.stream, chunk_index=m.chunk_index,
+                     control_period=m.control_period, joint_names=list(m.joint_names),
+                     horizon=m.horizon, dof=m.dof, actions=np.array(m.actions, np.float32),
+                     first_step=m.first_step,
+                     step0_stamp=T["builtin_interfaces/msg/Time"](sec=m.step0_stamp.sec, nanosec=m.step0_stamp.nanosec),
+                     inference_delay_steps=m.inference_delay_steps, late_points=m.late_points, late=m.late)
     return bytes(store.serialize_cdr(msg, CHUNK_T))
 
 
@@ -69,6 +74,18 @@ def rosbags_traj(store, m: JointTrajectory) -> bytes:
     return bytes(store.serialize_cdr(msg, TRAJ_T))
 
 
+def placement(rng, horizon: int, period: float) -> outputs.Placement:
+    first = int(rng.integers(0, horizon + 1))
+    return outputs.Placement(first_step=int(rng.integers(0, 2**63)), row0_due=float(rng.uniform(0, 2e9)),
+                             period=period, first_row=first, horizon=horizon, delay_steps=int(rng.integers(0, 9)))
+
+
+def ahead(actions: np.ndarray, period: float, k: int):
+    """The trajectory rows from row k: positions, velocities, accelerations."""
+    vel, acc = kinematics(actions, period)
+    return actions[k:].astype(np.float64), vel[k:], acc[k:]
+
+
 @pytest.mark.parametrize("frame_id, rate", [("", 50.0), ("base_link", 33.3)])
 def test_raw_outputs_equal_built_messages(frame_id, rate):
     s = serve_config({"streams": {"arm": {"joint_names": JOINTS, "frame_id": frame_id,
@@ -78,12 +95,17 @@ def test_raw_outputs_equal_built_messages(frame_id, rate):
     for chunk in (0, 1, 2**40 + 5):
         actions = rng.standard_normal((16, 7)).astype(np.float32)
         stamp = Time(sec=int(rng.integers(0, 2**31 - 1)), nanosec=int(rng.integers(0, 10**9)))
-        got = deserialize_message(chunk_raw.render(chunk, actions, stamp), ActionChunk)
-        assert got == conv.action_chunk_msg("arm", s, chunk, actions, stamp)
-        traj = deserialize_message(traj_raw.render(actions, stamp), JointTrajectory)
-        assert traj == conv.trajectory_msg(s, actions, stamp)
+        where = placement(rng, 16, s.control_period)
+        got = deserialize_message(chunk_raw.render(chunk, actions, stamp, where), ActionChunk)
+        assert got == outputs.action_chunk_msg("arm", s, chunk, actions, stamp, where)
+        for k in (0, 3, 15):
+            rows = ahead(actions, s.control_period, k)
+            traj = deserialize_message(traj_raw.render(*rows, stamp), JointTrajectory)
+            assert traj == outputs.trajectory_msg(s, *rows, stamp)
     with pytest.raises(ValueError):
-        chunk_raw.render(0, np.zeros((15, 7), np.float32), Time())
+        chunk_raw.render(0, np.zeros((15, 7), np.float32), Time(), where)
+    with pytest.raises(ValueError, match="1 to 16"):
+        traj_raw.render(*ahead(actions, s.control_period, 16), Time())   # nothing ahead: no trajectory
 
 
 # Frame ids and stream names of 0..4 (mod 4) characters change every padding run after them.
@@ -97,21 +119,24 @@ def test_raw_bytes_equal_an_independent_serializer(store, horizon, dof, frame_id
     for chunk in (0, 2**64 - 1):
         actions = rng.standard_normal((horizon, dof)).astype(np.float32)
         stamp = Time(sec=int(rng.integers(0, 2**31 - 1)), nanosec=int(rng.integers(0, 10**9)))
-        raw = chunk_raw.render(chunk, actions, stamp)
-        want = rosbags_chunk(store, conv.action_chunk_msg(name, s, chunk, actions, stamp))
+        where = placement(rng, horizon, s.control_period)
+        raw = chunk_raw.render(chunk, actions, stamp, where)
+        want = rosbags_chunk(store, outputs.action_chunk_msg(name, s, chunk, actions, stamp, where))
         assert len(raw) == len(want) and raw == want
-        assert store.deserialize_cdr(raw, CHUNK_T).chunk_index == chunk      # strict size check
-        raw = traj_raw.render(actions, stamp)
-        want = rosbags_traj(store, conv.trajectory_msg(s, actions, stamp))
+        got = store.deserialize_cdr(raw, CHUNK_T)                            # strict size check
+        assert (got.chunk_index, got.late_points, got.late) == (chunk, where.first_row, where.late)
+        k = min(where.first_row, horizon - 1)
+        raw = traj_raw.render(*ahead(actions, s.control_period, k), stamp)
+        want = rosbags_traj(store, outputs.trajectory_msg(s, *ahead(actions, s.control_period, k), stamp))
         assert len(raw) == len(want) and raw == want
-        assert len(store.deserialize_cdr(raw, TRAJ_T).points) == horizon
+        assert len(store.deserialize_cdr(raw, TRAJ_T).points) == horizon - k
 
 
 def test_template_is_checked_against_the_rmw():
     """A layout that disagrees with the rmw's serialization (here: a field left out) fails at construction."""
     from physis_ros.ros.raw import CdrWriter
 
-    msg = conv.action_chunk_msg("arm", _stream("base_link", 7), 3, np.ones((2, 7), np.float32), Time(sec=4))
+    msg = outputs.action_chunk_msg("arm", _stream("base_link", 7), 3, np.ones((2, 7), np.float32), Time(sec=4))
     w = CdrWriter()
     w.header(msg.header)
     w.string(msg.stream)
@@ -126,9 +151,9 @@ def test_render_returns_a_snapshot():
     """A rendered message must not change when the next one is rendered (publish may hold on to it)."""
     s = _stream("base_link", 7)
     traj_raw = TrajectoryRaw(s, 16, 7)
-    first = traj_raw.render(np.ones((16, 7), np.float32), Time(sec=1))
+    first = traj_raw.render(*ahead(np.ones((16, 7), np.float32), 0.02, 0), Time(sec=1))
     copy = bytes(first)
-    traj_raw.render(np.zeros((16, 7), np.float32), Time(sec=2))
+    traj_raw.render(*ahead(np.zeros((16, 7), np.float32), 0.02, 0), Time(sec=2))
     assert first == copy
 
 
@@ -163,8 +188,10 @@ def test_recorded_outputs_decode_strictly(store, tmp_path, monkeypatch):
             for chunk in range(3):
                 actions = rng.standard_normal((horizon, dof)).astype(np.float32)
                 stamp = Time(sec=1_700_000_000 + chunk, nanosec=chunk)
-                for topic, raw in ((f"/{tag}/s{i}/action_chunk", chunk_raw.render(chunk, actions, stamp)),
-                                   (f"/{tag}/s{i}/joint_trajectory", traj_raw.render(actions, stamp))):
+                where = placement(rng, horizon, s.control_period)
+                rows = ahead(actions, s.control_period, min(where.first_row, horizon - 1))
+                for topic, raw in ((f"/{tag}/s{i}/action_chunk", chunk_raw.render(chunk, actions, stamp, where)),
+                                   (f"/{tag}/s{i}/joint_trajectory", traj_raw.render(*rows, stamp))):
                     pubs[topic].publish(raw)
                     sent.append((topic, raw))
         assert wait_until(lambda: sum(recorder.counts.values()) == len(sent), 10.0), recorder.counts

@@ -140,8 +140,14 @@ def test_chunk_c_uses_observation_c_and_stamps_come_from_clock(sim):
         # Emit stamps on simulated time (about 1000 s), not on the wall clock (about 1.7e9 s).
         assert SIM_T0 <= sec(t.emit_stamp) <= sim_end and t.header.stamp == t.emit_stamp
         assert 0.0 <= t.response_latency_ms < 60_000
+    # Trajectories are on the control timeline of simulated time: point 0 is the first row still ahead.
     trajs = [m for m, _ in sim.probe.get("traj")]
-    assert [t.header.stamp for t in trajs] == [img.header.stamp for img, _ in sim.sent]
+    sent = [m for m in chunks if not m.late]
+    assert len(trajs) == len(sent)
+    for traj, m in zip(trajs, sent):
+        assert SIM_T0 <= sec(m.step0_stamp) <= sim_end
+        assert sec(traj.header.stamp) == pytest.approx(sec(m.step0_stamp) + m.late_points * 0.04, abs=1e-6)
+        assert len(traj.points) == 16 - m.late_points
 
 
 def test_deterministic_outputs_equal_the_sequential_reference(sim, tiny_wam):

@@ -336,3 +336,33 @@ def test_workers_do_not_outlive_a_killed_engine():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("plan, workers", [("sequential", 1), ("stage", 2), ("block", 3)])
+def test_handoff_freezes_the_first_d_actions_and_the_reference_agrees(plan, workers):
+    """With the hand-off, every plan equals the sequential reference fed the same observations and the same
+    hand-offs (the delay each chunk assumed is on its record), bit for bit; with ``hard`` chunk c's first d
+    actions are exactly chunk c-1's committed actions for those steps."""
+    from physis_ros.model.handoff import Handoff
+    from physis_ros.reference import ReferenceRollout
+    from physis_ros.runtime.streams import Timeline
+
+    cfg = load_model_config("tiny-wam")
+    scene = SyntheticScene(cfg.observation_shapes)
+    timeline = Timeline(rate_hz=50.0, horizon=16, execution=6, handoff="hard", extra_delay=2)
+    out = run_chunks(cfg, EngineConfig(plan=plan, workers=workers), ["robot0"], 8, scene.observation,
+                     timeline=timeline, release_interval_ms=120.0)["robot0"]
+    ref = ReferenceRollout(build_model(cfg))
+    prev = None
+    for o in out:
+        r = o.record
+        assert r.delay_steps >= 2 and r.delay_steps <= timeline.max_delay
+        handoff = Handoff("hard", r.delay_steps, r.shift) if o.chunk > 0 else Handoff("hard", 0, 0)
+        want = ref.step("robot0", scene.observation("robot0", o.chunk), handoff).output.numpy()
+        assert np.array_equal(o.output, want), o.chunk
+        if prev is not None:
+            d, shift = r.delay_steps, r.shift
+            assert 4 <= shift <= 8 and r.first_step == prev.record.first_step + shift
+            np.testing.assert_array_equal(o.output[:d], prev.output[shift:shift + d])  # frozen: equal exactly
+            assert not np.array_equal(o.output[d:d + 2], prev.output[shift + d:shift + d + 2])
+        prev = o

@@ -21,7 +21,7 @@ from physis_ros.observations import SyntheticScene
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
 from physis_ros.runtime.engine import Engine, EngineError, Observation, ServedModel
-from physis_ros.runtime.plans import Plan, make_plan, pipeline_order
+from physis_ros.runtime.plans import Plan, pipeline_order
 from physis_ros.runtime.settings import EngineConfig
 
 CFG = load_model_config("tiny-wam")

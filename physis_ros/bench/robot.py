@@ -1,0 +1,93 @@
+"""A simulated robot that executes action chunks on its control timeline, for the benchmarks.
+
+It stands in for joint_trajectory_controller with a perfect arm: a chunk reaches it ``link_delay``
+control steps after the server handed it out (a slower link or controller, the benchmarks' injected
+delay), replaces the running one on arrival (what JTC does, docs/ros2_control.md) and from then on
+the arm is, at each control step, where the chunk's row for that step says; rows already due on
+arrival are skipped (late points); past its last row it holds it. Why simulated: no arm or
+ros2_control hardware loop runs on these machines; the arithmetic is the node's own
+(:mod:`physis_ros.timeline`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from physis_ros.timeline import Seam, SeamTracker, first_due_row, kinematics
+
+
+@dataclass(frozen=True)
+class Executed:
+    """A chunk the robot switched to: from ``arrival`` it follows ``rows`` (row i = step first_step + i)."""
+
+    arrival: float
+    first_step: int
+    first_row: int
+    rows: np.ndarray
+
+
+class SimulatedRobot:
+    def __init__(self, q0: np.ndarray, rate_hz: float, link_delay_steps: int = 0):
+        self.q0 = np.asarray(q0, dtype=np.float64)
+        self.period = 1.0 / rate_hz
+        self.link_delay_s = link_delay_steps * self.period
+        self.t0: float | None = None     # when control step 0 is due (the timeline's origin)
+        self.chunks: list[Executed] = []
+        self.seams = SeamTracker()
+        self.late_points = 0
+        self.late_chunks = 0
+
+    def receive(self, handed_out: float, first_step: int, step0: float, actions: np.ndarray) -> tuple[int, Seam]:
+        """A chunk handed out at ``handed_out`` (its rows due from ``step0``): (the rows it arrived too late
+        for, its seam against the chunk the robot was running). A chunk with every row due is dropped."""
+        self.t0 = step0 - first_step * self.period if self.t0 is None else self.t0
+        arrival = handed_out + self.link_delay_s
+        rows = np.asarray(actions, dtype=np.float64)
+        k = first_due_row(step0, self.period, arrival, len(rows))
+        self.late_points += k
+        if k >= len(rows):
+            self.late_chunks += 1
+            return k, Seam()
+        vel, _ = kinematics(rows, self.period)
+        seam = self.seams.seam(first_step, k, rows, vel)
+        self.seams.executed(first_step, rows, vel)
+        self.chunks.append(Executed(arrival, first_step, k, rows))
+        return k, seam
+
+    def command(self, step: int) -> np.ndarray:
+        """Where the arm is at control ``step``: the row for it of the last chunk that had arrived when
+        the step was due (holding a chunk's last row past its end); the start pose before any chunk."""
+        if self.t0 is None:
+            return self.q0
+        due = self.t0 + step * self.period
+        for c in reversed(self.chunks):
+            if c.arrival <= due:
+                row = min(max(step - c.first_step, 0), len(c.rows) - 1)
+                return c.rows[row]
+        return self.q0
+
+    def position(self, t: float) -> np.ndarray:
+        """Where the arm is at time ``t``: the command of the last step due by then."""
+        if self.t0 is None:
+            return self.q0
+        return self.command(math.floor((t - self.t0) / self.period))
+
+    def trajectory(self) -> np.ndarray:
+        """The commanded positions at every control step from the first chunk's arrival to the last
+        chunk's end [steps, dof]."""
+        if not self.chunks:
+            return np.zeros((0, len(self.q0)))
+        first = self.chunks[0].first_step + self.chunks[0].first_row
+        last = self.chunks[-1].first_step + len(self.chunks[-1].rows)
+        return np.array([self.command(n) for n in range(first, last)])
+
+    def jerk_rms(self) -> float:
+        """RMS of the commanded trajectory's third derivative (finite differences at the control rate)."""
+        x = self.trajectory()
+        if len(x) < 4:
+            return math.nan
+        jerk = np.diff(x, n=3, axis=0) / self.period ** 3
+        return float(np.sqrt(np.mean(jerk * jerk)))

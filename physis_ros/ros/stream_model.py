@@ -1,0 +1,68 @@
+"""What a stream needs of its model: the fit check (every observation fed by a topic, joint names
+that match its columns), the chunk's horizon, and the control timeline that sets the stream's interval
+(execution horizon ``s`` steps at ``control_rate_hz``; DESIGN.md section 8)."""
+
+from __future__ import annotations
+
+from physis_ros.config import ConfigError
+from physis_ros.model.spec import ModelConfig
+from physis_ros.ros.config import StreamConfig
+
+OBSERVATION_TOPICS = {"image": "topics.image", "state": "topics.joint_states", "actions": "topics.actions"}
+
+
+def check_stream_model(key: str, stream: StreamConfig, model: ModelConfig) -> None:
+    """A stream must fit its model: every observation the model takes has a topic that feeds it (camera,
+    joint states, actions to imagine), and the joint names cover its state and action columns.
+    ``key``: the stream's dotted config key, for the error."""
+    unsupported = sorted(set(model.observation_shapes) - set(OBSERVATION_TOPICS))
+    if unsupported:
+        raise ConfigError(f"{key}.model", f"model '{model.name}' needs observations {unsupported} that no ROS "
+                                          f"topic feeds")
+    if "image" not in model.observation_shapes:
+        raise ConfigError(f"{key}.model", f"model '{model.name}' takes no camera image; the server's streams are "
+                                          f"driven by their camera")
+    n = len(stream.joint_names)
+    for name, shape in model.observation_shapes.items():
+        width = {"state": shape[0], "actions": shape[-1]}.get(name)
+        if width is not None and width != n:
+            raise ConfigError(f"{key}.joint_names", f"{n} joint names but model '{model.name}' takes {name} of "
+                                                    f"{width} columns")
+    if model.kind == "wam" and model.output_shape[-1] != n:
+        raise ConfigError(f"{key}.joint_names", f"{n} joint names but model '{model.name}' outputs "
+                                                f"{model.output_shape[-1]} action columns")
+    horizon = model_horizon(model)
+    if stream.execution_horizon > horizon:
+        raise ConfigError(f"{key}.execution_horizon", f"{stream.execution_horizon} steps but model '{model.name}' "
+                                                      f"plans {horizon}; use 1..{horizon}")
+    s = execution_steps(stream, model)
+    if stream.extra_delay_steps > min(s, horizon - s):
+        raise ConfigError(f"{key}.extra_delay_steps", f"{stream.extra_delay_steps} steps, but a chunk executed for "
+                                                      f"{s} of its {horizon} steps can hand off at most "
+                                                      f"{min(s, horizon - s)} (d <= s <= H - d)")
+    timeline = timeline_interval_ms(stream, model)
+    if stream.slo_interval_ms is not None and stream.slo_interval_ms > timeline + 1e-9:
+        raise ConfigError(f"{key}.slo_interval_ms", f"{stream.slo_interval_ms:g} ms is longer than the control "
+                                                    f"timeline allows: a chunk every {execution_steps(stream, model)} "
+                                                    f"steps at {stream.control_rate_hz:g} Hz is {timeline:g} ms "
+                                                    f"(lower it, or raise execution_horizon)")
+
+
+def model_horizon(model: ModelConfig) -> int:
+    """Control steps one chunk plans: a WAM's action horizon, a world model's imagined actions."""
+    return model.observation_shapes["actions"][0] if model.kind == "acwm" else model.output_shape[0]
+
+
+def execution_steps(stream: StreamConfig, model: ModelConfig) -> int:
+    """s: the control steps each chunk is executed for."""
+    return stream.execution_horizon or max(1, model_horizon(model) // 2)
+
+
+def timeline_interval_ms(stream: StreamConfig, model: ModelConfig) -> float:
+    """The interval the control timeline needs: s / control_rate."""
+    return execution_steps(stream, model) / stream.control_rate_hz * 1e3
+
+
+def slo_interval_ms(stream: StreamConfig, model: ModelConfig) -> float:
+    """The stream's SLO interval: as configured, else its control timeline's."""
+    return stream.slo_interval_ms if stream.slo_interval_ms is not None else timeline_interval_ms(stream, model)

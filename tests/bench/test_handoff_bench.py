@@ -1,0 +1,32 @@
+"""``physis-bench handoff`` end to end on a small run: a real engine and worker serving the shipped trained
+policy to a simulated robot on its control timeline; the JSON the issue asks for, and the hand-off's
+promise as the robot sees it (with ``hard``, where a new chunk takes over it continues exactly what the
+previous one committed)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from physis_ros.cli import bench
+
+
+def test_small_handoff_run(tmp_path, capsys):
+    out = tmp_path / "handoff.json"
+    code = bench.main(["handoff", "--workers", "1", "--robots", "1", "--chunks", "8", "--delays", "0,2",
+                       "--modes", "none,hard,soft", "--json", str(out), "--plot", str(tmp_path / "handoff.png")])
+    assert code in (0, 1), capsys.readouterr()            # 1: a target missed (this machine is shared)
+    r = json.loads(out.read_text())
+    keys = {"mode", "delay_steps", "seam_jump_p50", "seam_jump_p99", "seam_velocity_jump_p99", "jerk_rms",
+            "late_points", "tracking_error"}
+    trained = [x for x in r["runs"] if x["model"] == "trained"]
+    assert {(x["mode"], x["delay_steps"]) for x in trained} == {(m, d) for m in ("none", "hard", "soft") for d in (0, 2)}
+    for x in r["runs"]:
+        assert keys <= set(x) and all(math.isfinite(x[k]) for k in keys - {"mode"}), x
+    for x in trained:
+        if x["mode"] != "none":
+            assert x["seam_jump_p50"] == 0.0, x           # the committed actions, bit for bit
+    # the shipped checkpoint has learned the expert; the random init has not
+    assert r["tracking_error_trained"] < 0.3 * r["tracking_error_random"]
+    assert r["targets"]["trained_vs_random_tracking"] < 0.3 and r["passed"] in (True, False)
+    assert (tmp_path / "handoff.png").read_bytes()[:4] == b"\x89PNG"

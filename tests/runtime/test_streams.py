@@ -1,0 +1,77 @@
+"""A stream's schedule in the engine: pacing on its release grid, staggering streams that share a
+worker, and its place on the control timeline (first step, shift, the delay the hand-off assumes)."""
+
+import asyncio
+import time
+
+import pytest
+
+from physis_ros.runtime.streams import InFlight, StreamState, Timeline, staggered_anchor
+
+
+def state(interval_s: float | None = None, timeline: Timeline | None = None) -> StreamState:
+    s = StreamState("r", None, None, lambda c: None, None, None, None, asyncio.Semaphore(1), timeline=timeline)
+    s.release_interval_s = interval_s
+    return s
+
+
+def test_staggered_anchor_puts_a_second_stream_half_an_interval_away():
+    assert staggered_anchor(100.0, 0.16, []) is None            # alone: release now
+    anchor = staggered_anchor(100.0, 0.16, [(100.0, 0.16)])
+    assert (anchor - 100.0) % 0.16 == pytest.approx(0.08)
+    # three on one worker: the third goes between the first two
+    third = staggered_anchor(100.0, 0.16, [(100.0, 0.16), (100.08, 0.16)])
+    assert min(abs((third - 100.0) % 0.08 - 0.04), 1.0) == pytest.approx(0.0, abs=0.006)
+    # a stream of another interval: the candidate farthest from all of its releases in the lookahead
+    other = staggered_anchor(100.0, 0.2, [(99.95, 0.1)])
+    assert min(abs(other + k * 0.2 - (99.95 + j * 0.1)) for k in range(4) for j in range(12)) >= 0.04
+
+
+def test_pacing_keeps_the_grid_and_a_late_release_keeps_its_phase():
+    s = state(0.1)
+    s.release_t0 = time.monotonic() - 1.0      # anchored a second ago: 10 slots behind
+    s.releases = 10
+    due = asyncio.run(s.pace())                 # on time (due now): no wait
+    assert s.released(due) == due and s.releases == 11
+    s.releases = 5                              # now 5 slots late: released now, the phase is kept ...
+    t0 = s.release_t0
+    now = time.monotonic()
+    assert s.released(s.release_t0 + 5 * 0.1) == pytest.approx(now, abs=0.02)
+    shift = s.release_t0 - t0
+    assert shift / 0.1 == pytest.approx(round(shift / 0.1), abs=1e-6)   # ... a whole number of intervals
+    nxt = s.release_t0 + s.releases * 0.1       # ... and the next release is 0.5 to 1.5 intervals away, not a burst
+    assert 0.05 - 0.02 <= nxt - now <= 0.15 + 0.02
+
+
+def test_unpaced_stream_never_waits():
+    assert asyncio.run(state(None).pace()) is None
+
+
+def test_place_on_timeline_counts_steps_and_assumes_a_conservative_delay():
+    tl = Timeline(rate_hz=50.0, horizon=16, execution=8, handoff="soft", extra_delay=1)
+    s = state(0.16, tl)
+
+    def release(at: float) -> InFlight:
+        f = InFlight(at, at, None, 1.0, 0.0)
+        spec = s.place_on_timeline(f, at)
+        assert spec is not None and (spec.mode, spec.d, spec.shift) == ("soft", f.delay_steps, f.shift)
+        return f
+
+    first = release(10.0)
+    assert (first.first_step, first.shift, first.delay_steps) == (0, 0, 1)   # no delay measured yet: the extra
+    s.delays += [0.030, 0.031, 0.029, 0.090]    # a spike among 30 ms delays: the 90th percentile keeps it
+    second = release(10.16)
+    assert (second.first_step, second.shift) == (8, 8)
+    assert second.delay_steps == 6                # ceil(~0.072 s * 50) = 4 rows due, + the switch row, + 1 extra
+    s.delays = [0.5] * 20                         # far beyond what the chunk can hand off: d <= min(s, H - s)
+    assert release(10.32).delay_steps == 8
+    s.delays = [0.01] * 20                        # the spike is forgotten once the window moves on
+    assert release(10.48).delay_steps == 3
+
+
+def test_no_handoff_spec_without_a_mode_but_still_on_the_timeline():
+    s = state(0.1, Timeline(50.0, 16, 8))
+    f = InFlight(5.0, 5.0, None, 1.0, 0.0)
+    assert s.place_on_timeline(f, 5.0) is None
+    f2 = InFlight(5.1, 5.1, None, 1.0, 0.0)
+    assert s.place_on_timeline(f2, 5.1) is None and (f2.first_step, f2.shift) == (5, 5)
