@@ -7,9 +7,10 @@ import yaml
 
 from physis_ros.config import ConfigError, repo_config_dir
 from physis_ros.model.presets import load_model_config
-from physis_ros.ros.config import (ServeConfig, check_stream_model, deep_merge, load_serve_config,
-                                   load_serve_mapping, serve_config, slo_interval_ms, unflatten,
-                                   unwrap_ros_parameters)
+from physis_ros.ros.config import (ServeConfig, deep_merge, load_serve_config, load_serve_mapping, serve_config,
+                                   unflatten, unwrap_ros_parameters)
+from physis_ros.ros.models import model_config_of
+from physis_ros.ros.stream_model import check_stream_model, slo_interval_ms
 
 JOINTS = [f"joint{i}" for i in range(1, 8)]
 
@@ -20,13 +21,18 @@ def base(**stream):
 
 def test_bundled_serve_yaml():
     cfg = load_serve_config(repo_config_dir() / "serve.yaml")
-    assert cfg.model == "tiny-wam" and cfg.engine.workers == 2 and cfg.engine.plan == "stage"
+    assert cfg.model == "tiny-wam-demo" and cfg.engine.workers == 2 and cfg.engine.plan == "stage"
     assert list(cfg.streams) == ["robot0", "robot1"]
     assert cfg.topic("robot0", "image") == "robot0/camera/image_raw"
     assert cfg.topic("robot1", "joint_trajectory") == "robot1/joint_trajectory"
     assert cfg.streams["robot0"].joint_names == JOINTS
     for name, s in cfg.streams.items():
-        check_stream_model(f"streams.{name}", s, load_model_config(s.model or cfg.model))
+        model, checkpoint = model_config_of(s.model or cfg.model)    # the shipped, trained checkpoint
+        assert checkpoint.endswith("config/checkpoints/tiny-wam-demo.safetensors")
+        check_stream_model(f"streams.{name}", s, model)
+        # no SLO set: the control timeline's interval, 8 of 16 steps at 50 Hz
+        assert s.slo_interval_ms is None and slo_interval_ms(s, model) == 160.0
+        assert s.cadence == "timeline" and s.trajectory_start == "timeline" and s.handoff == "soft"
 
 
 def test_plain_and_ros_parameter_formats_agree(tmp_path):
@@ -147,7 +153,7 @@ def test_node_takes_its_config_from_ros_parameters(tmp_path):
         try:
             cfg = node.config
             assert cfg.engine.workers == 1 and cfg.engine.plan == "sequential"
-            assert cfg.streams["robot1"].slo_interval_ms == 33.0 and cfg.streams["robot0"].slo_interval_ms == 100.0
+            assert cfg.streams["robot1"].slo_interval_ms == 33.0 and cfg.streams["robot0"].slo_interval_ms is None
             assert cfg.use_sim_time and node.get_parameter("use_sim_time").value is True
             assert cfg.streams["robot0"].joint_names == JOINTS
             topics = {name for name, _ in node.get_topic_names_and_types()}
