@@ -23,18 +23,12 @@ class Mirror:
     """The server's admission (:class:`~physis_ros.ros.hub.StreamHub`'s set-up), replayed here."""
 
     def __init__(self, cfg, profiles: dict):
-        import dataclasses
-
         from physis_ros.model.presets import load_model_config
-        from physis_ros.ros.admission import ServerAdmission
+        from physis_ros.ros.admission import server_admission
         from physis_ros.runtime.streams import ServedModel
-        from physis_ros.scheduling.settings import load_device, load_scheduling
 
-        device = cfg.admission.device or ("cpu" if cfg.engine.device_of(0) == "cpu" else "h200")
-        scheduling = dataclasses.replace(load_scheduling(), headroom=cfg.admission.headroom)
-        max_batch = cfg.engine.max_batch if cfg.engine.batching != "off" and not cfg.deterministic else 1
-        self.max_batch = max_batch
-        self.admission = ServerAdmission(cfg.engine.workers, load_device(device), scheduling, max_batch)
+        self.admission, _ = server_admission(cfg)
+        self.max_batch = self.admission.cluster.max_batch
         self.served = {name: ServedModel(load_model_config(name), None, p["profile"]) for name, p in profiles.items()}
 
     def model(self, ref: str):

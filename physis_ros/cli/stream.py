@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 
-from physis_ros.cli.common import (ArgumentParser, CliError, nonneg_float, positive_float, run_main,
+from physis_ros.cli.common import (ArgumentParser, CliError, nonneg_float, nonneg_int, positive_float, run_main,
                                    split_ros_args, write_json)
 
 PROG = "physis-stream"
@@ -45,6 +45,12 @@ def build_parser() -> ArgumentParser:
     add.add_argument("--model", default="", help="preset, model YAML or checkpoint (default: the server's)")
     add.add_argument("--slo-ms", type=nonneg_float, default=0.0, help="output interval SLO (0: the control timeline)")
     add.add_argument("--control-rate-hz", type=nonneg_float, default=0.0, help="action steps per second (0: default)")
+    add.add_argument("--execution-horizon", type=nonneg_int, default=0,
+                     help="control steps each chunk is executed for (0: half the model's horizon)")
+    add.add_argument("--handoff", choices=("", "none", "hard", "soft"), default="",
+                     help="how a chunk continues the previous one (default: soft)")
+    add.add_argument("--actions-type", choices=("", "action_chunk", "joint_trajectory"), default="",
+                     help="world models: the message type of --actions-topic (default action_chunk)")
     add.add_argument("--actions-topic", default="", help="world models: the actions to imagine")
     add.add_argument("--image-topic", default="", help="camera topic (relative to the namespace, or absolute)")
     add.add_argument("--joint-states-topic", default="")
@@ -149,7 +155,8 @@ def _add(node, args) -> int:
                        f"running? --server?)")
     goal = ServeStream.Goal(stream=args.name, topic_namespace=args.namespace, model=args.model, joint_names=joints,
                             slo_interval_ms=args.slo_ms, control_rate_hz=args.control_rate_hz,
-                            actions_topic=args.actions_topic, image_topic=args.image_topic,
+                            execution_horizon=args.execution_horizon, handoff=args.handoff,
+                            actions_type=args.actions_type, actions_topic=args.actions_topic, image_topic=args.image_topic,
                             joint_states_topic=args.joint_states_topic, action_chunk_topic=args.action_chunk_topic,
                             joint_trajectory_topic=args.joint_trajectory_topic)
     state = {"decided": None, "decided_at": None, "last_print": 0.0}

@@ -13,7 +13,9 @@ its time and memory for the next. Rejections name the reason (:data:`REASONS`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from physis_ros.runtime.plans import Plan
 from physis_ros.runtime.streams import ServedModel
@@ -21,7 +23,10 @@ from physis_ros.scheduling.admission import REASONS as PLACEMENT_REASONS
 from physis_ros.scheduling.admission import StreamRequest
 from physis_ros.scheduling.cluster import Cluster, PlacedStream
 from physis_ros.scheduling.placement import JointScheduler
-from physis_ros.scheduling.settings import DeviceSpec, SchedulingConfig
+from physis_ros.scheduling.settings import DeviceSpec, SchedulingConfig, load_device, load_scheduling
+
+if TYPE_CHECKING:
+    from physis_ros.ros.config import ServeConfig
 
 REASONS = {
     **PLACEMENT_REASONS,
@@ -33,6 +38,7 @@ REASONS = {
     "not-serving": "the server is not serving (not configured, or its engine failed)",
     "stream-limit": "the server holds engine.max_streams streams already",
     "internal-error": "the server failed while admitting the stream (a bug; its log has the details)",
+    "host-cpu": "the host's cores would be exhausted: CPU workers' load plus what the node spends per stream",
 }
 
 
@@ -63,13 +69,34 @@ def plan_of(placed: PlacedStream, steps: int, blocks: int) -> Plan:
     return Plan("joint", steps, blocks, assignment)
 
 
+@dataclass(frozen=True)
+class HostBudget:
+    """CPU workers share one host with the node: the workers' load (cores) plus ``reserve`` plus
+    ``per_stream`` per served stream (the node's callbacks, conversion and publishing) must stay within
+    ``cores x (1 - headroom)``."""
+
+    cores: int
+    reserve: float
+    per_stream: float
+    headroom: float
+
+    def used(self, worker_load: float, streams: int) -> float:
+        return worker_load + self.reserve + self.per_stream * streams
+
+    @property
+    def capacity(self) -> float:
+        return self.cores * (1.0 - self.headroom)
+
+
 class ServerAdmission:
     """The joint scheduler over this server's workers (one device each)."""
 
-    def __init__(self, workers: int, device: DeviceSpec, config: SchedulingConfig, max_batch: int = 1):
+    def __init__(self, workers: int, device: DeviceSpec, config: SchedulingConfig, max_batch: int = 1,
+                 host: HostBudget | None = None):
         self.cluster = Cluster([device] * workers, config.headroom, {}, max_batch=max_batch)
         self.scheduler = JointScheduler(self.cluster, config)
         self.admitted: dict[str, Admitted] = {}
+        self.host = host
 
     def admit(self, stream: str, model: ServedModel, slo_ms: float) -> Admitted:
         """Place ``stream`` (or raise :class:`Rejected` naming why); nothing running moves."""
@@ -83,6 +110,13 @@ class ServerAdmission:
         decision = self.scheduler.admit(StreamRequest(stream, model.id, slo_ms))
         if not decision.admitted:
             raise Rejected(decision.reason, decision.detail)
+        if self.host is not None:
+            used = self.host.used(float(self.cluster.util.sum()), len(self.admitted) + 1)
+            if used > self.host.capacity + 1e-9:
+                self.scheduler.remove(stream)   # nothing else moved: undo this placement only
+                raise Rejected("host-cpu", f"{used:.2f} of the host's {self.host.cores} cores would be in use "
+                                           f"(at most {self.host.capacity:.2f}: workers' load plus "
+                                           f"{self.host.reserve:g} + {self.host.per_stream:g} per stream)")
         cfg = model.config
         admitted = Admitted(stream, model, plan_of(decision.placed, cfg.steps, cfg.blocks), decision.placed)
         self.admitted[stream] = admitted
@@ -94,3 +128,30 @@ class ServerAdmission:
 
     def utilisation(self) -> list[float]:
         return [round(float(u), 4) for u in self.cluster.util]
+
+
+def worker_headroom(headroom: float, device: str, workers: int, reserve_cores: float, cores: int | None) -> float:
+    """The fraction of each worker's time admission keeps free. CPU workers share the host's cores with
+    the node (ROS callbacks, image conversion, publishing) and whatever else runs there: each may use
+    at most ``(cores - reserve_cores) / workers`` of a core, however fast one stage is alone."""
+    if device != "cpu":
+        return headroom
+    cores = cores or os.cpu_count() or 1
+    share = min(1.0, max(0.0, cores - reserve_cores) / max(1, workers))
+    return max(headroom, 1.0 - share)
+
+
+def server_admission(cfg: ServeConfig, cores: int | None = None) -> tuple[ServerAdmission, str]:
+    """The admission of a server with config ``cfg`` (and the device spec name it admits on): what the
+    server sets up, and what a benchmark replays to predict it."""
+    device = cfg.admission.device or ("cpu" if cfg.engine.device_of(0) == "cpu" else "h200")
+    headroom = worker_headroom(cfg.admission.headroom, device, cfg.engine.workers, cfg.admission.host_reserve_cores,
+                               cores)
+    scheduling = dataclasses.replace(load_scheduling(), headroom=headroom)
+    max_batch = cfg.engine.max_batch if cfg.engine.batching != "off" and not cfg.deterministic else 1
+    host = None
+    if device == "cpu":
+        host = HostBudget(cores or os.cpu_count() or 1, cfg.admission.host_reserve_cores,
+                          cfg.admission.host_cores_per_stream, cfg.admission.headroom)
+    return ServerAdmission(cfg.engine.workers, load_device(device), scheduling, max_batch, host), device
+

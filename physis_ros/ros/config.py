@@ -192,9 +192,16 @@ class AdmissionConfig:
     corun_slowdown: float = field(default=1.15, metadata=bounded(
         ge=1.0, le=10.0, doc="CPU workers sharing the host run this much slower than the one-process "
                              "measurement (physis-profile --corun measures it)"))
-    pace_margin: float = field(default=0.05, metadata=bounded(
+    pace_margin: float = field(default=0.1, metadata=bounded(
         ge=0.0, le=0.5, doc="streams are released (and admitted) every SLO x (1 - pace_margin): the margin absorbs "
-                            "release and transport jitter, so intervals stay within the SLO"))
+                            "release and compute jitter, so intervals stay within the SLO"))
+    host_reserve_cores: float = field(default=0.5, metadata=bounded(
+        ge=0.0, le=1024.0, doc="CPU workers: cores left to the node and the host's other work; each worker may use "
+                               "at most (cores - this) / workers of a core"))
+    host_cores_per_stream: float = field(default=0.08, metadata=bounded(
+        ge=0.0, le=64.0, doc="CPU workers: host cores each stream costs outside the workers (the node's callbacks, "
+                             "image conversion and publishing; about 0.07 per 30 Hz robot measured by "
+                             "physis-bench admission, its synthetic inputs included)"))
     strict: bool = field(default=False, metadata=described(
         "a config stream that is not admitted at start-up stops the server (exit 2) instead of being "
         "reported"))

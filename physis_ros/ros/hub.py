@@ -12,19 +12,17 @@ Leaving frees its capacity; the other streams never move.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from physis_ros.config import ConfigError
-from physis_ros.ros.admission import Admitted, Rejected, ServerAdmission
+from physis_ros.ros.admission import Admitted, Rejected, server_admission
 from physis_ros.ros.config import StreamConfig, stream_namespace
 from physis_ros.ros.stream_model import check_stream_model, slo_interval_ms
 from physis_ros.ros.models import ModelCatalog
 from physis_ros.ros.streams import RosStream
 from physis_ros.ros.tasks import Ticker
-from physis_ros.scheduling.settings import load_device, load_scheduling
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
@@ -36,10 +34,7 @@ class StreamHub:
     def __init__(self, node: PhysisServer):
         self.node = node
         cfg = node.config
-        device = cfg.admission.device or ("cpu" if cfg.engine.device_of(0) == "cpu" else "h200")
-        scheduling = dataclasses.replace(load_scheduling(), headroom=cfg.admission.headroom)
-        max_batch = cfg.engine.max_batch if cfg.engine.batching != "off" and not cfg.deterministic else 1
-        self.admission = ServerAdmission(cfg.engine.workers, load_device(device), scheduling, max_batch)
+        self.admission, device = server_admission(cfg)
         self.catalog = ModelCatalog(cfg.model, "cpu" if device == "cpu" else "cuda", cfg.admission,
                                     cfg.engine.checkpoint)
         self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-catalog")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import tempfile
 import time
 from collections import Counter
@@ -200,9 +201,18 @@ class Engine:
             if emit_delay_ms is not None:
                 s.emit_delay_s = emit_delay_ms / 1e3
             shared, now = set(plan.workers_used), time.monotonic()
-            s.release_t0 = staggered_anchor(now, s.release_interval_s, [
-                (o.release_t0, o.release_interval_s) for o in self.streams.values()
-                if o.release_t0 is not None and o.release_interval_s and shared & set(o.plan.workers_used)]) or now
+            others = [o for o in self.streams.values()
+                      if o.release_t0 is not None and o.release_interval_s and shared & set(o.plan.workers_used)]
+            # Batching workers run same-model stages together only if they arrive together (and admission
+            # credits that): join such a stream's phase. Everything else is spread apart, so it does not queue.
+            mates = [o for o in others if self.config.batching != "off" and o.model.id == model.id
+                     and math.isclose(o.release_interval_s, s.release_interval_s)]
+            if mates:
+                t0, interval = mates[0].release_t0, s.release_interval_s
+                s.release_t0 = t0 + math.ceil((now - t0) / interval) * interval
+            else:
+                s.release_t0 = staggered_anchor(now, s.release_interval_s,
+                                                [(o.release_t0, o.release_interval_s) for o in others]) or now
         await self.place(s)
         self.streams[name] = s
         s.feeder = asyncio.create_task(self._feed(s), name=f"feed-{name}")

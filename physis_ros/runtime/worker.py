@@ -47,6 +47,7 @@ from physis_ros.runtime.security import CurveKeys
 
 log = logging.getLogger("physis.worker")
 HEARTBEAT_S = 0.2
+POLL_BUSY_S = 0.0005  # with local stages ready, poll the sockets at most this often
 DATA_BURST = 32   # data messages accepted per loop turn: a flood cannot starve stages or heartbeats
 CTRL_BURST = 16
 
@@ -390,12 +391,20 @@ class Worker:
         poller.register(self.ctrl, zmq.POLLIN)
         poller.register(self.data_in, zmq.POLLIN)
         next_beat = time.monotonic() + HEARTBEAT_S
+        next_poll = 0.0
         try:
             while self.running:
-                timeout = 0 if self.ready else max(0.0, next_beat - time.monotonic()) * 1e3
-                if self.starting:
-                    timeout = min(timeout, 5.0)  # poll the loader
-                events = dict(poller.poll(timeout))
+                now = time.monotonic()
+                if self.ready and now < next_poll:
+                    # Busy with local stages: look at the sockets at most every POLL_BUSY_S, not between every
+                    # two stages (a poll costs as much as a small stage's overhead; a chunk runs many stages).
+                    events = {}
+                else:
+                    timeout = 0 if self.ready else max(0.0, next_beat - now) * 1e3
+                    if self.starting:
+                        timeout = min(timeout, 5.0)  # poll the loader
+                    events = dict(poller.poll(timeout))
+                    next_poll = time.monotonic() + POLL_BUSY_S
                 if self.ctrl in events:
                     self._drain(self.ctrl, CTRL_BURST, self._on_ctrl)
                 if self.data_in in events:

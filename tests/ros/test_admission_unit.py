@@ -409,6 +409,13 @@ def test_goal_fields_become_the_stream_config():
     with pytest.raises(Rejected) as exc:
         stream_config_of(ServeStream.Goal(stream="r", joint_names=JOINTS, control_rate_hz=-1.0))
     assert exc.value.reason == "invalid-request"
+    timed = stream_config_of(ServeStream.Goal(stream="r", joint_names=JOINTS, execution_horizon=4, handoff="hard",
+                                              actions_type="joint_trajectory"))
+    assert (timed.execution_horizon, timed.handoff, timed.actions_type) == (4, "hard", "joint_trajectory")
+    assert plain.handoff == "soft" and plain.execution_horizon == 0      # empty fields: the defaults
+    with pytest.raises(Rejected) as exc:
+        stream_config_of(ServeStream.Goal(stream="r", joint_names=JOINTS, handoff="smooth"))
+    assert exc.value.reason == "invalid-request" and "handoff" in exc.value.detail
 
 
 # ---- memory: what admission charges is what a worker allocates --------------------------------------------
@@ -626,3 +633,44 @@ def test_an_unexpected_error_in_admission_still_answers_with_a_reason(goal_serve
     r = task.result()
     assert (r.accepted, r.outcome, r.reason) == (False, "rejected", "internal-error: RuntimeError: boom")
     assert handle.state == "aborted"
+
+
+def test_cpu_workers_are_admitted_against_the_cores_the_host_leaves_them():
+    """Bug found by physis-bench admission: 2 CPU workers on a 2-core host were admitted as 2 whole devices
+    while the node and the robots' inputs took half a core or more, so every stream missed its SLO once
+    the workers' predicted load passed about 1.1 cores. A CPU worker may use at most (cores - reserve) /
+    workers of a core; GPU workers keep the configured headroom."""
+    from physis_ros.ros.admission import server_admission, worker_headroom
+    from physis_ros.ros.config import serve_config
+
+    assert worker_headroom(0.1, "cpu", 2, 0.5, cores=2) == pytest.approx(0.25)     # 0.75 core each
+    assert worker_headroom(0.1, "cpu", 1, 0.5, cores=2) == pytest.approx(0.1)      # a whole core is left
+    assert worker_headroom(0.1, "cpu", 4, 0.5, cores=16) == pytest.approx(0.1)
+    assert worker_headroom(0.1, "h200", 8, 0.5, cores=2) == pytest.approx(0.1)     # a GPU is its own device
+    assert worker_headroom(0.1, "cpu", 3, 0.5, cores=1) == pytest.approx(1.0 - 0.5 / 3)   # a sixth each
+    cfg = serve_config({"engine": {"workers": 2}, "admission": {"host_reserve_cores": 0.5}})
+    admission, device = server_admission(cfg, cores=2)
+    assert device == "cpu" and admission.cluster.headroom == pytest.approx(0.25)
+
+
+def test_the_host_budget_rejects_what_the_workers_alone_would_take():
+    """CPU workers: their load in cores plus what the node spends per stream must fit the host's cores.
+    Each stream here is 16 ms of work per 100 ms (0.16 core) plus 0.5 core of the node's: two fit 1.8
+    cores, a third does not (host-cpu), and that rejection leaves every placement as it was."""
+    from physis_ros.ros.admission import HostBudget
+
+    host = HostBudget(cores=2, reserve=0.0, per_stream=0.5, headroom=0.1)
+    adm = ServerAdmission(2, make_device(), make_config(0.0), host=host)
+    model = served(wam_profile())
+    adm.admit("a", model, 100.0)
+    adm.admit("b", model, 100.0)
+    before = adm.utilisation()
+    with pytest.raises(Rejected) as exc:
+        adm.admit("c", model, 100.0)
+    assert exc.value.reason == "host-cpu" and exc.value.reason in REASONS and "2 cores" in exc.value.detail
+    assert adm.utilisation() == before and set(adm.admitted) == {"a", "b"}
+    adm.remove("a")                                    # leaving frees the node's share too
+    assert adm.admit("c", model, 100.0).workers
+    alone = ServerAdmission(2, make_device(), make_config(0.0))     # no budget (GPU workers): all three fit
+    for name in "abc":
+        alone.admit(name, model, 100.0)

@@ -366,3 +366,39 @@ def test_handoff_freezes_the_first_d_actions_and_the_reference_agrees(plan, work
             np.testing.assert_array_equal(o.output[:d], prev.output[shift:shift + d])  # frozen: equal exactly
             assert not np.array_equal(o.output[d:d + 2], prev.output[shift + d:shift + d + 2])
         prev = o
+
+
+@pytest.mark.parametrize("batching", ["off", "adaptive"])
+def test_paced_streams_on_one_worker_are_spread_apart_unless_they_batch(batching):
+    """Streams sharing a worker queue behind each other if released together, so they are spread across
+    the release interval; but a batching worker runs same-model stages together only if they arrive
+    together (admission credits that), so then a same-model stream joins the other's phase. A stream of
+    another model cannot batch with them and is spread apart in both modes."""
+    wam, acwm = load_model_config("tiny-wam"), load_model_config("tiny-acwm")
+    interval = 0.2
+
+    async def main():
+        engine_cfg = EngineConfig(workers=1, plan="sequential", batching=batching)
+        engine, served = new_engine(wam, engine_cfg)
+        acwm_served = {"model": ServedModel(acwm, profile=resolve_plan(acwm, engine_cfg).profile),
+                       "plan": resolve_plan(acwm, engine_cfg).plan}
+        async with engine:
+            scenes = {"wam": SyntheticScene(wam.observation_shapes), "acwm": SyntheticScene(acwm.observation_shapes)}
+            for name, kind, s in (("a", "wam", served), ("b", "wam", served), ("w", "acwm", acwm_served)):
+                scene = scenes[kind]
+                await engine.add_stream(name, lambda c, n=name, sc=scene: Observation(sc.observation(n, c),
+                                                                                       engine.clock()),
+                                        chunks=2, release_interval_ms=interval * 1e3, **s)
+            return {n: engine.streams[n].release_t0 for n in ("a", "b", "w")}
+
+    t0 = uvloop.run(main())
+
+    def phase(x: float, y: float) -> float:   # distance of two anchors on the release grid, in intervals
+        d = ((x - y) / interval) % 1.0
+        return min(d, 1.0 - d)
+
+    if batching == "off":
+        assert phase(t0["a"], t0["b"]) > 0.3
+    else:
+        assert phase(t0["a"], t0["b"]) < 1e-6
+    assert phase(t0["w"], t0["a"]) > 0.2 and phase(t0["w"], t0["b"]) > 0.2
