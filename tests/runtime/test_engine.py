@@ -362,9 +362,13 @@ def test_handoff_freezes_the_first_d_actions_and_the_reference_agrees(plan, work
         assert np.array_equal(o.output, want), o.chunk
         if prev is not None:
             d, shift = r.delay_steps, r.shift
-            assert 4 <= shift <= 8 and r.first_step == prev.record.first_step + shift
-            np.testing.assert_array_equal(o.output[:d], prev.output[shift:shift + d])  # frozen: equal exactly
-            assert not np.array_equal(o.output[d:d + 2], prev.output[shift + d:shift + d + 2])
+            # 6 steps a release; a late release keeps the grid's phase (the next slot at least half an
+            # interval away), so on a busy machine the shift can be 3..6 or a multiple of 6 beyond.
+            assert shift >= 3 and r.first_step == prev.record.first_step + shift
+            n = min(d, 16 - shift)            # rows of the previous chunk that overlap this one's first d
+            np.testing.assert_array_equal(o.output[:n], prev.output[shift:shift + n])  # frozen: equal exactly
+            if shift + d + 2 <= 16:
+                assert not np.array_equal(o.output[d:d + 2], prev.output[shift + d:shift + d + 2])
         prev = o
 
 
