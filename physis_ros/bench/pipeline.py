@@ -1,31 +1,46 @@
-"""Stage pipeline vs the baselines (sequential, step, block) on local worker processes.
+"""Stage pipeline vs the baselines (sequential, step, block) on local worker processes or Ray actors.
 
 For each plan one real engine with real worker processes runs ``--chunks``
 chunks of one stream. Steady state excludes the fill phase. In the same run,
 two independent sequential rollouts side by side measure this machine's
 two-process parallel limit, the yardstick for the pipeline's speed-up.
+
+``--launcher local,ray`` runs every plan with both launchers, interleaved within
+each round (entries ``PLAN@local``, ``PLAN@ray``, and ``ray_vs_local``): Ray only
+places and watches the workers, so chunks/s and hop time should agree within
+noise. The JSON also has Ray's start-up times (joining or starting the cluster
+once; placement group and actors per engine) and each worker's resident memory.
+Ray always runs CurveZMQ on routable addresses; ``--local-curve`` gives the local
+workers the same (keys, this host's address), so that only Ray differs.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
+import uvloop
 
 from physis_ros.cli.common import write_json
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import build_model, load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.reference import reference_rollout
-from physis_ros.runtime.offline import run_chunks
+from physis_ros.runtime.engine import Engine, Observation, ServedModel
+from physis_ros.runtime.launchers import rss_mb
 from physis_ros.runtime.plans import PLAN_NAMES, make_plan
+from physis_ros.runtime.settings import LAUNCHERS, RayConfig
 from physis_ros.telemetry import percentile, summarize
 
 STREAM = "bench"
@@ -40,11 +55,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds over all plans, interleaved (a shared machine's speed drifts); medians reported")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--transport", choices=("tcp", "ipc"), default="tcp")
+    p.add_argument("--transport", choices=("tcp", "ipc"), default="tcp", help="(ray: tcp only)")
+    p.add_argument("--launcher", type=launchers, default=["local"],
+                   help="local, ray, or both (local,ray): every plan with each, interleaved per round")
+    p.add_argument("--ray-address", default="", help="Ray cluster to join (auto, HOST:PORT, ray://HOST:PORT); "
+                                                     "empty: start a local one once for the whole run")
+    p.add_argument("--ray-strategy", default="PACK", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+    p.add_argument("--local-curve", action="store_true",
+                   help="local workers with CurveZMQ on this host's routable address, as Ray's: only Ray differs")
     p.add_argument("--verify", action="store_true", help="compare every chunk with the sequential reference")
     p.add_argument("--no-parallel-limit", action="store_true", help="skip the two-rollouts yardstick")
     p.add_argument("--json", help="write results here")
     p.add_argument("--plot", help="write a PNG: interval over time per plan, latency CDFs")
+
+
+def launchers(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in LAUNCHERS or n == "external"]
+    if not names or bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"give local, ray or local,ray, got {text!r}")
+    return names
+
+
+def routable_ip() -> str:
+    """This host's address on its default route (what Ray picks too); loopback if it has none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("8.8.8.8", 80))  # UDP: nothing is sent, the kernel only picks the interface
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
 
 
 def parallel_limit(model: str, chunks: int, device: str) -> dict:
@@ -84,33 +124,69 @@ def run(args: argparse.Namespace) -> int:
     if args.verify:
         model = build_model(config, device=args.device)
         reference = [r.output for r in reference_rollout(model, scene.observation, [STREAM], args.chunks)]
+    if "ray" in args.launcher and args.transport != "tcp":
+        print("error: --launcher ray needs --transport tcp (workers on other hosts)", file=sys.stderr)
+        return 2
     result = {"model": config.name, "workers": args.workers, "chunks": args.chunks, "device": args.device,
-              "transport": args.transport, "plans": {}}
+              "transport": args.transport, "launchers": args.launcher, "plans": {}}
+    args.curve = None
+    if args.local_curve:  # keys in a private temporary directory, removed at the end
+        from physis_ros.runtime.security import generate_keys
+
+        args.curve = (str(generate_keys(tempfile.mkdtemp(prefix="physis-bench-keys-"))), routable_ip())
+        result["local_curve"] = {"bind_host": args.curve[1]}
+    # One launcher: entries keep their plan names; several: PLAN@LAUNCHER.
+    keys = [(name, launcher, name if len(args.launcher) == 1 else f"{name}@{launcher}")
+            for name in plans for launcher in args.launcher]
     series = {}
-    runs: dict[str, list[dict]] = {name: [] for name in plans}
+    runs: dict[str, list[dict]] = {key: [] for _, _, key in keys}
     limits = []
-    for round_ in range(args.repeats):
-        if not args.no_parallel_limit:
-            limits.append(parallel_limit(config.name, min(args.chunks, 100), args.device))
-        for name in plans:
-            entry, records = run_plan(name, config, args, scene, reference)
-            runs[name].append(entry)
-            series.setdefault(name, records)
-            print(f"[{name} {round_ + 1}/{args.repeats}] interval p50 {entry['interval_ms_p50']:.2f} ms, "
-                  f"p99 {entry['interval_ms_p99']:.2f} ms, {entry['chunks_per_s']:.1f} chunks/s, "
-                  f"efficiency {entry['efficiency']:.2f}, latency p50 {entry['latency_ms_p50']:.1f} ms, "
-                  f"max diff {entry['max_abs_diff_vs_reference']}", file=sys.stderr, flush=True)
+    ray_owned = False
+    if "ray" in args.launcher:  # join or start the cluster once; every engine then only adds its bundles
+        from physis_ros.runtime.launchers import connect
+
+        t0 = time.perf_counter()
+        # A local cluster gets a small object store: no tensor ever goes through it.
+        ray_owned = connect(RayConfig(address=args.ray_address, object_store_mb=100), args.workers)
+        import ray
+        result["ray"] = {"version": ray.__version__, "address": args.ray_address or "local (started here)",
+                         "strategy": args.ray_strategy, "cluster_start_s": time.perf_counter() - t0}
+    try:
+        rounds(args, config, scene, reference, keys, runs, series, limits)
+    finally:
+        if ray_owned:
+            import ray
+            ray.shutdown()
+        if args.curve is not None:
+            shutil.rmtree(args.curve[0], ignore_errors=True)
     # Ratios are taken within a round (same minutes, same machine speed), then the median over rounds.
-    if "sequential" in plans:
+    for name, launcher, key in keys:
+        seq_key = "sequential" if len(args.launcher) == 1 else f"sequential@{launcher}"
+        if seq_key not in runs:
+            continue
         for r in range(args.repeats):
-            seq = runs["sequential"][r]["chunks_per_s"]
-            for name in plans:
-                e = runs[name][r]
-                e["speedup_vs_sequential"] = e["chunks_per_s"] / seq
-                if limits:
-                    e["fraction_of_parallel_limit"] = e["speedup_vs_sequential"] / limits[r]["speedup"]
-    for name in plans:
-        result["plans"][name] = median_entry(runs[name])
+            e = runs[key][r]
+            e["speedup_vs_sequential"] = e["chunks_per_s"] / runs[seq_key][r]["chunks_per_s"]
+            if limits:
+                e["fraction_of_parallel_limit"] = e["speedup_vs_sequential"] / limits[r]["speedup"]
+    for _, _, key in keys:
+        result["plans"][key] = median_entry(runs[key])
+    if set(args.launcher) == {"local", "ray"}:
+        result["ray_vs_local"] = {name: {
+            "chunks_per_s_ratio": float(np.median([ray_e["chunks_per_s"] / loc["chunks_per_s"] for loc, ray_e in
+                                                   zip(runs[f"{name}@local"], runs[f"{name}@ray"])])),
+            "hop_ms_p50_delta": float(np.median([ray_e["hop_ms_p50"] - loc["hop_ms_p50"] for loc, ray_e in
+                                                 zip(runs[f"{name}@local"], runs[f"{name}@ray"])])),
+            "engine_start_s_local": result["plans"][f"{name}@local"]["engine_start_s"],
+            "engine_start_s_ray": result["plans"][f"{name}@ray"]["engine_start_s"]} for name in plans}
+    result["worker_rss_mb_p50"] = {}  # per launcher: a worker process, or a Ray actor (its process)
+    for launcher in args.launcher:
+        entries = [e for (_, la, key) in keys if la == launcher for e in runs[key]]
+        rss = [mb for e in entries for mb in e["worker_rss_mb"].values() if mb is not None]
+        result["worker_rss_mb_p50"][launcher] = float(np.median(rss)) if rss else None
+        if launcher == "ray":
+            result["ray"]["engine_start_s_p50"] = float(np.median([e["engine_start_s"] for e in entries]))
+            result["ray"]["actor_rss_mb_p50"] = result["worker_rss_mb_p50"]["ray"]
     if limits:
         limit = {k: float(np.median([x[k] for x in limits])) for k in limits[0]}
         result["parallel_limit"] = {**limit, "runs": limits}
@@ -124,10 +200,52 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_plan(name: str, config, args: argparse.Namespace, scene: SyntheticScene, reference) -> tuple[dict, list]:
+def rounds(args, config, scene, reference, keys, runs, series, limits) -> None:
+    for round_ in range(args.repeats):
+        if not args.no_parallel_limit:
+            limits.append(parallel_limit(config.name, min(args.chunks, 100), args.device))
+        for name, launcher, key in keys:
+            entry, records = run_plan(name, config, args, scene, reference, launcher)
+            runs[key].append(entry)
+            series.setdefault(key, records)
+            print(f"[{key} {round_ + 1}/{args.repeats}] interval p50 {entry['interval_ms_p50']:.2f} ms, "
+                  f"p99 {entry['interval_ms_p99']:.2f} ms, {entry['chunks_per_s']:.1f} chunks/s, "
+                  f"efficiency {entry['efficiency']:.2f}, latency p50 {entry['latency_ms_p50']:.1f} ms, "
+                  f"max diff {entry['max_abs_diff_vs_reference']}, engine start {entry['engine_start_s']:.2f} s",
+                  file=sys.stderr, flush=True)
+
+
+async def serve(config, engine_cfg: EngineConfig, plan, chunks: int, scene: SyntheticScene) -> tuple[list, dict]:
+    """One engine, one stream of ``chunks`` chunks (what offline.run_chunks does), timing the engine's start
+    (workers up and loaded: processes, or placement group + actors) and each worker's memory at the end."""
+    engine = Engine(engine_cfg)
+    t0 = time.perf_counter()
+    await engine.start()
+    info: dict = {"engine_start_s": time.perf_counter() - t0}
+    if engine.launcher is not None:  # of which: reserving the bundles (the rest: actors up, hello, load)
+        info["placement_group_s"] = engine.launcher.timings.get("placement_group_s")
+    try:
+        await engine.add_stream(STREAM, lambda c: Observation(scene.observation(STREAM, c), engine.clock()),
+                                model=ServedModel(config, engine_cfg.checkpoint), plan=plan, chunks=chunks,
+                                keep_outputs=True)
+        outputs = await engine.wait_stream(STREAM)
+        if engine.launcher is not None:
+            info["worker_rss_mb"] = await asyncio.to_thread(engine.launcher.memory_mb)
+        else:
+            info["worker_rss_mb"] = {w.name: rss_mb(w.pid) for w in engine.pool.workers.values()}
+    finally:
+        await engine.stop()
+    return outputs, info
+
+
+def run_plan(name: str, config, args: argparse.Namespace, scene: SyntheticScene, reference,
+             launcher: str = "local") -> tuple[dict, list]:
     plan = make_plan(name, config.steps, config.blocks, args.workers)
-    engine_cfg = EngineConfig(workers=args.workers, plan=name, devices=[args.device], transport=args.transport)
-    outputs = run_chunks(config, engine_cfg, [STREAM], args.chunks, scene.observation, plan)[STREAM]
+    curve = {"curve_keys": args.curve[0], "bind_host": args.curve[1]} if launcher == "local" and args.curve else {}
+    engine_cfg = EngineConfig(workers=args.workers, plan=name, devices=[args.device], transport=args.transport,
+                              launcher=launcher, ray=RayConfig(address=args.ray_address, strategy=args.ray_strategy),
+                              **curve)
+    outputs, info = uvloop.run(serve(config, engine_cfg, plan, args.chunks, scene))
     records = [o.record for o in outputs]
     skip = args.skip or min(10 + 2 * len(plan.segments()), args.chunks // 2)
     stats = summarize(records, skip)
@@ -148,6 +266,8 @@ def run_plan(name: str, config, args: argparse.Namespace, scene: SyntheticScene,
         "queue_ms_p50": percentile([r.queue_ms for r in steady], 50),
         "transport_ms_p50": percentile([r.transport_ms for r in steady], 50),
         "max_abs_diff_vs_reference": None,
+        "launcher": launcher,
+        **info,
     }
     if reference is not None:
         entry["max_abs_diff_vs_reference"] = max(float(np.abs(o.output - reference[o.chunk].numpy()).max())

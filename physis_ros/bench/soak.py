@@ -22,6 +22,7 @@ from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.runtime.engine import ChunkOutput, Engine, Observation, ServedModel
+from physis_ros.runtime.launchers import rss_mb
 from physis_ros.runtime.planner import resolve_plan
 from physis_ros.telemetry import percentile
 
@@ -38,15 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="write a PNG of RSS and p99 interval over time")
 
 
-def rss_mb(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
+def _rss(pid: int) -> float:
+    return rss_mb(pid) or float("nan")
 
 
 class Tally:
@@ -88,8 +82,8 @@ async def soak(args: argparse.Namespace) -> dict:
                 t.intervals.clear()
             sample = {
                 "t_s": round(time.monotonic() - start, 2),
-                "rss_mb": {"engine": rss_mb(os.getpid()),
-                           **{w.name: rss_mb(w.proc.pid) for w in engine.pool.workers.values() if w.proc}},
+                "rss_mb": {"engine": _rss(os.getpid()),
+                           **{w.name: _rss(w.proc.pid) for w in engine.pool.workers.values() if w.proc}},
                 "chunks": {n: t.next for n, t in tallies.items()},
                 "interval_ms_p99": percentile(window, 99),
                 "interval_ms_p50": percentile(window, 50),

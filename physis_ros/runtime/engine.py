@@ -35,6 +35,7 @@ from physis_ros.logs import Throttle
 from physis_ros.model.stages import observation_payload
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
+from physis_ros.runtime.launchers import RayLauncher
 from physis_ros.runtime.plans import Plan
 from physis_ros.runtime.recovery import Recovery
 from physis_ros.runtime.security import CurveKeys
@@ -72,6 +73,7 @@ class Engine:
         self._ipc_dir: tempfile.TemporaryDirectory | None = None
         self._auth = None
         self._started = False
+        self.launcher: RayLauncher | None = None  # launcher ray: the placement group and actors
 
     def in_flight_limit(self, plan: Plan) -> int:
         """Chunks a stream placed by ``plan`` may have in flight (config override, else from the plan)."""
@@ -84,7 +86,13 @@ class Engine:
     # ---- life cycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
-        self.keys = CurveKeys.load(cfg.curve_keys) if cfg.curve_keys else None
+        bind_host = cfg.bind_host
+        if cfg.launcher == "ray":  # cluster, bundles and the keys it hands the actors (seconds: off the loop)
+            self.launcher = RayLauncher(cfg)
+            await asyncio.to_thread(self.launcher.open)
+            self.keys, bind_host = self.launcher.engine_keys, self.launcher.bind_host
+        else:
+            self.keys = CurveKeys.load(cfg.curve_keys) if cfg.curve_keys else None
         self._auth = self.keys.authenticator(self.ctx) if self.keys else None
         self.out = self.ctx.socket(zmq.PULL)
         if self.keys:
@@ -98,9 +106,10 @@ class Engine:
             self.out_addr = f"ipc://{self._ipc_dir.name}/out"
             self.out.bind(self.out_addr)
         else:
-            ctrl_base = f"tcp://{cfg.bind_host}"
-            self.out_addr = f"tcp://{cfg.bind_host}:{self.out.bind_to_random_port(ctrl_base)}"
-        self.pool = WorkerPool(self.ctx, cfg, ctrl_base, self._ipc_dir.name if self._ipc_dir else None, self.keys)
+            ctrl_base = f"tcp://{bind_host}"
+            self.out_addr = f"tcp://{bind_host}:{self.out.bind_to_random_port(ctrl_base)}"
+        self.pool = WorkerPool(self.ctx, cfg, ctrl_base, self._ipc_dir.name if self._ipc_dir else None, self.keys,
+                               self.launcher)
         self.pool.on_started = self._load
         self.recovery.attach(self.pool)
         self._tasks.append(asyncio.create_task(self.pool.control_loop(), name="engine-control"))
@@ -143,6 +152,8 @@ class Engine:
         self._tasks.clear()
         if self.pool is not None:
             await self.pool.stop()
+        if self.launcher is not None:
+            await asyncio.to_thread(self.launcher.close)
         for sock in [getattr(self, "out", None), *self._push.values()]:
             if sock is not None:
                 sock.close(linger=0)

@@ -154,8 +154,8 @@ def resolve_plan(model: ModelConfig, config: EngineConfig, profile: CostProfile 
     if profile is None:
         log.info("plan 'auto' without a profile: measuring %s on %s", model.name, config.device_of(0))
         profile = measure_profile(model, config.device_of(0))
-    # Workers spawned here share this host's cores with the engine; external ones have their own.
-    host_cpus = (os.cpu_count() or 1) if config.spawn_workers else None
+    # Workers spawned here share this host's cores with the engine; external ones and Ray actors have their own.
+    host_cpus = (os.cpu_count() or 1) if config.launcher == "local" else None
     prediction = choose_plan(model.steps, model.blocks, config.workers, profile, config.batching, config.max_batch,
                              host_cpus)
     log.info("plan auto (%s batching): %s; predicted interval %.2f ms", config.batching, prediction.plan.describe(),

@@ -9,13 +9,18 @@ before any message reaches the application.
 
 Loopback needs no keys; binding any other interface without them is refused
 at configuration time (``EngineConfig.validate``, ``physis-worker``).
+
+With ``engine.launcher: ray`` there is no key directory: :func:`ephemeral_keys`
+makes a fresh set in memory at every engine start (one server pair for the
+bound sockets, one client pair per worker slot) and the authenticators admit
+exactly the granted client keys.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -51,10 +56,10 @@ def generate_keys(directory: str | Path, client_name: str = "client") -> Path:
 @dataclass(frozen=True)
 class CurveKeys:
     server_public: bytes
-    server_secret: bytes
+    server_secret: bytes = field(repr=False)
     client_public: bytes
-    client_secret: bytes
-    authorized: Path
+    client_secret: bytes = field(repr=False)
+    authorized: Path | frozenset[bytes]   # a directory of public key files, or the z85 public keys themselves
 
     @classmethod
     def load(cls, directory: str | Path, client_name: str = "client") -> CurveKeys:
@@ -83,5 +88,36 @@ class CurveKeys:
         """Start the ZAP handler on ``ctx`` (call before binding); stop() it when done."""
         auth = AsyncioAuthenticator(ctx) if isinstance(ctx, zmq.asyncio.Context) else ThreadAuthenticator(ctx)
         auth.start()
-        auth.configure_curve(domain="*", location=str(self.authorized))
+        if isinstance(self.authorized, Path):
+            auth.configure_curve(domain="*", location=str(self.authorized))
+        else:
+            auth.configure_curve_callback(domain="*", credentials_provider=_Granted(self.authorized))
         return auth
+
+
+class _Granted:
+    """ZAP credentials provider: admits exactly the (z85) public keys the engine granted, nothing else."""
+
+    def __init__(self, keys: frozenset[bytes]):
+        self.keys = keys
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        return client_key in self.keys
+
+
+def ephemeral_keys(workers: int) -> tuple[CurveKeys, list[CurveKeys]]:
+    """Fresh keys for one engine run whose workers it hands their keys itself (``launcher: ray``).
+
+    One server pair serves every bound socket (the engine's control and output sockets, each worker's
+    data socket), so any connecting side knows the one server key it must expect. Each worker slot gets
+    its own client pair, the engine one more. The engine admits only the workers' keys; a worker admits
+    the engine's and its peers' (hidden states travel worker to worker). A re-created worker gets its
+    slot's keys again, so the peers' authenticators never need to learn a new key mid-run.
+    """
+    server_public, server_secret = zmq.curve_keypair()
+    engine_public, engine_secret = zmq.curve_keypair()
+    pairs = [zmq.curve_keypair() for _ in range(workers)]
+    worker_keys = frozenset(public for public, _ in pairs)
+    engine = CurveKeys(server_public, server_secret, engine_public, engine_secret, worker_keys)
+    peers = worker_keys | {engine_public}
+    return engine, [CurveKeys(server_public, server_secret, public, secret, peers) for public, secret in pairs]

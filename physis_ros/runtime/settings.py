@@ -22,6 +22,32 @@ class FaultConfig:
     worker: str = F(default="", metadata=bounded(doc="the worker that drops (e.g. w1); empty: every worker"))
 
 
+LAUNCHERS = ("local", "ray", "external")
+PG_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """Workers as Ray actors (``launcher: ray``): Ray places and watches them; data stays on ZeroMQ."""
+
+    address: str = F(default="", metadata=bounded(
+        doc="Ray cluster to join: auto (the one 'ray start' runs on this host), HOST:6379 or ray://HOST:10001 "
+            "(Ray Client); empty: start a local one for this engine"))
+    strategy: str = F(default="PACK", metadata=bounded(
+        choices=PG_STRATEGIES, doc="placement group strategy: PACK workers onto few nodes or SPREAD them over "
+                                   "many (STRICT_: fail rather than bend)"))
+    cpus_per_worker: float = F(default=1.0, metadata=bounded(
+        gt=0, doc="CPUs each worker's bundle reserves (beside its GPU, if it has one)"))
+    namespace: str = F(default="physis", metadata=bounded(doc="Ray namespace of the engine's job"))
+    num_cpus: int = F(default=0, metadata=bounded(
+        ge=0, doc="CPUs of a local cluster started here (0: enough for every bundle, at least this host's cores)"))
+    object_store_mb: int = F(default=0, metadata=bounded(
+        ge=0, doc="object store of a local cluster started here, MiB (0: Ray's default; no tensor goes "
+                  "through it, at least 75)"))
+    placement_timeout_s: float = F(default=60.0, metadata=bounded(
+        gt=0, doc="give up if the cluster cannot reserve every worker's bundle by then"))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model: workers, placement plan, transport, limits, recovery."""
@@ -71,22 +97,45 @@ class EngineConfig:
         doc="restart a lost worker and re-admit its streams with fresh KV"))
     restart_budget_s: float = F(default=30.0, metadata=bounded(
         gt=0, doc="time to bring a lost worker back (retries with backoff) before the engine gives up"))
-    spawn_workers: bool = F(default=True, metadata=bounded(
-        doc="start local workers; false: wait for physis-worker --connect on other hosts"))
+    launcher: str | None = F(default=None, metadata=bounded(
+        choices=LAUNCHERS, doc="how workers start: local (processes spawned here, the default), ray (actors in "
+                               "a Ray placement group, see ray.*), external (physis-worker --connect, by hand)"))
+    spawn_workers: bool | None = F(default=None, metadata=bounded(
+        doc="older spelling of launcher: true = local (or ray), false = external; must agree with launcher"))
+    ray: RayConfig = F(default_factory=RayConfig, metadata=bounded(doc="Ray cluster (launcher: ray)"))
     ctrl_port: int = F(default=0, metadata=bounded(ge=0, le=65535, doc="engine control port (0: any free port)"))
     curve_keys: str | None = F(default=None, metadata=bounded(
         doc="physis-keys directory: CurveZMQ on every socket; required to bind anything but loopback"))
     max_message_mb: int = F(default=256, metadata=bounded(ge=1, le=4096, doc="largest message accepted (MiB)"))
     faults: FaultConfig = F(default_factory=FaultConfig, metadata=bounded(doc="fault injection for tests"))
 
+    def __post_init__(self) -> None:
+        # launcher replaced spawn_workers; both are resolved here, so every reader sees concrete values and a
+        # round trip through to_mapping (ROS parameters) stays consistent.
+        launcher, spawn = self.launcher, self.spawn_workers
+        if launcher is None:
+            launcher = "external" if spawn is False else "local"
+        elif launcher not in LAUNCHERS:
+            raise ConfigError("launcher", f"{launcher!r} is not allowed; allowed values: "
+                                          f"{', '.join(map(repr, LAUNCHERS))}")
+        elif spawn is not None and spawn != (launcher != "external"):
+            raise ConfigError("spawn_workers", f"spawn_workers: {str(spawn).lower()} contradicts launcher: "
+                                               f"{launcher}; drop spawn_workers (launcher replaces it: false is "
+                                               f"launcher: external)")
+        object.__setattr__(self, "launcher", launcher)
+        object.__setattr__(self, "spawn_workers", launcher != "external")
+
     def validate(self) -> None:
+        if self.launcher == "ray":
+            self._validate_ray()
         if len(self.devices) not in (1, self.workers):
             raise ConfigError("devices", f"give one device for all workers or one per worker "
                                          f"({self.workers}), got {len(self.devices)}")
         for d in self.devices:
             if not (d == "cpu" or d.startswith("cuda")):
                 raise ConfigError("devices", f"{d!r} is not a device; use 'cpu' or 'cuda:N'")
-        if self.transport == "tcp" and not is_loopback(self.bind_host) and not self.curve_keys:
+        if self.transport == "tcp" and not is_loopback(self.bind_host) and not self.curve_keys \
+                and self.launcher != "ray":  # ray: fresh keys per worker, always (security.ephemeral_keys)
             raise ConfigError("curve_keys", f"binding {self.bind_host} (not loopback) requires CurveZMQ keys: "
                                             "generate them with 'physis-keys DIR' and set curve_keys: DIR")
         if self.max_in_flight * self.max_streams > self.max_ready:
@@ -98,6 +147,24 @@ class EngineConfig:
                                        and self.faults.worker[1:].isdigit()
                                        and int(self.faults.worker[1:]) < self.workers):
             raise ConfigError("faults.worker", f"{self.faults.worker!r} is not one of w0..w{self.workers - 1}")
+
+    def _validate_ray(self) -> None:
+        if self.transport != "tcp":
+            raise ConfigError("transport", "launcher ray puts workers on other hosts: ipc is local only; use tcp")
+        if self.curve_keys:
+            raise ConfigError("curve_keys", "launcher ray makes a fresh CurveZMQ key pair per worker at every "
+                                            "start and hands it to the actor; remove curve_keys")
+        for d in self.devices:
+            if d.startswith("cuda") and d not in ("cuda", "cuda:0"):
+                raise ConfigError("devices", f"{d!r}: with launcher ray each GPU worker gets the one GPU of its "
+                                             "bundle, which Ray makes its cuda:0 (CUDA_VISIBLE_DEVICES); write cuda")
+        if 0 < self.ray.object_store_mb < 75:
+            raise ConfigError("ray.object_store_mb", f"{self.ray.object_store_mb} MiB is below Ray's least object "
+                                                     "store (75 MiB); give 75 or more, or 0 for Ray's default")
+        if self.ray.address and not self.ray.address.startswith("ray://") and self.ray.address != "auto" \
+                and ":" not in self.ray.address:
+            raise ConfigError("ray.address", f"{self.ray.address!r} is not a Ray address: give auto, HOST:PORT "
+                                             "or ray://HOST:PORT, or leave it empty to start a local cluster")
 
     def device_of(self, worker: int) -> str:
         return self.devices[0] if len(self.devices) == 1 else self.devices[worker]

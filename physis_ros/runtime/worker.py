@@ -111,14 +111,16 @@ class _ForwardToEngine(logging.Handler):
 class Worker:
     def __init__(self, engine_ctrl: str, worker_id: str, *, device: str = "cpu", bind_host: str = "127.0.0.1",
                  transport: str = "tcp", ipc_dir: str | None = None,
-                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, curve_keys: str | None = None,
+                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, curve_keys: str | CurveKeys | None = None,
                  forward_logs: bool = True):
         self.id = worker_id
         self.device = device
         self.io = DeviceIO(device)
         self.max_message_bytes = max_message_bytes
         self.ctx = zmq.Context()
-        self.keys = CurveKeys.load(curve_keys) if curve_keys else None
+        # A key directory (physis-worker --curve-keys), or the keys themselves (a Ray actor: security.ephemeral_keys)
+        self.keys = curve_keys if isinstance(curve_keys, CurveKeys) else CurveKeys.load(curve_keys) if curve_keys \
+            else None
         self.auth = self.keys.authenticator(self.ctx) if self.keys else None
         self.ctrl = self.ctx.socket(zmq.DEALER)
         if self.keys:

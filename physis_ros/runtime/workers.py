@@ -1,8 +1,10 @@
 """The engine's worker pool: processes, the control plane, heartbeats, failure detection and restart.
 
-Workers are local processes started here (or, with ``spawn_workers: false``,
-started by hand elsewhere), each connecting back to the engine's ROUTER control
-socket (DEALER with its name as identity). A worker is *lost* when its process
+Workers are local processes started here (``launcher: local``), Ray actors in a
+placement group (``launcher: ray``, :mod:`~physis_ros.runtime.launchers`: to this
+pool an actor looks like a process) or started by hand elsewhere (``launcher:
+external``), each connecting back to the engine's ROUTER control socket (DEALER
+with its name as identity). A worker is *lost* when its process
 exits or when no heartbeat arrives within ``heartbeat_timeout_s`` (a hung or
 stopped process is then killed, so it can never come back half-alive). The pool
 reports the loss, then brings the worker back by itself: new process, hello,
@@ -54,7 +56,7 @@ class EngineError(RuntimeError):
 class WorkerProc:
     name: str
     index: int
-    proc: subprocess.Popen | None
+    proc: subprocess.Popen | None   # or launchers.RayWorker: the same poll/wait/kill/pid/returncode
     data_addr: str = ""
     pid: int = 0
     host: str = ""
@@ -70,9 +72,10 @@ class WorkerProc:
 
 class WorkerPool:
     def __init__(self, ctx: zmq.asyncio.Context, config: EngineConfig, ctrl_addr_base: str, ipc_dir: str | None,
-                 keys: CurveKeys | None = None):
+                 keys: CurveKeys | None = None, launcher=None):
         self.ctx = ctx
         self.config = config
+        self.launcher = launcher             # launchers.RayLauncher, or None: local processes
         self.ipc_dir = ipc_dir
         self.keys = keys
         self.max_bytes = config.max_message_mb * 1024 * 1024
@@ -108,6 +111,13 @@ class WorkerPool:
         """Start worker ``w<index>`` (again, if it existed); wait for it with :meth:`wait_hello`."""
         cfg = self.config
         name = f"w{index}"
+        old = self.workers.get(name)
+        if self.launcher is not None:  # a Ray actor in bundle `index`
+            w = WorkerProc(name, index, self.launcher.start(index, self.ctrl_addr), last_seen=time.monotonic(),
+                           restarts=0 if old is None else old.restarts + 1,
+                           hello=asyncio.get_running_loop().create_future())
+            self.workers[name] = w
+            return w
         cmd = [sys.executable, "-m", "physis_ros.cli.worker", "--connect", self.ctrl_addr, "--id", name,
                "--device", cfg.device_of(index), "--bind-host", cfg.bind_host, "--transport", cfg.transport,
                "--threads", str(cfg.threads_per_worker), "--parent-pid", str(os.getpid()), "--no-log-stderr"]
@@ -117,7 +127,6 @@ class WorkerPool:
             cmd += ["--curve-keys", cfg.curve_keys]
         cmd += ["--max-message-mb", str(cfg.max_message_mb)]
         env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads_per_worker)}
-        old = self.workers.get(name)
         w = WorkerProc(name, index, subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL),
                        last_seen=time.monotonic(), restarts=0 if old is None else old.restarts + 1,
                        hello=asyncio.get_running_loop().create_future())
@@ -246,7 +255,8 @@ class WorkerPool:
             self.throttle.log(log, logging.WARNING, "bad_control", f"malformed control message from {name}: {exc}")
             return
         if w.hello is not None and not w.hello.done():
-            if not isinstance(msg, p.Hello) or (w.proc is not None and msg.pid != w.proc.pid):
+            expected = None if w.proc is None else w.proc.pid  # None: a Ray actor whose pid is not known yet
+            if not isinstance(msg, p.Hello) or (expected is not None and msg.pid != expected):
                 return  # an earlier process of this name, still talking
             w.data_addr, w.pid, w.host, w.device = msg.data, msg.pid, msg.host, msg.device
             w.last_seen = time.monotonic()
@@ -277,8 +287,10 @@ class WorkerPool:
             for w in list(self.workers.values()):
                 if not w.alive:
                     continue
-                if w.proc is not None and w.proc.poll() is not None:
-                    reason = f"worker {w.name} (pid {w.proc.pid}) exited with code {w.proc.returncode}"
+                if w.proc is not None and w.proc.poll() is not None:  # a Ray actor: Ray says it died
+                    why = getattr(w.proc, "exit_reason", "")
+                    reason = f"worker {w.name} (pid {w.proc.pid or w.pid}) exited with code {w.proc.returncode}" \
+                             + (f": {why}" if why else "")
                 elif now - w.last_seen > timeout:
                     reason = (f"worker {w.name} (pid {w.pid}) sent no heartbeat for {now - w.last_seen:.2f} s "
                               f"(timeout {timeout} s); killed")
