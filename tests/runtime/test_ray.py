@@ -63,6 +63,14 @@ async def until(cond, timeout: float = 30.0) -> None:
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.01)
 
+async def serve_a_on_w0_and_b_on_w1(engine: Engine, got: dict) -> None:
+    """Streams a (on w0) and b (on w1), each until it has emitted 3 chunks."""
+    for name, plan in (("a", ON_W0), ("b", ON_W1)):
+        await engine.add_stream(name, lambda c, n=name: Observation(SCENE.observation(n, c), engine.clock()),
+                                got[name].append, model=ServedModel(CFG), plan=plan, slo_interval_ms=100.0)
+    await until(lambda: len(got["a"]) >= 3 and len(got["b"]) >= 3)
+
+
 
 def contiguous(idx: list[int]) -> bool:
     return idx == list(range(idx[0], idx[0] + len(idx))) if idx else True
@@ -133,10 +141,7 @@ def test_a_killed_actor_is_recreated_in_its_bundle_and_its_stream_readmitted(clu
         engine.on_event = events.append
         await engine.start()
         try:
-            for name, plan in (("a", ON_W0), ("b", ON_W1)):
-                await engine.add_stream(name, lambda c, n=name: Observation(SCENE.observation(n, c), engine.clock()),
-                                        got[name].append, model=ServedModel(CFG), plan=plan, slo_interval_ms=100.0)
-            await until(lambda: len(got["a"]) >= 3 and len(got["b"]) >= 3)
+            await serve_a_on_w0_and_b_on_w1(engine, got)
             pool, launcher = engine.pool, engine.launcher
             old = launcher.handles[1]
             await until(lambda: old.pid is not None, timeout=10)
@@ -244,10 +249,7 @@ def test_a_lost_node_moves_its_worker_to_a_spare_node(cluster):
         engine.on_event = events.append
         await engine.start()
         try:
-            for name, plan in (("a", ON_W0), ("b", ON_W1)):
-                await engine.add_stream(name, lambda c, n=name: Observation(SCENE.observation(n, c), engine.clock()),
-                                        got[name].append, model=ServedModel(CFG), plan=plan, slo_interval_ms=100.0)
-            await until(lambda: len(got["a"]) >= 3 and len(got["b"]) >= 3)
+            await serve_a_on_w0_and_b_on_w1(engine, got)
             old, other = engine.launcher.handles[1], engine.launcher.handles[0]
             await until(lambda: old.pid is not None and other.pid is not None, timeout=10)
             lost = next(n for n in cluster.worker_nodes if n.node_id == old.info["node_id"])
