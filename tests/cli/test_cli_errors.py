@@ -93,6 +93,10 @@ CASES = [
     case("physis-bench soak --minutes soon", None, 2, ["--minutes"]),
     case("physis-bench streams --model no-such", None, 2, ["unknown model preset"]),
     case("physis-bench ros --config {input}", "", 2, ["--config", "empty"], ".yaml"),
+    case("physis-bench handoff --modes none,smooth", None, 2, ["--modes", "smooth"]),
+    case("physis-bench handoff --robots 0", None, 2, ["--robots", ">= 1"]),
+    case("physis-bench admission --modes sometimes", None, 2, ["--modes", "adaptive, on, off"]),
+    case("physis-train --out x.pt", None, 2, ["--out", ".safetensors"]),
     # ---- physis-profile
     case("physis-profile --model tiny-wam", None, 2, ["required", "--json"]),
     case("physis-profile --model {input} --json {tmp}/p.json", "- 1\n- 2\n", 2, ["mapping"], ".yaml"),
