@@ -84,7 +84,14 @@ class SeamTracker:
         self._vel = np.array(velocities, dtype=np.float64)
 
 
-def rms(a: np.ndarray, b: np.ndarray) -> float:
-    """Root mean square difference (nan when there is nothing to compare)."""
+def jerk(positions: np.ndarray, period: float) -> np.ndarray:
+    """Third derivative of consecutive positions sampled every ``period`` ([rows - 3, dof]; empty below 4
+    rows)."""
+    pos = np.asarray(positions, dtype=np.float64)
+    return np.diff(pos, n=3, axis=0) / period ** 3 if len(pos) >= 4 else np.zeros((0, *pos.shape[1:]))
+
+
+def rms(a: np.ndarray, b: np.ndarray | float = 0.0) -> float:
+    """Root mean square of ``a - b`` (nan when there is nothing to compare)."""
     d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
     return float(np.sqrt(np.mean(d * d))) if d.size else math.nan

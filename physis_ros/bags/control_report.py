@@ -24,6 +24,7 @@ import numpy as np
 
 from physis_ros.bags.analysis import pct
 from physis_ros.bags.bagio import bag_info, read_all
+from physis_ros.timeline import jerk, rms
 
 CHUNK_TYPE = "physis_ros/msg/ActionChunk"
 EXPERT_SUFFIX = "/expert_actions"
@@ -48,16 +49,11 @@ class Executed:
 
     def jerk_rms(self) -> float:
         """RMS jerk over runs of consecutive steps (rad/s^3)."""
-        jerks = []
-        for run in np.split(np.arange(len(self.steps)), np.flatnonzero(np.diff(self.steps) != 1) + 1):
-            if len(run) >= 4:
-                jerks.append(np.diff(self.positions[run], n=3, axis=0) / self.period ** 3)
-        return float(np.sqrt(np.mean(np.concatenate(jerks) ** 2))) if jerks else math.nan
+        runs = np.split(np.arange(len(self.steps)), np.flatnonzero(np.diff(self.steps) != 1) + 1)
+        return rms(np.concatenate([jerk(self.positions[run], self.period) for run in runs]))
 
     def tracking_error(self) -> float:
-        if self.expert is None or not len(self.steps):
-            return math.nan
-        return float(np.sqrt(np.mean((self.positions - self.expert) ** 2)))
+        return math.nan if self.expert is None else rms(self.positions, self.expert)
 
 
 def _chunks(bag) -> tuple[dict[str, list], dict[str, dict[int, np.ndarray]]]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from physis_ros.timeline import Seam, SeamTracker, first_due_row, kinematics
+from physis_ros.timeline import Seam, SeamTracker, first_due_row, jerk, kinematics, rms
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,4 @@ class SimulatedRobot:
 
     def jerk_rms(self) -> float:
         """RMS of the commanded trajectory's third derivative (finite differences at the control rate)."""
-        x = self.trajectory()
-        if len(x) < 4:
-            return math.nan
-        jerk = np.diff(x, n=3, axis=0) / self.period ** 3
-        return float(np.sqrt(np.mean(jerk * jerk)))
+        return rms(jerk(self.trajectory(), self.period))
