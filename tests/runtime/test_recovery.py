@@ -82,10 +82,23 @@ def test_an_output_without_its_tensor_resets_only_its_stream():
             sock = ctx.socket(zmq.PUSH)
             sock.connect(engine.out_addr)
             s = engine.streams["a"]
-            chunk = min(s.inflight) if s.inflight else s.next_chunk
-            await run.until(lambda: chunk in s.inflight)
-            sock.send_multipart(wire.encode(p.Output(stream="a", chunk=chunk, epoch=s.epoch, worker="w0")))
-            sock.send_multipart([b"\x93garbage"])  # and plain garbage: dropped and counted
+            # Freeze w0 (stream a's only worker) so that the chunk we forge an output for stays in flight
+            # until our message lands: its real output could otherwise overtake ours on a loaded host.
+            w0 = engine.pool.workers["w0"].proc.pid
+            while True:
+                os.kill(w0, signal.SIGSTOP)
+                await asyncio.sleep(0.2)  # outputs w0 sent before it stopped are drained
+                if s.inflight:
+                    break
+                os.kill(w0, signal.SIGCONT)  # it stopped between two chunks: try again
+                await asyncio.sleep(0.05)
+            try:
+                chunk = min(s.inflight)
+                sock.send_multipart(wire.encode(p.Output(stream="a", chunk=chunk, epoch=s.epoch, worker="w0")))
+                sock.send_multipart([b"\x93garbage"])  # and plain garbage: dropped and counted
+                await run.until(lambda: any(e.kind == "failed" for e in run.events), timeout=10)
+            finally:
+                os.kill(w0, signal.SIGCONT)
             sock.close(linger=1000)
             ctx.term()
             await run.until(lambda: any(e.kind == "readmitted" for e in run.events))
