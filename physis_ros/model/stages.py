@@ -51,8 +51,10 @@ def expected_payload(config: ModelConfig, first: bool, block: int) -> dict[str, 
     return state
 
 
-def check_payload(config: ModelConfig, first: bool, block: int, tensors: Mapping[str, torch.Tensor]) -> None:
-    """ValueError naming what is wrong unless ``tensors`` is exactly what the stage expects."""
+def check_payload(config: ModelConfig, first: bool, block: int, tensors: Mapping[str, torch.Tensor],
+                  dtype: torch.dtype | None = None) -> None:
+    """ValueError naming what is wrong unless ``tensors`` is exactly what the stage expects (the travelling
+    state in ``dtype``, when given: the model's)."""
     want = expected_payload(config, first, block)
     if set(tensors) != set(want):
         raise ValueError(f"carries tensors {sorted(tensors)}, stage expects {sorted(want)}")
@@ -63,6 +65,8 @@ def check_payload(config: ModelConfig, first: bool, block: int, tensors: Mapping
             raise ValueError(f"tensor '{name}' has shape {list(got)}, expected {list(shape or (1, '*', config.hidden))}")
         if tensors[name].dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"tensor '{name}' has dtype {tensors[name].dtype}, expected a float type")
+        if dtype is not None and not first and tensors[name].dtype != dtype:
+            raise ValueError(f"tensor '{name}' has dtype {tensors[name].dtype}, the model's states are {dtype}")
 
 
 def _encode_pending(model: ServableModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ class DeviceIO:
         self.cuda = self.device.type == "cuda"
 
     def to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        if not self.cuda:
+        if not self.cuda or t.device == self.device:  # (a hop over NCCL lands on the device already)
             return t if dtype is None else t.to(dtype=dtype)
         return t.pin_memory().to(self.device, dtype=dtype, non_blocking=True)
 

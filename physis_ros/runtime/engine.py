@@ -35,6 +35,7 @@ from physis_ros.logs import Throttle
 from physis_ros.model.stages import observation_payload
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
+from physis_ros.runtime.hops import LinkBook
 from physis_ros.runtime.launchers import RayLauncher
 from physis_ros.runtime.plans import Plan
 from physis_ros.runtime.recovery import Recovery
@@ -74,6 +75,7 @@ class Engine:
         self._auth = None
         self._started = False
         self.launcher: RayLauncher | None = None  # launcher ray: the placement group and actors
+        self.links: LinkBook | None = None        # hops torch: where worker pairs meet, their generations
 
     def in_flight_limit(self, plan: Plan) -> int:
         """Chunks a stream placed by ``plan`` may have in flight (config override, else from the plan)."""
@@ -110,6 +112,8 @@ class Engine:
             self.out_addr = f"tcp://{bind_host}:{self.out.bind_to_random_port(ctrl_base)}"
         self.pool = WorkerPool(self.ctx, cfg, ctrl_base, self._ipc_dir.name if self._ipc_dir else None, self.keys,
                                self.launcher)
+        if cfg.hops == "torch":
+            self.links = LinkBook(bind_host, cfg.hop_timeout_s)
         self.pool.on_started = self._load
         self.recovery.attach(self.pool)
         self._tasks.append(asyncio.create_task(self.pool.control_loop(), name="engine-control"))
@@ -137,7 +141,8 @@ class Engine:
         drop = faults.drop_task if faults.worker in ("", w.name) else 0
         await self.pool.request(w.name, p.Load(
             req=0, threads=cfg.threads_per_worker, max_ready=cfg.max_ready, batching=cfg.batching,
-            max_batch=cfg.max_batch, policy=cfg.policy, faults=p.FaultInjection(drop_task=drop)),
+            max_batch=cfg.max_batch, policy=cfg.policy, faults=p.FaultInjection(drop_task=drop), hops=cfg.hops,
+            hop_store=self.links.address if self.links else "", hop_timeout_s=cfg.hop_timeout_s, spin_us=cfg.spin_us),
             timeout=cfg.start_timeout_s)
 
     async def stop(self) -> None:
@@ -240,17 +245,28 @@ class Engine:
         if down:
             raise EngineError(f"stream '{s.name}' needs worker(s) {', '.join(down)}, which are down")
         addr = {w.index: w.data_addr for w in procs}
+        name = {w.index: w.name for w in procs}
+        peers: dict[str, set[str]] = {w.name: set() for w in procs}   # who passes hidden states to whom
+        routes: dict[str, list[p.Route]] = {w.name: [] for w in procs}
+        for w in procs:
+            for st in s.plan.stages_of(w.index):
+                nxt = s.plan.next_stage(st)
+                if nxt is None:
+                    routes[w.name].append(p.Route(st, self.out_addr))
+                    continue
+                to = s.plan.assignment[nxt]
+                routes[w.name].append(p.Route(st, addr[to], name[to]))
+                if to != w.index:
+                    peers[w.name].add(name[to])
+                    peers[name[to]].add(w.name)
         requests = []
         for w in procs:
             stages = s.plan.stages_of(w.index)
-            routes = []
-            for st in stages:
-                nxt = s.plan.next_stage(st)
-                routes.append(p.Route(st, self.out_addr if nxt is None else addr[s.plan.assignment[nxt]]))
             requests.append(self.pool.request(
                 w.name, p.StartStream(req=0, stream=s.name, epoch=s.epoch, model=s.model.ref(stages),
-                                      stages=list(stages), routes=routes),
-                timeout=self.config.start_timeout_s))  # may load blocks first
+                                      stages=list(stages), routes=routes[w.name],
+                                      links=self.links.links(w.name, peers[w.name]) if self.links else []),
+                timeout=self.config.start_timeout_s))  # may load blocks first (and build links)
         await asyncio.gather(*requests)
         first = addr[s.plan.assignment[s.plan.first_stage]]
         if first not in self._push:

@@ -38,6 +38,7 @@ class Placement:
     routes: dict[Stage, str]     # next stage's worker data address, or the engine's after the last stage
     epoch: int                   # the stream's incarnation: tasks of an earlier one are dropped
     slots: dict[int, int] = field(default_factory=dict)   # step -> KV slot id (same id in each block's table)
+    peers: dict[Stage, str] = field(default_factory=dict)  # next stage's worker id ("": the engine)
 
 
 class ModelHost:
@@ -166,7 +167,7 @@ class StageHost:
             for k, b in stages:
                 host.tables[b].reset(slots[k])
         self.placements[msg.stream] = Placement(msg.model.id, stages, {r.stage: r.address for r in msg.routes},
-                                                msg.epoch, slots)
+                                                msg.epoch, slots, {r.stage: r.worker for r in msg.routes})
         return sorted(slots.values())
 
     def stop_stream(self, stream: str) -> None:

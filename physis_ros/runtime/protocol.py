@@ -47,7 +47,8 @@ Block = Annotated[int, Meta(ge=0, le=65535)]
 Stage = tuple[Step, Block]
 DType = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8"]
 BatchSize = Annotated[int, Meta(ge=1, le=4096)]
-LostReason = Literal["queue_full", "send_failed", "task_failed", "epoch_ahead", "not_hosted"]
+LostReason = Literal["queue_full", "send_failed", "task_failed", "epoch_ahead", "not_hosted", "link_failed"]
+HopTransport = Literal["zmq", "torch"]
 
 
 class TensorSpec(Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
@@ -83,9 +84,19 @@ class HandoffSpec(Struct, array_like=True, frozen=True, forbid_unknown_fields=Tr
     shift: Annotated[int, Meta(ge=0, le=65535)]    # control steps since the previous chunk's row 0
 
 
+class HopLink(Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """The tensors of this task come over the sender's torch.distributed link (runtime/hops.py), not
+    as frames: ``tensors`` declares them, tags ``tag``, ``tag + 1``, ... carry them in that order."""
+
+    sender: Name
+    gen: Count                                   # the link's generation (the engine's)
+    tag: Annotated[int, Meta(ge=0, le=2**31 - 1 - MAX_TENSORS)]
+
+
 class Task(_Message, tag="task"):
     """A chunk on its way to ``stage``. The first stage's task carries the observation tensors
-    (``obs/<name>``); later ones carry the travelling state (``cond``, ``x``, ``h``)."""
+    (``obs/<name>``); later ones carry the travelling state (``cond``, ``x``, ``h``), as frames or,
+    with ``link`` set, over a torch.distributed link."""
 
     stream: StreamName
     chunk: Count
@@ -98,6 +109,7 @@ class Task(_Message, tag="task"):
     hops: Annotated[list[Ms], Meta(max_length=MAX_TRACE)] = []
     trace: Annotated[list[TraceEntry], Meta(max_length=MAX_TRACE)] = []
     handoff: HandoffSpec | None = None
+    link: HopLink | None = None
 
 
 class Output(_Message, tag="output"):
@@ -129,6 +141,10 @@ class Load(_Message, tag="load"):
     max_batch: BatchSize = 4
     policy: Literal["oldest", "edf"] = "oldest"
     faults: FaultInjection = msgspec.field(default_factory=FaultInjection)
+    hops: HopTransport = "zmq"                  # how hidden states go worker to worker
+    hop_store: Annotated[str, Meta(max_length=1024)] = ""   # the engine's TCPStore, host:port (hops: torch)
+    hop_timeout_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = 5.0
+    spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 0     # poll without blocking this long before sleeping
 
 
 class Route(Struct, array_like=True, forbid_unknown_fields=True):
@@ -136,6 +152,14 @@ class Route(Struct, array_like=True, forbid_unknown_fields=True):
 
     stage: Stage
     address: Address
+    worker: Name = ""            # the next stage's worker id ("": the engine)
+
+
+class Link(Struct, array_like=True, forbid_unknown_fields=True):
+    """A worker this one exchanges a stream's hidden states with, and the link's generation (hops: torch)."""
+
+    peer: Name
+    gen: Count
 
 
 class ModelRef(Struct, forbid_unknown_fields=True):
@@ -160,6 +184,7 @@ class StartStream(_Message, tag="start_stream"):
     model: ModelRef
     stages: Annotated[list[Stage], Meta(max_length=MAX_TRACE)]
     routes: Annotated[list[Route], Meta(max_length=MAX_TRACE)]
+    links: Annotated[list[Link], Meta(max_length=1024)] = []
 
 
 class StopStream(_Message, tag="stop_stream"):
@@ -186,6 +211,7 @@ class WorkerStats(Struct, forbid_unknown_fields=True):
     dropped_sends: Count = 0     # outputs a peer could not take
     dropped_tasks: Count = 0     # tasks dropped because the ready queue was full
     injected_drops: Count = 0    # tasks dropped by fault injection
+    link_hops: Count = 0         # tasks whose hidden state arrived over a torch.distributed link
     compute_ms: Ms = 0.0
     kv_bytes: Count = 0
 
@@ -232,6 +258,7 @@ class TaskLost(_Message, tag="task_lost"):
     epoch: Count
     reason: LostReason
     detail: Text = ""
+    peer: Name = ""              # link_failed: the worker at the link's other end
 
 
 class LogRecord(_Message, tag="log"):

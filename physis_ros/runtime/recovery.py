@@ -118,11 +118,16 @@ class Recovery:
             return
 
     def task_lost(self, msg: p.TaskLost) -> None:
+        links = self.engine.links
+        if msg.reason == "link_failed" and msg.peer and links is not None:
+            links.link_failed(msg.worker, msg.peer)  # the stream's next start builds the pair afresh
         s = self.engine.streams.get(msg.stream)
         if s is not None and msg.epoch == s.epoch and msg.chunk in s.inflight:
             self.reset(s, f"chunk {msg.chunk} lost on {msg.worker} ({msg.reason}): {msg.detail}", msg.reason)
 
     def worker_lost(self, w: WorkerProc, reason: str) -> None:
+        if self.engine.links is not None:
+            self.engine.links.worker_lost(w.name)
         for s in list(self.engine.streams.values()):
             if w.index in s.plan.workers_used:
                 self.reset(s, reason, "worker_lost")

@@ -62,6 +62,14 @@ class EngineConfig:
         doc="device of each worker (one for all, or one per worker): cpu or cuda:N"))
     transport: str = F(default="tcp", metadata=bounded(
         choices=("tcp", "ipc"), doc="local data sockets: tcp on bind_host, or ipc in a private directory"))
+    hops: str = F(default="zmq", metadata=bounded(
+        choices=("zmq", "torch"), doc="how hidden states go worker to worker: zmq frames beside the header, or "
+                                      "torch.distributed point-to-point (NCCL between GPUs, gloo on CPU; headers "
+                                      "stay on zmq)"))
+    hop_timeout_s: float = F(default=5.0, metadata=bounded(
+        gt=0, le=3600, doc="hops torch: a transfer not done by then closes its link (its streams are reset)"))
+    spin_us: int = F(default=0, metadata=bounded(
+        ge=0, le=100_000, doc="an idle worker polls its sockets without sleeping this long before it blocks"))
     bind_host: str = F(default="127.0.0.1", metadata=bounded(
         doc="interface the engine and spawned workers bind (loopback unless told otherwise; needs curve_keys)"))
     threads_per_worker: int = F(default=1, metadata=bounded(ge=1, doc="torch threads of each worker"))

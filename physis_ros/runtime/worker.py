@@ -41,6 +41,7 @@ from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
 from physis_ros.runtime.batching import BatchPolicy
 from physis_ros.runtime.device import DeviceIO
+from physis_ros.runtime.hops import Arrival, HopError, TorchHops, empty_like_specs
 from physis_ros.runtime.hosting import StageHost
 from physis_ros.runtime.plans import Stage, next_stage
 from physis_ros.runtime.security import CurveKeys
@@ -115,6 +116,7 @@ class Worker:
                  forward_logs: bool = True):
         self.id = worker_id
         self.device = device
+        self.bind_host = bind_host
         self.io = DeviceIO(device)
         self.max_message_bytes = max_message_bytes
         self.ctx = zmq.Context()
@@ -144,6 +146,10 @@ class Worker:
             port = self.data_in.bind_to_random_port(f"tcp://{bind_host}")
             self.data_addr = f"tcp://{bind_host}:{port}"
         self.peers: dict[str, zmq.Socket] = {}
+        self.hops: TorchHops | None = None   # hidden states over torch.distributed (Load.hops == "torch")
+        self.poller = zmq.Poller()
+        self.poller.register(self.ctrl, zmq.POLLIN)
+        self.poller.register(self.data_in, zmq.POLLIN)
         self.settings = p.Load(req=0)
         self.host = StageHost(device)
         self.starting: dict[str, tuple[p.StartStream, list]] = {}  # streams waiting for their blocks
@@ -180,11 +186,11 @@ class Worker:
     def _warn(self, key: str, text: str) -> None:
         self.throttle.log(log, logging.WARNING, key, f"worker {self.id}: {text}")
 
-    def _lost(self, task: p.Task, reason: str, detail: str) -> None:
+    def _lost(self, task: p.Task, reason: str, detail: str, peer: str = "") -> None:
         """Report a chunk this worker cannot pass on, so the engine resets its stream now."""
         self._warn(f"lost:{reason}", f"chunk {task.chunk} of stream '{task.stream}' lost ({reason}): {detail}")
         self.send_ctrl(p.TaskLost(worker=self.id, stream=task.stream, chunk=task.chunk, epoch=task.epoch,
-                                  reason=reason, detail=p.clip_text(detail)))
+                                  reason=reason, detail=p.clip_text(detail), peer=peer))
 
     # ---- control plane ---------------------------------------------------------------------
     def handle_control(self, rec: wire.Received) -> None:
@@ -209,18 +215,35 @@ class Worker:
         self.settings = msg
         self.accepted = 0
         self.policy = BatchPolicy(policy=msg.policy, batching=msg.batching, max_batch=msg.max_batch)
+        if msg.hops == "torch" and self.hops is None:
+            self.hops = TorchHops(self.id, msg.hop_store, self.device, bind_host=self.bind_host,
+                                  timeout_s=msg.hop_timeout_s, ctx=self.ctx, max_bytes=self.max_message_bytes)
+            self.poller.register(self.hops.wake, zmq.POLLIN)
         return {"kv_bytes": self.host.kv_bytes()}
 
     def cmd_start_stream(self, msg: p.StartStream) -> dict | None:
         """Host a stream's stages (fresh KV) under a new epoch, once the blocks it needs are here."""
         if self.policy is None:
             raise RuntimeError("not loaded: the engine sends Load first")
-        pending = self.host.prepare(msg)
+        pending = self.host.prepare(msg) + self._connect(msg)
         self.ready = [j for j in self.ready if j.stream != msg.stream]
         if pending:
             self.starting[msg.stream] = (msg, pending)
             return None
         return self._start(msg)
+
+    def _connect(self, msg: p.StartStream) -> list:
+        """Futures of the links the stream needs that are not built yet (hops: torch)."""
+        if not msg.links:
+            return []
+        if self.hops is None:
+            raise RuntimeError("the stream names hop links but this worker was loaded with hops 'zmq'")
+        return [f for link in msg.links if (f := self.hops.connect(link.peer, link.gen)) is not None]
+
+    def _attach(self) -> None:
+        self.host.attach_ready()
+        if self.hops is not None:
+            self.hops.attach_built()
 
     def _start(self, msg: p.StartStream) -> dict:
         self.host.start_stream(msg)
@@ -234,16 +257,16 @@ class Worker:
 
     def start_stream_now(self, msg: p.StartStream) -> dict:
         """Load what the stream needs, waiting, then host it (in-process tools and tests)."""
-        for future in self.host.prepare(msg):
+        for future in self.host.prepare(msg) + self._connect(msg):
             future.result()
-        self.host.attach_ready()
+        self._attach()
         return self._start(msg)
 
     def finish_starts(self) -> None:
         """Attach what the loader finished and answer the streams whose blocks are all here."""
         try:
-            self.host.attach_ready()
-        except Exception as exc:  # a load failed: fail every stream waiting (the engine retries or reports)
+            self._attach()
+        except Exception as exc:  # a load (or a link) failed: fail every stream waiting (the engine retries or reports)
             for msg, _ in self.starting.values():
                 self._failed(msg, exc)
             self.starting.clear()
@@ -281,6 +304,42 @@ class Worker:
             self.stats.bad_messages += 1
             self._warn("bad_data", f"dropped a malformed data message: {exc}")
             return
+        if rec.msg.link is not None:
+            self._receive(rec)
+        else:
+            self._admit(rec)
+
+    def _receive(self, rec: wire.Received[p.Task]) -> None:
+        """Post the receives a link task announces; it is admitted when they arrive (:meth:`_arrived`).
+        Stale tasks are received too (and then dropped): a send left unmatched would close the link."""
+        task = rec.msg
+        try:
+            if self.hops is None:
+                raise HopError("this worker was loaded with hops 'zmq'")
+            declared = empty_like_specs(task.tensors, "meta", self.max_message_bytes)
+            placement = self.host.placements.get(task.stream)
+            if placement is not None and placement.epoch == task.epoch:  # never receive into what the stage
+                host = self.host.models[placement.model]                 # does not expect
+                check_payload(host.config, False, task.stage[1], declared, host.model.dtype)
+            self.hops.receive(task.link, {k: torch.empty_like(v, device=self.hops.recv_device)
+                                          for k, v in declared.items()}, rec)
+        except HopError as exc:
+            self._lost(task, "link_failed", f"cannot receive over the link from {task.link.sender}: {exc}",
+                       peer=task.link.sender)
+        except (wire.WireError, ValueError) as exc:  # nothing posted: the link is not at risk
+            self.stats.bad_messages += 1
+            self._lost(task, "task_failed", f"malformed link task: {exc}")
+
+    def _arrived(self, arrival: Arrival) -> None:
+        rec = arrival.context
+        if arrival.tensors is None:
+            self._lost(rec.msg, "link_failed", arrival.error, peer=rec.msg.link.sender)
+            return
+        rec.tensors = arrival.tensors
+        self.stats.link_hops += 1
+        self._admit(rec)
+
+    def _admit(self, rec: wire.Received[p.Task]) -> None:
         task = rec.msg
         placement = self.host.placements.get(task.stream)
         if placement is None or task.epoch < placement.epoch:  # a stopped stream, or an earlier incarnation
@@ -298,7 +357,7 @@ class Worker:
         model = host.model
         first = task.stage == (host.config.steps, 0)
         try:
-            check_payload(host.config, first, task.stage[1], rec.tensors)
+            check_payload(host.config, first, task.stage[1], rec.tensors, model.dtype)
         except ValueError as exc:
             self.stats.bad_messages += 1
             self._lost(task, "task_failed", f"malformed payload: {exc}")
@@ -365,12 +424,20 @@ class Worker:
             self.ready.append(job)
             return
         self.stats.tasks += 1
-        route = placement.routes[task.stage]
+        route, peer = placement.routes[task.stage], placement.peers.get(task.stage, "")
         sent = time.perf_counter()
+        task.link = None
         if nxt is None:
             out: p.Message = p.Output(stream=task.stream, chunk=task.chunk, epoch=task.epoch, worker=self.id,
                                       sent=sent, hops=task.hops, trace=task.trace)
             tensors = self.io.to_host({"x": job.state["x"]})
+        elif self.hops is not None and peer:  # the hidden state goes over the link, the header over ZeroMQ
+            task.stage, task.sent, out, tensors = nxt, sent, task, job.state
+            try:
+                task.link = self.hops.reserve(peer, len(tensors))
+            except HopError as exc:
+                self._lost(task, "link_failed", str(exc), peer=peer)
+                return
         else:
             task.stage, task.sent, out = nxt, sent, task
             tensors = self.io.to_host(job.state)
@@ -380,6 +447,12 @@ class Worker:
         except zmq.Again:
             self.stats.dropped_sends += 1
             self._lost(task, "send_failed", "the next stage's worker did not take the message")
+            return
+        if task.link is not None:
+            try:
+                self.hops.post(peer, task.link, tensors)
+            except HopError as exc:  # the receiver's side reports it too; whichever comes first resets
+                self._lost(task, "link_failed", str(exc), peer=peer)
 
     @staticmethod
     def _slot_key(job: Job) -> tuple[str, int, int]:
@@ -389,11 +462,8 @@ class Worker:
     def serve(self) -> None:
         self.send_ctrl(p.Hello(worker=self.id, data=self.data_addr, pid=os.getpid(), device=self.device,
                                host=socket.gethostname()[:128]))
-        poller = zmq.Poller()
-        poller.register(self.ctrl, zmq.POLLIN)
-        poller.register(self.data_in, zmq.POLLIN)
         next_beat = time.monotonic() + HEARTBEAT_S
-        next_poll = 0.0
+        next_poll = busy_until = 0.0
         try:
             while self.running:
                 now = time.monotonic()
@@ -402,20 +472,29 @@ class Worker:
                     # two stages (a poll costs as much as a small stage's overhead; a chunk runs many stages).
                     events = {}
                 else:
-                    timeout = 0 if self.ready else max(0.0, next_beat - now) * 1e3
+                    # Idle: block until a message comes, unless it went idle less than spin_us ago (then poll
+                    # without sleeping: a sleeping thread's wake-up costs more than a short spin).
+                    idle = not self.ready and now >= busy_until
+                    timeout = max(0.0, next_beat - now) * 1e3 if idle else 0
                     if self.starting:
                         timeout = min(timeout, 5.0)  # poll the loader
-                    events = dict(poller.poll(timeout))
+                    events = dict(self.poller.poll(timeout))
                     next_poll = time.monotonic() + POLL_BUSY_S
                 if self.ctrl in events:
                     self._drain(self.ctrl, CTRL_BURST, self._on_ctrl)
                 if self.data_in in events:
                     self._drain(self.data_in, DATA_BURST, self.accept_task)
+                if self.hops is not None:
+                    if self.hops.wake in events:
+                        self.hops.drain_wake()
+                    self.hops.take_arrivals(self._arrived, DATA_BURST)
                 if self.starting:
                     self.finish_starts()
                 if self.ready:
                     self.run_next()
                 now = time.monotonic()
+                if self.ready or events:
+                    busy_until = now + self.settings.spin_us * 1e-6
                 if now >= next_beat:
                     self.send_ctrl(p.Heartbeat(worker=self.id, queue=len(self.ready), stats=self._stats()))
                     next_beat = now + HEARTBEAT_S
@@ -442,6 +521,8 @@ class Worker:
 
     def close(self) -> None:
         self.host.close()
+        if self.hops is not None:
+            self.hops.close()
         if self._log_handler is not None:
             log.removeHandler(self._log_handler)
         for sock in self.peers.values():
