@@ -12,6 +12,13 @@ noise. The JSON also has Ray's start-up times (joining or starting the cluster
 once; placement group and actors per engine) and each worker's resident memory.
 Ray always runs CurveZMQ on routable addresses; ``--local-curve`` gives the local
 workers the same (keys, this host's address), so that only Ray differs.
+
+``--transport zmq,torch`` does the same for the hidden-state transport between
+workers (frames beside the ZeroMQ header, or torch.distributed links: gloo on
+CPU, NCCL on GPUs; entries ``PLAN@zmq``, ``PLAN@torch`` and ``torch_vs_zmq``),
+and ``--spin-us 0,200`` for how long an idle worker polls before it sleeps
+(entries ``PLAN@spin200``, and ``spin_vs_block``): whether spinning recovers the
+wake-up cost of an idle core. ``--socket ipc`` puts the sockets on ipc.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from itertools import product
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds over all plans, interleaved (a shared machine's speed drifts); medians reported")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--transport", choices=("tcp", "ipc"), default="tcp", help="(ray: tcp only)")
+    p.add_argument("--socket", choices=("tcp", "ipc"), default="tcp", help="ZeroMQ sockets (ray: tcp only)")
+    p.add_argument("--transport", type=transports, default=["zmq"],
+                   help="hidden states between workers: zmq, torch (torch.distributed: gloo on CPU, NCCL on GPU), "
+                        "or both (zmq,torch): every plan with each, interleaved per round")
+    p.add_argument("--spin-us", type=spins, default=[0],
+                   help="an idle worker polls this long before it sleeps (comma list: each, interleaved)")
     p.add_argument("--launcher", type=launchers, default=["local"],
                    help="local, ray, or both (local,ray): every plan with each, interleaved per round")
     p.add_argument("--ray-address", default="", help="Ray cluster to join (auto, HOST:PORT, ray://HOST:PORT); "
@@ -75,6 +89,38 @@ def launchers(text: str) -> list[str]:
     if not names or bad or len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"give local, ray or local,ray, got {text!r}")
     return names
+
+
+def transports(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or any(n not in ("zmq", "torch") for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"give zmq, torch or zmq,torch, got {text!r}")
+    return names
+
+
+def spins(text: str) -> list[int]:
+    try:
+        values = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not 0 <= v <= 100_000 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"give microseconds in [0, 100000], comma-separated, got {text!r}")
+    return values
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How one entry's workers run, beside its plan."""
+
+    launcher: str
+    hops: str
+    spin_us: int
+
+    def suffix(self, args: argparse.Namespace) -> str:
+        """``@...`` for each dimension the run varies (none: plain plan names)."""
+        parts = [v for v, many in ((self.launcher, len(args.launcher) > 1), (self.hops, len(args.transport) > 1),
+                                   (f"spin{self.spin_us}", len(args.spin_us) > 1)) if many]
+        return "".join(f"@{p}" for p in parts)
 
 
 def routable_ip() -> str:
@@ -124,20 +170,21 @@ def run(args: argparse.Namespace) -> int:
     if args.verify:
         model = build_model(config, device=args.device)
         reference = [r.output for r in reference_rollout(model, scene.observation, [STREAM], args.chunks)]
-    if "ray" in args.launcher and args.transport != "tcp":
-        print("error: --launcher ray needs --transport tcp (workers on other hosts)", file=sys.stderr)
+    if "ray" in args.launcher and args.socket != "tcp":
+        print("error: --launcher ray needs --socket tcp (workers on other hosts)", file=sys.stderr)
         return 2
     result = {"model": config.name, "workers": args.workers, "chunks": args.chunks, "device": args.device,
-              "transport": args.transport, "launchers": args.launcher, "plans": {}}
+              "socket": args.socket, "transports": args.transport, "spin_us": args.spin_us,
+              "launchers": args.launcher, "plans": {}}
     args.curve = None
     if args.local_curve:  # keys in a private temporary directory, removed at the end
         from physis_ros.runtime.security import generate_keys
 
         args.curve = (str(generate_keys(tempfile.mkdtemp(prefix="physis-bench-keys-"))), routable_ip())
         result["local_curve"] = {"bind_host": args.curve[1]}
-    # One launcher: entries keep their plan names; several: PLAN@LAUNCHER.
-    keys = [(name, launcher, name if len(args.launcher) == 1 else f"{name}@{launcher}")
-            for name in plans for launcher in args.launcher]
+    # Entries keep their plan names, with @LAUNCHER, @TRANSPORT, @spinN for each dimension that varies.
+    variants = [Variant(*v) for v in product(args.launcher, args.transport, args.spin_us)]
+    keys = [(name, v, name + v.suffix(args)) for name in plans for v in variants]
     series = {}
     runs: dict[str, list[dict]] = {key: [] for _, _, key in keys}
     limits = []
@@ -160,8 +207,8 @@ def run(args: argparse.Namespace) -> int:
         if args.curve is not None:
             shutil.rmtree(args.curve[0], ignore_errors=True)
     # Ratios are taken within a round (same minutes, same machine speed), then the median over rounds.
-    for name, launcher, key in keys:
-        seq_key = "sequential" if len(args.launcher) == 1 else f"sequential@{launcher}"
+    for name, variant, key in keys:
+        seq_key = "sequential" + variant.suffix(args)
         if seq_key not in runs:
             continue
         for r in range(args.repeats):
@@ -171,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
                 e["fraction_of_parallel_limit"] = e["speedup_vs_sequential"] / limits[r]["speedup"]
     for _, _, key in keys:
         result["plans"][key] = median_entry(runs[key])
-    if set(args.launcher) == {"local", "ray"}:
+    compare(args, plans, runs, result)
+    if set(args.launcher) == {"local", "ray"} and len(variants) == 2:
         result["ray_vs_local"] = {name: {
             "chunks_per_s_ratio": float(np.median([ray_e["chunks_per_s"] / loc["chunks_per_s"] for loc, ray_e in
                                                    zip(runs[f"{name}@local"], runs[f"{name}@ray"])])),
@@ -181,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
             "engine_start_s_ray": result["plans"][f"{name}@ray"]["engine_start_s"]} for name in plans}
     result["worker_rss_mb_p50"] = {}  # per launcher: a worker process, or a Ray actor (its process)
     for launcher in args.launcher:
-        entries = [e for (_, la, key) in keys if la == launcher for e in runs[key]]
+        entries = [e for (_, v, key) in keys if v.launcher == launcher for e in runs[key]]
         rss = [mb for e in entries for mb in e["worker_rss_mb"].values() if mb is not None]
         result["worker_rss_mb_p50"][launcher] = float(np.median(rss)) if rss else None
         if launcher == "ray":
@@ -204,8 +252,8 @@ def rounds(args, config, scene, reference, keys, runs, series, limits) -> None:
     for round_ in range(args.repeats):
         if not args.no_parallel_limit:
             limits.append(parallel_limit(config.name, min(args.chunks, 100), args.device))
-        for name, launcher, key in keys:
-            entry, records = run_plan(name, config, args, scene, reference, launcher)
+        for name, variant, key in keys:
+            entry, records = run_plan(name, config, args, scene, reference, variant)
             runs[key].append(entry)
             series.setdefault(key, records)
             print(f"[{key} {round_ + 1}/{args.repeats}] interval p50 {entry['interval_ms_p50']:.2f} ms, "
@@ -238,13 +286,28 @@ async def serve(config, engine_cfg: EngineConfig, plan, chunks: int, scene: Synt
     return outputs, info
 
 
+def compare(args: argparse.Namespace, plans: list[str], runs: dict[str, list[dict]], result: dict) -> None:
+    """torch_vs_zmq and spin_vs_block: per plan, the median over rounds of the within-round ratio."""
+    def ratios(key_a: str, key_b: str) -> dict:
+        a, b = runs[key_a], runs[key_b]
+        return {"chunks_per_s_ratio": float(np.median([y["chunks_per_s"] / x["chunks_per_s"] for x, y in zip(a, b)])),
+                "hop_ms_p50": [float(np.median([e["hop_ms_p50"] for e in a])), float(np.median([e["hop_ms_p50"]
+                                                                                             for e in b]))]}
+    if len(args.launcher) == 1 and len(args.spin_us) == 1 and set(args.transport) == {"zmq", "torch"}:
+        result["torch_vs_zmq"] = {n: ratios(f"{n}@zmq", f"{n}@torch") for n in plans}
+    if len(args.launcher) == 1 and len(args.transport) == 1 and len(args.spin_us) == 2 and 0 in args.spin_us:
+        spin = max(args.spin_us)
+        result["spin_vs_block"] = {n: {"spin_us": spin, **ratios(f"{n}@spin0", f"{n}@spin{spin}")} for n in plans}
+
+
 def run_plan(name: str, config, args: argparse.Namespace, scene: SyntheticScene, reference,
-             launcher: str = "local") -> tuple[dict, list]:
+             variant: Variant = Variant("local", "zmq", 0)) -> tuple[dict, list]:
     plan = make_plan(name, config.steps, config.blocks, args.workers)
+    launcher = variant.launcher
     curve = {"curve_keys": args.curve[0], "bind_host": args.curve[1]} if launcher == "local" and args.curve else {}
-    engine_cfg = EngineConfig(workers=args.workers, plan=name, devices=[args.device], transport=args.transport,
-                              launcher=launcher, ray=RayConfig(address=args.ray_address, strategy=args.ray_strategy),
-                              **curve)
+    engine_cfg = EngineConfig(workers=args.workers, plan=name, devices=[args.device], transport=args.socket,
+                              hops=variant.hops, spin_us=variant.spin_us, launcher=launcher,
+                              ray=RayConfig(address=args.ray_address, strategy=args.ray_strategy), **curve)
     outputs, info = uvloop.run(serve(config, engine_cfg, plan, args.chunks, scene))
     records = [o.record for o in outputs]
     skip = args.skip or min(10 + 2 * len(plan.segments()), args.chunks // 2)
@@ -267,6 +330,8 @@ def run_plan(name: str, config, args: argparse.Namespace, scene: SyntheticScene,
         "transport_ms_p50": percentile([r.transport_ms for r in steady], 50),
         "max_abs_diff_vs_reference": None,
         "launcher": launcher,
+        "hops": variant.hops,
+        "spin_us": variant.spin_us,
         **info,
     }
     if reference is not None:

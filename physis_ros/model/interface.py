@@ -26,6 +26,8 @@ just what its stages need.
 
 from __future__ import annotations
 
+import itertools
+
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -92,6 +94,10 @@ class ServableModel(nn.Module, ABC):
     @abstractmethod
     def attach_blocks(self, built: dict[int, nn.Module]) -> None:
         """Host blocks built by :meth:`build_blocks` (``hosted_blocks`` grows)."""
+
+    def weight_bytes(self) -> int:
+        """Bytes of every parameter and buffer this model holds now (trunk, head and hosted blocks)."""
+        return sum(t.numel() * t.element_size() for t in itertools.chain(self.parameters(), self.buffers()))
 
     @abstractmethod
     def release_blocks(self, blocks: Iterable[int]) -> None:

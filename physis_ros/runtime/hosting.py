@@ -188,5 +188,9 @@ class StageHost:
     def kv_bytes(self) -> int:
         return sum(h.kv_bytes() for h in self.models.values())
 
+    def weight_bytes(self) -> int:
+        """Weights held: each hosted model's trunk and the blocks its streams here need."""
+        return sum(h.model.weight_bytes() for h in self.models.values())
+
     def blocks(self) -> dict[str, list[int]]:
         return {m: sorted(h.model.hosted_blocks) for m, h in self.models.items()}

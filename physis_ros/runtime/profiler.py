@@ -205,9 +205,9 @@ def measure_worker_overhead(config: ModelConfig, device: str = "cpu", chunks: in
         for c, frames in enumerate(messages):
             compute, forwards = worker.stats.compute_ms, worker.stats.batches
             start = time.perf_counter()
-            worker.accept_task(frames)
-            while worker.ready:
-                worker.run_next()
+            worker.tasks.accept_task(frames)
+            while worker.tasks.ready:
+                worker.tasks.run_next()
             wall = (time.perf_counter() - start) * 1e3
             if c >= 2:  # warm-up chunks excluded
                 forwards = worker.stats.batches - forwards

@@ -213,7 +213,8 @@ class WorkerStats(Struct, forbid_unknown_fields=True):
     injected_drops: Count = 0    # tasks dropped by fault injection
     link_hops: Count = 0         # tasks whose hidden state arrived over a torch.distributed link
     compute_ms: Ms = 0.0
-    kv_bytes: Count = 0
+    kv_bytes: Count = 0          # KV allocated for the (stream, stage)s hosted here
+    weight_bytes: Count = 0      # weights held: trunks and the hosted blocks
 
 
 class Hello(_Message, tag="hello"):

@@ -27,70 +27,26 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import zmq
 
 from physis_ros.logs import Throttle
-from physis_ros.model import KVBatch
-from physis_ros.model.handoff import Handoff
-from physis_ros.model.stages import check_payload, first_state, run_stage
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
 from physis_ros.runtime.batching import BatchPolicy
 from physis_ros.runtime.device import DeviceIO
-from physis_ros.runtime.hops import Arrival, HopError, TorchHops, empty_like_specs
+from physis_ros.runtime.hops import TorchHops
 from physis_ros.runtime.hosting import StageHost
-from physis_ros.runtime.plans import Stage, next_stage
 from physis_ros.runtime.security import CurveKeys
+from physis_ros.runtime.tasks import TaskRunner
 
 log = logging.getLogger("physis.worker")
 HEARTBEAT_S = 0.2
 POLL_BUSY_S = 0.0005  # with local stages ready, poll the sockets at most this often
 DATA_BURST = 32   # data messages accepted per loop turn: a flood cannot starve stages or heartbeats
 CTRL_BURST = 16
-
-
-@dataclass
-class Job:
-    """A chunk's task while it is on this worker: its header, travelling state and arrival time."""
-
-    task: p.Task
-    model: str                      # ModelRef.id of the stream's model
-    state: dict[str, torch.Tensor]
-    received: float = field(default_factory=time.perf_counter)
-
-    @property
-    def handoff(self) -> Handoff | None:
-        h = self.task.handoff
-        return None if h is None else Handoff(h.mode, h.d, h.shift)
-
-    @property
-    def weights(self) -> tuple[str, int]:
-        """What its next forward runs: a block of a model (only such tasks batch together)."""
-        return (self.model, self.task.stage[1])
-
-    @property
-    def stream(self) -> str:
-        return self.task.stream
-
-    @property
-    def chunk(self) -> int:
-        return self.task.chunk
-
-    @property
-    def stage(self) -> Stage:
-        return self.task.stage
-
-    @property
-    def order(self) -> float:
-        return self.task.order
-
-    @property
-    def deadline(self) -> float:
-        return self.task.deadline
 
 
 class _ForwardToEngine(logging.Handler):
@@ -146,19 +102,15 @@ class Worker:
             port = self.data_in.bind_to_random_port(f"tcp://{bind_host}")
             self.data_addr = f"tcp://{bind_host}:{port}"
         self.peers: dict[str, zmq.Socket] = {}
-        self.hops: TorchHops | None = None   # hidden states over torch.distributed (Load.hops == "torch")
         self.poller = zmq.Poller()
         self.poller.register(self.ctrl, zmq.POLLIN)
         self.poller.register(self.data_in, zmq.POLLIN)
-        self.settings = p.Load(req=0)
         self.host = StageHost(device)
         self.starting: dict[str, tuple[p.StartStream, list]] = {}  # streams waiting for their blocks
-        self.ready: list[Job] = []
-        self.policy: BatchPolicy | None = None
         self.running = True
-        self.accepted = 0
         self.stats = p.WorkerStats()
         self.throttle = Throttle(5.0)
+        self.tasks = TaskRunner(worker_id, self.host, self.io, self.stats, max_message_bytes, self._push, self.send_ctrl)
         self._log_handler = _ForwardToEngine(self, logging.INFO) if forward_logs else None
         if self._log_handler is not None:
             log.addHandler(self._log_handler)
@@ -186,12 +138,6 @@ class Worker:
     def _warn(self, key: str, text: str) -> None:
         self.throttle.log(log, logging.WARNING, key, f"worker {self.id}: {text}")
 
-    def _lost(self, task: p.Task, reason: str, detail: str, peer: str = "") -> None:
-        """Report a chunk this worker cannot pass on, so the engine resets its stream now."""
-        self._warn(f"lost:{reason}", f"chunk {task.chunk} of stream '{task.stream}' lost ({reason}): {detail}")
-        self.send_ctrl(p.TaskLost(worker=self.id, stream=task.stream, chunk=task.chunk, epoch=task.epoch,
-                                  reason=reason, detail=p.clip_text(detail), peer=peer))
-
     # ---- control plane ---------------------------------------------------------------------
     def handle_control(self, rec: wire.Received) -> None:
         msg = rec.msg
@@ -212,21 +158,21 @@ class Worker:
     def cmd_load(self, msg: p.Load) -> dict:
         """How this worker runs: threads, ready-queue bound, batching; streams bring their models."""
         torch.set_num_threads(msg.threads)
-        self.settings = msg
-        self.accepted = 0
-        self.policy = BatchPolicy(policy=msg.policy, batching=msg.batching, max_batch=msg.max_batch)
-        if msg.hops == "torch" and self.hops is None:
-            self.hops = TorchHops(self.id, msg.hop_store, self.device, bind_host=self.bind_host,
+        tasks = self.tasks
+        tasks.settings, tasks.accepted = msg, 0
+        tasks.policy = BatchPolicy(policy=msg.policy, batching=msg.batching, max_batch=msg.max_batch)
+        if msg.hops == "torch" and tasks.hops is None:
+            tasks.hops = TorchHops(self.id, msg.hop_store, self.device, bind_host=self.bind_host,
                                   timeout_s=msg.hop_timeout_s, ctx=self.ctx, max_bytes=self.max_message_bytes)
-            self.poller.register(self.hops.wake, zmq.POLLIN)
+            self.poller.register(tasks.hops.wake, zmq.POLLIN)
         return {"kv_bytes": self.host.kv_bytes()}
 
     def cmd_start_stream(self, msg: p.StartStream) -> dict | None:
         """Host a stream's stages (fresh KV) under a new epoch, once the blocks it needs are here."""
-        if self.policy is None:
+        if self.tasks.policy is None:
             raise RuntimeError("not loaded: the engine sends Load first")
         pending = self.host.prepare(msg) + self._connect(msg)
-        self.ready = [j for j in self.ready if j.stream != msg.stream]
+        self.tasks.drop_stream(msg.stream)
         if pending:
             self.starting[msg.stream] = (msg, pending)
             return None
@@ -236,20 +182,20 @@ class Worker:
         """Futures of the links the stream needs that are not built yet (hops: torch)."""
         if not msg.links:
             return []
-        if self.hops is None:
+        if self.tasks.hops is None:
             raise RuntimeError("the stream names hop links but this worker was loaded with hops 'zmq'")
-        return [f for link in msg.links if (f := self.hops.connect(link.peer, link.gen)) is not None]
+        return [f for link in msg.links if (f := self.tasks.hops.connect(link.peer, link.gen)) is not None]
 
     def _attach(self) -> None:
         self.host.attach_ready()
-        if self.hops is not None:
-            self.hops.attach_built()
+        if self.tasks.hops is not None:
+            self.tasks.hops.attach_built()
 
     def _start(self, msg: p.StartStream) -> dict:
         self.host.start_stream(msg)
         if msg.model.batch_costs:
             for b, by_n in msg.model.batch_costs.items():
-                self.policy.seed((msg.model.id, int(b)), {int(n): ms for n, ms in by_n.items()})
+                self.tasks.policy.seed((msg.model.id, int(b)), {int(n): ms for n, ms in by_n.items()})
         for addr in set(self.host.placements[msg.stream].routes.values()):
             if addr != self.data_addr:
                 self._push(addr)
@@ -282,7 +228,7 @@ class Worker:
     def cmd_stop_stream(self, msg: p.StopStream) -> dict:
         self.starting.pop(msg.stream, None)
         self.host.stop_stream(msg.stream)
-        self.ready = [j for j in self.ready if j.stream != msg.stream]
+        self.tasks.drop_stream(msg.stream)
         return {}
 
     def cmd_stats(self, msg: p.Stats) -> dict:
@@ -294,187 +240,27 @@ class Worker:
 
     def _stats(self) -> p.WorkerStats:
         self.stats.kv_bytes = self.host.kv_bytes()
+        self.stats.weight_bytes = self.host.weight_bytes()
         return self.stats
-
-    # ---- data plane ------------------------------------------------------------------------
-    def accept_task(self, frames: list) -> None:
-        try:
-            rec = wire.decode(frames, wire.DATA, self.max_message_bytes)
-        except wire.WireError as exc:
-            self.stats.bad_messages += 1
-            self._warn("bad_data", f"dropped a malformed data message: {exc}")
-            return
-        if rec.msg.link is not None:
-            self._receive(rec)
-        else:
-            self._admit(rec)
-
-    def _receive(self, rec: wire.Received[p.Task]) -> None:
-        """Post the receives a link task announces; it is admitted when they arrive (:meth:`_arrived`).
-        Stale tasks are received too (and then dropped): a send left unmatched would close the link."""
-        task = rec.msg
-        try:
-            if self.hops is None:
-                raise HopError("this worker was loaded with hops 'zmq'")
-            declared = empty_like_specs(task.tensors, "meta", self.max_message_bytes)
-            placement = self.host.placements.get(task.stream)
-            if placement is not None and placement.epoch == task.epoch:  # never receive into what the stage
-                host = self.host.models[placement.model]                 # does not expect
-                check_payload(host.config, False, task.stage[1], declared, host.model.dtype)
-            self.hops.receive(task.link, {k: torch.empty_like(v, device=self.hops.recv_device)
-                                          for k, v in declared.items()}, rec)
-        except HopError as exc:
-            self._lost(task, "link_failed", f"cannot receive over the link from {task.link.sender}: {exc}",
-                       peer=task.link.sender)
-        except (wire.WireError, ValueError) as exc:  # nothing posted: the link is not at risk
-            self.stats.bad_messages += 1
-            self._lost(task, "task_failed", f"malformed link task: {exc}")
-
-    def _arrived(self, arrival: Arrival) -> None:
-        rec = arrival.context
-        if arrival.tensors is None:
-            self._lost(rec.msg, "link_failed", arrival.error, peer=rec.msg.link.sender)
-            return
-        rec.tensors = arrival.tensors
-        self.stats.link_hops += 1
-        self._admit(rec)
-
-    def _admit(self, rec: wire.Received[p.Task]) -> None:
-        task = rec.msg
-        placement = self.host.placements.get(task.stream)
-        if placement is None or task.epoch < placement.epoch:  # a stopped stream, or an earlier incarnation
-            self.stats.stale += 1
-            return
-        if task.epoch > placement.epoch:
-            self._lost(task, "epoch_ahead", f"task of epoch {task.epoch}, this worker hosts epoch {placement.epoch}")
-            return
-        if task.stage not in placement.stages:
-            self.stats.bad_messages += 1
-            self._warn("not_hosted", f"dropped a task for stage {list(task.stage)} of stream '{task.stream}', "
-                                     f"which is not hosted here")
-            return
-        host = self.host.models[placement.model]
-        model = host.model
-        first = task.stage == (host.config.steps, 0)
-        try:
-            check_payload(host.config, first, task.stage[1], rec.tensors, model.dtype)
-        except ValueError as exc:
-            self.stats.bad_messages += 1
-            self._lost(task, "task_failed", f"malformed payload: {exc}")
-            return
-        self.accepted += 1
-        drop = self.settings.faults.drop_task
-        if drop and self.accepted == drop:
-            self.stats.injected_drops += 1  # fault injection: vanish without a word, as a lost message would
-            return
-        if task.sent:
-            task.hops.append(min(max(0.0, (time.perf_counter() - task.sent) * 1e3), 1e9))
-        if first:  # the chunk's first stage: observation in, noise made here
-            state = first_state(rec.tensors, model.noise(task.seed, task.stream, task.chunk),
-                                lambda t: self.io.to_device(t, model.dtype))
-        else:
-            state = {k: self.io.to_device(v) for k, v in rec.tensors.items()}
-        self.ready.append(Job(task, placement.model, state))
-        if len(self.ready) > self.settings.max_ready:  # bounded: a burst costs the oldest chunk, reported
-            dropped = min(self.ready, key=lambda j: j.order)
-            self.ready.remove(dropped)
-            self.stats.dropped_tasks += 1
-            self._lost(dropped.task, "queue_full", f"ready queue full ({self.settings.max_ready} tasks)")
-
-    def run_next(self) -> None:
-        """Run one stage for the task the policy picks, batched with same-block tasks if that pays."""
-        batch = self.policy.pick(self.ready, self._slot_key)
-        for j in batch:
-            self.ready.remove(j)
-        host = self.host.models[batch[0].model]
-        b = batch[0].stage[1]
-        slots = [self.host.placements[j.stream].slots[j.stage[0]] for j in batch]
-        try:
-            with self.io.timer() as timer:
-                states = run_stage(host.model, b, [j.stage[0] for j in batch], [j.state for j in batch],
-                                   KVBatch(host.tables[b], slots), [j.handoff for j in batch])
-        except Exception as exc:  # a failing task must not take the worker down
-            self.stats.errors += 1
-            log.exception("worker %s: stage %s of %d task(s) failed", self.id, batch[0].stage, len(batch))
-            for j in batch:
-                self._lost(j.task, "task_failed", f"stage {list(j.stage)} raised {type(exc).__name__}: {exc}")
-            return
-        start, end, batch_ms = timer.wall_start, timer.wall_end, timer.ms
-        self.policy.observe(batch[0].weights, len(batch), batch_ms)
-        self.stats.stages += len(batch)
-        self.stats.batches += 1
-        self.stats.compute_ms += batch_ms
-        share = batch_ms / len(batch)  # each chunk is charged its share of the batched forward
-        for j, state in zip(batch, states):
-            j.task.trace.append(p.TraceEntry(j.stage[0], b, self.id, round(max(0.0, start - j.received) * 1e3, 4),
-                                             round(share, 4), len(batch)))
-            j.state = state
-            self._forward(j, end)
-
-    def _forward(self, job: Job, now: float) -> None:
-        """Queue the job's next stage here, or send it to the next worker or the engine."""
-        task = job.task
-        placement = self.host.placements.get(task.stream)
-        if placement is None or placement.epoch != task.epoch:  # stopped or reset while this task ran
-            return
-        cfg = self.host.models[placement.model].config
-        nxt = next_stage(task.stage, cfg.steps, cfg.blocks)
-        if nxt is not None and nxt in placement.stages:
-            task.stage, job.received = nxt, now
-            self.ready.append(job)
-            return
-        self.stats.tasks += 1
-        route, peer = placement.routes[task.stage], placement.peers.get(task.stage, "")
-        sent = time.perf_counter()
-        task.link = None
-        if nxt is None:
-            out: p.Message = p.Output(stream=task.stream, chunk=task.chunk, epoch=task.epoch, worker=self.id,
-                                      sent=sent, hops=task.hops, trace=task.trace)
-            tensors = self.io.to_host({"x": job.state["x"]})
-        elif self.hops is not None and peer:  # the hidden state goes over the link, the header over ZeroMQ
-            task.stage, task.sent, out, tensors = nxt, sent, task, job.state
-            try:
-                task.link = self.hops.reserve(peer, len(tensors))
-            except HopError as exc:
-                self._lost(task, "link_failed", str(exc), peer=peer)
-                return
-        else:
-            task.stage, task.sent, out = nxt, sent, task
-            tensors = self.io.to_host(job.state)
-        try:
-            # Never block on a peer that is gone (a lost worker): drop, report, and let the engine recover.
-            self._push(route).send_multipart(wire.encode(out, tensors), zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            self.stats.dropped_sends += 1
-            self._lost(task, "send_failed", "the next stage's worker did not take the message")
-            return
-        if task.link is not None:
-            try:
-                self.hops.post(peer, task.link, tensors)
-            except HopError as exc:  # the receiver's side reports it too; whichever comes first resets
-                self._lost(task, "link_failed", str(exc), peer=peer)
-
-    @staticmethod
-    def _slot_key(job: Job) -> tuple[str, int, int]:
-        return (job.stream, job.stage[0], job.stage[1])
 
     # ---- main loop ---------------------------------------------------------------------------
     def serve(self) -> None:
         self.send_ctrl(p.Hello(worker=self.id, data=self.data_addr, pid=os.getpid(), device=self.device,
                                host=socket.gethostname()[:128]))
+        tasks = self.tasks
         next_beat = time.monotonic() + HEARTBEAT_S
         next_poll = busy_until = 0.0
         try:
             while self.running:
                 now = time.monotonic()
-                if self.ready and now < next_poll:
+                if tasks.ready and now < next_poll:
                     # Busy with local stages: look at the sockets at most every POLL_BUSY_S, not between every
                     # two stages (a poll costs as much as a small stage's overhead; a chunk runs many stages).
                     events = {}
                 else:
                     # Idle: block until a message comes, unless it went idle less than spin_us ago (then poll
                     # without sleeping: a sleeping thread's wake-up costs more than a short spin).
-                    idle = not self.ready and now >= busy_until
+                    idle = not tasks.ready and now >= busy_until
                     timeout = max(0.0, next_beat - now) * 1e3 if idle else 0
                     if self.starting:
                         timeout = min(timeout, 5.0)  # poll the loader
@@ -483,20 +269,20 @@ class Worker:
                 if self.ctrl in events:
                     self._drain(self.ctrl, CTRL_BURST, self._on_ctrl)
                 if self.data_in in events:
-                    self._drain(self.data_in, DATA_BURST, self.accept_task)
-                if self.hops is not None:
-                    if self.hops.wake in events:
-                        self.hops.drain_wake()
-                    self.hops.take_arrivals(self._arrived, DATA_BURST)
+                    self._drain(self.data_in, DATA_BURST, tasks.accept_task)
+                if tasks.hops is not None:
+                    if tasks.hops.wake in events:
+                        tasks.hops.drain_wake()
+                    tasks.hops.take_arrivals(tasks.arrived, DATA_BURST)
                 if self.starting:
                     self.finish_starts()
-                if self.ready:
-                    self.run_next()
+                if tasks.ready:
+                    tasks.run_next()
                 now = time.monotonic()
-                if self.ready or events:
-                    busy_until = now + self.settings.spin_us * 1e-6
+                if tasks.ready or events:
+                    busy_until = now + tasks.settings.spin_us * 1e-6
                 if now >= next_beat:
-                    self.send_ctrl(p.Heartbeat(worker=self.id, queue=len(self.ready), stats=self._stats()))
+                    self.send_ctrl(p.Heartbeat(worker=self.id, queue=len(tasks.ready), stats=self._stats()))
                     next_beat = now + HEARTBEAT_S
         finally:
             self.close()
@@ -521,8 +307,8 @@ class Worker:
 
     def close(self) -> None:
         self.host.close()
-        if self.hops is not None:
-            self.hops.close()
+        if self.tasks.hops is not None:
+            self.tasks.hops.close()
         if self._log_handler is not None:
             log.removeHandler(self._log_handler)
         for sock in self.peers.values():

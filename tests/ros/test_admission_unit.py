@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from physis_ros.model import build_model
 from physis_ros.model.presets import load_model_config
 from physis_ros.ros.admission import REASONS, Rejected, ServerAdmission, plan_of
 from physis_ros.ros.config import ServeConfig, StreamConfig
@@ -459,6 +460,10 @@ def test_kv_the_cost_model_charges_is_what_a_worker_allocates(name):
             assert tensors == host.kv_bytes()
             booked = sum(r.kv_bytes for a in placed for r, d in zip(a.placed.ranks, a.placed.devices) if d == w)
             assert booked == host.kv_bytes()
+            # Weights: the trunk plus exactly the blocks its placements need, each what the cost model charges.
+            blocks = {b for a in placed for _, b in a.plan.stages_of(w)}
+            trunk = build_model(cfg, hosted_blocks=[]).weight_bytes()
+            assert host.weight_bytes() == trunk + len(blocks) * prof.block_weight_bytes
         # A stream leaving frees its KV (and the blocks no stream uses).
         hosts[0].stop_stream("s0")
         assert hosts[0].kv_bytes() == len(placed[1].plan.stages_of(0)) * prof.kv_bytes

@@ -67,13 +67,13 @@ def task(stream="robot0", chunk=0, stage=(4, 0), epoch=0):
 
 
 def test_tasks_are_checked_against_the_streams_placement(worker, engine_end):
-    worker.accept_task(task(stage=(3, 0)))  # not hosted here for this stream
-    worker.accept_task(task(stream="nobody"))  # a stream that was never started (or was stopped)
-    worker.accept_task(task(epoch=1))  # from an incarnation the worker has not seen: reported lost
-    worker.accept_task(task())
+    worker.tasks.accept_task(task(stage=(3, 0)))  # not hosted here for this stream
+    worker.tasks.accept_task(task(stream="nobody"))  # a stream that was never started (or was stopped)
+    worker.tasks.accept_task(task(epoch=1))  # from an incarnation the worker has not seen: reported lost
+    worker.tasks.accept_task(task())
     assert worker.stats.bad_messages == 1 and worker.stats.stale == 1
-    assert [j.chunk for j in worker.ready] == [0]
-    assert set(worker.ready[0].state) == {"obs/image", "obs/state", "x"}  # the noise is made here
+    assert [j.chunk for j in worker.tasks.ready] == [0]
+    assert set(worker.tasks.ready[0].state) == {"obs/image", "obs/state", "x"}  # the noise is made here
     lost = [m for m in engine_end.received() if isinstance(m, p.TaskLost)]
     assert [(m.stream, m.chunk, m.epoch, m.reason) for m in lost] == [("robot0", 0, 1, "epoch_ahead")]
 
@@ -81,8 +81,8 @@ def test_tasks_are_checked_against_the_streams_placement(worker, engine_end):
 def test_a_payload_of_the_wrong_shape_is_reported_not_run(worker, engine_end):
     bad = wire.encode(p.Task(stream="robot0", chunk=4, stage=(4, 0), epoch=0),
                       {"obs/image": torch.zeros(1, 3, 16, 16), "obs/state": torch.zeros(1, 7)})
-    worker.accept_task(bad)
-    assert not worker.ready and worker.stats.bad_messages == 1
+    worker.tasks.accept_task(bad)
+    assert not worker.tasks.ready and worker.stats.bad_messages == 1
     lost = [m for m in engine_end.received() if isinstance(m, p.TaskLost)]
     assert lost and lost[0].chunk == 4 and "obs/image" in lost[0].detail
 
@@ -94,17 +94,17 @@ def test_a_header_field_of_the_wrong_type_is_dropped_and_counted(worker, field, 
     frames = [bytes(f) for f in task()]
     header = msgpack.unpackb(frames[0])
     header[field] = value
-    worker.accept_task([msgpack.packb(header), *frames[1:]])  # must not raise
-    assert worker.stats.bad_messages == 1 and not worker.ready
+    worker.tasks.accept_task([msgpack.packb(header), *frames[1:]])  # must not raise
+    assert worker.stats.bad_messages == 1 and not worker.tasks.ready
 
 
 def test_ready_queue_is_bounded_drops_the_oldest_and_reports_it(engine_end):
     worker = make_worker(engine_end, max_ready=8)
     try:
         for c in range(12):
-            worker.accept_task(task(chunk=c))
-        assert len(worker.ready) == 8 and worker.stats.dropped_tasks == 4
-        assert sorted(j.chunk for j in worker.ready) == list(range(4, 12))
+            worker.tasks.accept_task(task(chunk=c))
+        assert len(worker.tasks.ready) == 8 and worker.stats.dropped_tasks == 4
+        assert sorted(j.chunk for j in worker.tasks.ready) == list(range(4, 12))
         lost = [m for m in engine_end.received() if isinstance(m, p.TaskLost)]
         assert [(m.chunk, m.reason) for m in lost] == [(c, "queue_full") for c in range(4)]
     finally:
@@ -115,17 +115,17 @@ def test_fault_injection_drops_the_nth_task_silently(engine_end):
     worker = make_worker(engine_end, faults=p.FaultInjection(drop_task=3))
     try:
         for c in range(5):
-            worker.accept_task(task(chunk=c))
-        assert [j.chunk for j in worker.ready] == [0, 1, 3, 4] and worker.stats.injected_drops == 1
+            worker.tasks.accept_task(task(chunk=c))
+        assert [j.chunk for j in worker.tasks.ready] == [0, 1, 3, 4] and worker.stats.injected_drops == 1
         assert not [m for m in engine_end.received() if isinstance(m, p.TaskLost)]  # silence: a lost message
     finally:
         worker.close()
 
 
 def test_a_failed_send_is_reported_as_lost(worker, engine_end):
-    worker.accept_task(task(chunk=2))
-    worker.run_next()  # (4, 0) here, then (4, 1) here
-    worker.run_next()  # its output goes to a peer that does not exist: the send is refused
+    worker.tasks.accept_task(task(chunk=2))
+    worker.tasks.run_next()  # (4, 0) here, then (4, 1) here
+    worker.tasks.run_next()  # its output goes to a peer that does not exist: the send is refused
     assert worker.stats.dropped_sends == 1
     lost = [m for m in engine_end.received() if isinstance(m, p.TaskLost)]
     assert [(m.chunk, m.reason) for m in lost] == [(2, "send_failed")]

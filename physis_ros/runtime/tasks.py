@@ -1,0 +1,267 @@
+"""A worker's data plane: tasks in (as frames, or declared and received over a link), stages run in
+batches the policy picks, hidden states out to the next stage's worker or the engine.
+
+Nothing a peer sends can stop it: every task is decoded into its declared type or dropped and counted,
+the ready queue is bounded, and a chunk that cannot be passed on (queue full, send refused, stage failed,
+link closed) is reported to the engine at once (:class:`~physis_ros.runtime.protocol.TaskLost`), so that
+its stream is reset rather than stalled. The process, its sockets and control plane are
+:mod:`~physis_ros.runtime.worker`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from physis_ros.logs import Throttle
+from physis_ros.model import KVBatch
+from physis_ros.model.handoff import Handoff
+from physis_ros.model.stages import check_payload, first_state, run_stage
+from physis_ros.runtime import protocol as p
+from physis_ros.runtime import wire
+from physis_ros.runtime.batching import BatchPolicy
+from physis_ros.runtime.device import DeviceIO
+from physis_ros.runtime.hops import Arrival, HopError, TorchHops, empty_like_specs
+from physis_ros.runtime.hosting import StageHost
+from physis_ros.runtime.plans import Stage, next_stage
+
+log = logging.getLogger("physis.worker")
+
+
+@dataclass
+class Job:
+    """A chunk's task while it is on this worker: its header, travelling state and arrival time."""
+
+    task: p.Task
+    model: str                      # ModelRef.id of the stream's model
+    state: dict[str, torch.Tensor]
+    received: float = field(default_factory=time.perf_counter)
+
+    @property
+    def handoff(self) -> Handoff | None:
+        h = self.task.handoff
+        return None if h is None else Handoff(h.mode, h.d, h.shift)
+
+    @property
+    def weights(self) -> tuple[str, int]:
+        """What its next forward runs: a block of a model (only such tasks batch together)."""
+        return (self.model, self.task.stage[1])
+
+    @property
+    def stream(self) -> str:
+        return self.task.stream
+
+    @property
+    def chunk(self) -> int:
+        return self.task.chunk
+
+    @property
+    def stage(self) -> Stage:
+        return self.task.stage
+
+    @property
+    def order(self) -> float:
+        return self.task.order
+
+    @property
+    def deadline(self) -> float:
+        return self.task.deadline
+
+
+class TaskRunner:
+    """Ready queue, stage execution and forwarding for one worker (its sockets come in as callables)."""
+
+    def __init__(self, worker_id: str, host: StageHost, io: DeviceIO, stats: p.WorkerStats, max_message_bytes: int,
+                 push: Callable[[str], zmq.Socket], send_ctrl: Callable[[p.Message], None]):
+        self.id = worker_id
+        self.host = host
+        self.io = io
+        self.stats = stats
+        self.max_message_bytes = max_message_bytes
+        self._push = push
+        self.send_ctrl = send_ctrl
+        self.settings = p.Load(req=0)       # set by the worker's Load
+        self.policy: BatchPolicy | None = None
+        self.hops: TorchHops | None = None  # hidden states over torch.distributed (Load.hops == "torch")
+        self.ready: list[Job] = []
+        self.accepted = 0
+        self.throttle = Throttle(5.0)
+
+    def drop_stream(self, stream: str) -> None:
+        """Forget a stream's queued tasks (it stops, or starts again under a new epoch)."""
+        self.ready = [j for j in self.ready if j.stream != stream]
+
+    def _warn(self, key: str, text: str) -> None:
+        self.throttle.log(log, logging.WARNING, key, f"worker {self.id}: {text}")
+
+    def _lost(self, task: p.Task, reason: str, detail: str, peer: str = "") -> None:
+        """Report a chunk this worker cannot pass on, so the engine resets its stream now."""
+        self._warn(f"lost:{reason}", f"chunk {task.chunk} of stream '{task.stream}' lost ({reason}): {detail}")
+        self.send_ctrl(p.TaskLost(worker=self.id, stream=task.stream, chunk=task.chunk, epoch=task.epoch,
+                                  reason=reason, detail=p.clip_text(detail), peer=peer))
+
+    def accept_task(self, frames: list) -> None:
+        try:
+            rec = wire.decode(frames, wire.DATA, self.max_message_bytes)
+        except wire.WireError as exc:
+            self.stats.bad_messages += 1
+            self._warn("bad_data", f"dropped a malformed data message: {exc}")
+            return
+        if rec.msg.link is not None:
+            self._receive(rec)
+        else:
+            self._admit(rec)
+
+    def _receive(self, rec: wire.Received[p.Task]) -> None:
+        """Post the receives a link task announces; it is admitted when they arrive (:meth:`_arrived`).
+        Stale tasks are received too (and then dropped): a send left unmatched would close the link."""
+        task = rec.msg
+        try:
+            if self.hops is None:
+                raise HopError("this worker was loaded with hops 'zmq'")
+            declared = empty_like_specs(task.tensors, "meta", self.max_message_bytes)
+            placement = self.host.placements.get(task.stream)
+            if placement is not None and placement.epoch == task.epoch:  # never receive into what the stage
+                host = self.host.models[placement.model]                 # does not expect
+                check_payload(host.config, False, task.stage[1], declared, host.model.dtype)
+            self.hops.receive(task.link, {k: torch.empty_like(v, device=self.hops.recv_device)
+                                          for k, v in declared.items()}, rec)
+        except HopError as exc:
+            self._lost(task, "link_failed", f"cannot receive over the link from {task.link.sender}: {exc}",
+                       peer=task.link.sender)
+        except (wire.WireError, ValueError) as exc:  # nothing posted: the link is not at risk
+            self.stats.bad_messages += 1
+            self._lost(task, "task_failed", f"malformed link task: {exc}")
+
+    def arrived(self, arrival: Arrival) -> None:
+        rec = arrival.context
+        if arrival.tensors is None:
+            self._lost(rec.msg, "link_failed", arrival.error, peer=rec.msg.link.sender)
+            return
+        rec.tensors = arrival.tensors
+        self.stats.link_hops += 1
+        self._admit(rec)
+
+    def _admit(self, rec: wire.Received[p.Task]) -> None:
+        task = rec.msg
+        placement = self.host.placements.get(task.stream)
+        if placement is None or task.epoch < placement.epoch:  # a stopped stream, or an earlier incarnation
+            self.stats.stale += 1
+            return
+        if task.epoch > placement.epoch:
+            self._lost(task, "epoch_ahead", f"task of epoch {task.epoch}, this worker hosts epoch {placement.epoch}")
+            return
+        if task.stage not in placement.stages:
+            self.stats.bad_messages += 1
+            self._warn("not_hosted", f"dropped a task for stage {list(task.stage)} of stream '{task.stream}', "
+                                     f"which is not hosted here")
+            return
+        host = self.host.models[placement.model]
+        model = host.model
+        first = task.stage == (host.config.steps, 0)
+        try:
+            check_payload(host.config, first, task.stage[1], rec.tensors, model.dtype)
+        except ValueError as exc:
+            self.stats.bad_messages += 1
+            self._lost(task, "task_failed", f"malformed payload: {exc}")
+            return
+        self.accepted += 1
+        drop = self.settings.faults.drop_task
+        if drop and self.accepted == drop:
+            self.stats.injected_drops += 1  # fault injection: vanish without a word, as a lost message would
+            return
+        if task.sent:
+            task.hops.append(min(max(0.0, (time.perf_counter() - task.sent) * 1e3), 1e9))
+        if first:  # the chunk's first stage: observation in, noise made here
+            state = first_state(rec.tensors, model.noise(task.seed, task.stream, task.chunk),
+                                lambda t: self.io.to_device(t, model.dtype))
+        else:
+            state = {k: self.io.to_device(v) for k, v in rec.tensors.items()}
+        self.ready.append(Job(task, placement.model, state))
+        if len(self.ready) > self.settings.max_ready:  # bounded: a burst costs the oldest chunk, reported
+            dropped = min(self.ready, key=lambda j: j.order)
+            self.ready.remove(dropped)
+            self.stats.dropped_tasks += 1
+            self._lost(dropped.task, "queue_full", f"ready queue full ({self.settings.max_ready} tasks)")
+
+    def run_next(self) -> None:
+        """Run one stage for the task the policy picks, batched with same-block tasks if that pays."""
+        batch = self.policy.pick(self.ready, self._slot_key)
+        for j in batch:
+            self.ready.remove(j)
+        host = self.host.models[batch[0].model]
+        b = batch[0].stage[1]
+        slots = [self.host.placements[j.stream].slots[j.stage[0]] for j in batch]
+        try:
+            with self.io.timer() as timer:
+                states = run_stage(host.model, b, [j.stage[0] for j in batch], [j.state for j in batch],
+                                   KVBatch(host.tables[b], slots), [j.handoff for j in batch])
+        except Exception as exc:  # a failing task must not take the worker down
+            self.stats.errors += 1
+            log.exception("worker %s: stage %s of %d task(s) failed", self.id, batch[0].stage, len(batch))
+            for j in batch:
+                self._lost(j.task, "task_failed", f"stage {list(j.stage)} raised {type(exc).__name__}: {exc}")
+            return
+        start, end, batch_ms = timer.wall_start, timer.wall_end, timer.ms
+        self.policy.observe(batch[0].weights, len(batch), batch_ms)
+        self.stats.stages += len(batch)
+        self.stats.batches += 1
+        self.stats.compute_ms += batch_ms
+        share = batch_ms / len(batch)  # each chunk is charged its share of the batched forward
+        for j, state in zip(batch, states):
+            j.task.trace.append(p.TraceEntry(j.stage[0], b, self.id, round(max(0.0, start - j.received) * 1e3, 4),
+                                             round(share, 4), len(batch)))
+            j.state = state
+            self._forward(j, end)
+
+    def _forward(self, job: Job, now: float) -> None:
+        """Queue the job's next stage here, or send it to the next worker or the engine."""
+        task = job.task
+        placement = self.host.placements.get(task.stream)
+        if placement is None or placement.epoch != task.epoch:  # stopped or reset while this task ran
+            return
+        cfg = self.host.models[placement.model].config
+        nxt = next_stage(task.stage, cfg.steps, cfg.blocks)
+        if nxt is not None and nxt in placement.stages:
+            task.stage, job.received = nxt, now
+            self.ready.append(job)
+            return
+        self.stats.tasks += 1
+        route, peer = placement.routes[task.stage], placement.peers.get(task.stage, "")
+        sent = time.perf_counter()
+        task.link = None
+        if nxt is None:
+            out: p.Message = p.Output(stream=task.stream, chunk=task.chunk, epoch=task.epoch, worker=self.id,
+                                      sent=sent, hops=task.hops, trace=task.trace)
+            tensors = self.io.to_host({"x": job.state["x"]})
+        elif self.hops is not None and peer:  # the hidden state goes over the link, the header over ZeroMQ
+            task.stage, task.sent, out, tensors = nxt, sent, task, job.state
+            try:
+                task.link = self.hops.reserve(peer, len(tensors))
+            except HopError as exc:
+                self._lost(task, "link_failed", str(exc), peer=peer)
+                return
+        else:
+            task.stage, task.sent, out = nxt, sent, task
+            tensors = self.io.to_host(job.state)
+        try:
+            # Never block on a peer that is gone (a lost worker): drop, report, and let the engine recover.
+            self._push(route).send_multipart(wire.encode(out, tensors), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.stats.dropped_sends += 1
+            self._lost(task, "send_failed", "the next stage's worker did not take the message")
+            return
+        if task.link is not None:
+            try:
+                self.hops.post(peer, task.link, tensors)
+            except HopError as exc:  # the receiver's side reports it too; whichever comes first resets
+                self._lost(task, "link_failed", str(exc), peer=peer)
+
+    @staticmethod
+    def _slot_key(job: Job) -> tuple[str, int, int]:
+        return (job.stream, job.stage[0], job.stage[1])

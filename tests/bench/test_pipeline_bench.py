@@ -1,0 +1,31 @@
+"""``physis-bench pipeline`` end to end on a few chunks: the hidden-state transport and the idle spin are
+chosen from the command line, every entry is verified against the sequential reference."""
+
+import json
+
+from physis_ros.cli import bench
+
+
+def test_transports_zmq_and_torch_are_both_bit_identical_and_compared(tmp_path):
+    out = tmp_path / "p.json"
+    assert bench.main(["pipeline", "--model", "tiny-wam", "--workers", "3", "--plans", "stage", "--chunks", "12",
+                       "--repeats", "1", "--no-parallel-limit", "--transport", "zmq,torch", "--verify",
+                       "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["transports"] == ["zmq", "torch"] and set(r["plans"]) == {"stage@zmq", "stage@torch"}
+    for key, hops in (("stage@zmq", "zmq"), ("stage@torch", "torch")):
+        entry = r["plans"][key]
+        assert entry["hops"] == hops and entry["max_abs_diff_vs_reference"] == 0.0 and entry["hop_ms_p50"] > 0
+    cmp = r["torch_vs_zmq"]["stage"]
+    assert cmp["chunks_per_s_ratio"] > 0 and len(cmp["hop_ms_p50"]) == 2
+
+
+def test_spin_variants_are_entries_with_their_comparison(tmp_path):
+    out = tmp_path / "p.json"
+    assert bench.main(["pipeline", "--model", "tiny-wam", "--workers", "2", "--plans", "stage", "--chunks", "10",
+                       "--repeats", "1", "--no-parallel-limit", "--spin-us", "0,300", "--verify",
+                       "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["plans"]) == {"stage@spin0", "stage@spin300"}
+    assert r["plans"]["stage@spin300"]["spin_us"] == 300 and r["plans"]["stage@spin300"]["max_abs_diff_vs_reference"] == 0
+    assert r["spin_vs_block"]["stage"]["spin_us"] == 300
