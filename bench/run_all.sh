@@ -21,5 +21,6 @@ $B/physis-bench timeshare --model base-wam --workers 1 --chunks 40 --repeats 2 -
 $B/physis-bench streams --json "$OUT/streams_tiny-wam_w2.json" || true  # exit 1 = an SLO missed: recorded
 $B/physis-bench ros --json "$OUT/ros.json"
 $B/physis-sim --scenario report24 --json "$OUT/sim_report24.json"
+$B/physis-bench hop --json "$OUT/hop.json" --plot "$OUT/hop.png"   # about 25 s
 [ "${SOAK_MINUTES:-10}" = 0 ] && exit 0
 $B/physis-bench soak --minutes "${SOAK_MINUTES:-10}" --json "$OUT/soak.json" --plot "$OUT/soak.png"

@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delays", default="0,2,4", help="injected extra delays d (control steps)")
     p.add_argument("--control-rate-hz", type=float, default=50.0)
     p.add_argument("--execution-horizon", type=int, default=8, help="s: steps each chunk is executed for")
-    p.add_argument("--transport", choices=("tcp", "ipc"), default="tcp")
+    p.add_argument("--socket", choices=("tcp", "ipc"), default="tcp")
     p.add_argument("--json", help="write results here")
     p.add_argument("--plot", help="write a PNG: seam jumps per mode and delay, executed trajectory vs expert")
 
@@ -75,6 +75,7 @@ class RobotRun:
     overhead_ms: list = dataclasses.field(default_factory=list)
     delays: list = dataclasses.field(default_factory=list)      # d the hand-off assumed
     outputs: list = dataclasses.field(default_factory=list)     # (first_step, actions) for the plot
+    resets: int = 0             # its stream was reset (a worker lost under load): its seams are not the hand-off's
 
 
 class Scenario:
@@ -129,6 +130,7 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
                                 release_interval_ms=interval_ms * (1.0 - AdmissionConfig().pace_margin))
     for name in names:
         await engine.wait_stream(name)
+        runs[name].resets = sum(engine.stream_status(name)["resets"].values())
         await engine.remove_stream(name)
         admission.remove(name)
     return runs
@@ -141,6 +143,7 @@ def summarize_run(mode: str, d: int, model: str, runs: dict[str, RobotRun], skip
     return {
         "mode": mode, "delay_steps": d, "model": model, "robots": len(runs),
         "chunks": sum(len(r.seams) for r in runs.values()),
+        "resets": sum(r.resets for r in runs.values()),
         "seam_jump_p50": percentile(pos, 50), "seam_jump_p99": percentile(pos, 99),
         "seam_velocity_jump_p99": percentile([s[1] for s in seams], 99),
         "jerk_rms": float(np.mean([r.robot.jerk_rms() for r in runs.values()])),
@@ -155,7 +158,7 @@ def summarize_run(mode: str, d: int, model: str, runs: dict[str, RobotRun], skip
 async def run_all(args: argparse.Namespace) -> dict:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     delays = [int(x) for x in args.delays.split(",") if x.strip()]
-    config = EngineConfig(workers=args.workers, plan="sequential", transport=args.transport)
+    config = EngineConfig(workers=args.workers, plan="sequential", transport=args.socket)
     catalog = ModelCatalog("tiny-wam", "cpu", AdmissionConfig(profiles=str(ROOT / "config" / "profiles")))
     trained = catalog.resolve(args.checkpoint)
     random_model = catalog.resolve("tiny-wam")

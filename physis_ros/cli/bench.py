@@ -1,6 +1,7 @@
 """``physis-bench SUBCOMMAND``: benchmarks that write JSON (and plots).
 
-    physis-bench pipeline | timeshare | soak | streams | ros | admission | handoff  [options]   (physis-bench SUB --help)
+    physis-bench pipeline | timeshare | soak | streams | ros | admission | handoff | hop  [options]
+    (physis-bench SUB --help)
 
 Each subcommand lives in ``physis_ros.bench.<name>`` and provides
 ``add_arguments(parser)`` and ``run(args) -> int``. Flags they share are checked
@@ -34,6 +35,9 @@ SUBCOMMANDS = {
     "admission": "robots join the running server through the action until rejected; SLO vs measured, batching "
                  "credited vs not",
     "handoff": "chunk hand-off none/hard/soft under injected delay: seams, jerk, tracking on a simulated robot",
+    "device": "the device check: profile, 1 worker then several time-sharing one device per hop transport, "
+              "equivalence to the reference, memory (bench/device_check.sh)",
+    "hop": "hidden-state hop time per transport (zmq tcp/ipc, gloo; nccl on CUDA) vs memcpy, 64K-64M",
 }
 
 # flag (argparse dest) -> (lowest value, whether the bound is excluded)

@@ -19,11 +19,19 @@ worker keeps serving, exactly like block loads.
 Threads, and why: gloo's ``Work.is_completed()`` stays false until ``wait()``
 is called, and ``wait()`` blocks. Sends are posted on the worker's thread and
 waited on a sender thread (the tensor stays referenced until then), so stage
-``i+1`` computes while stage ``i``'s output moves. Receives are posted and
-waited on a receiver thread (in arrival order), which hands finished payloads
-back through a queue and wakes the worker's poll through an inproc socket: a
-transfer that never comes (a peer that died) cannot stall the worker's loop or
-its heartbeats, only that link, until the pair's timeout closes it.
+``i+1`` computes while stage ``i``'s output moves. Receives are posted on the
+worker's thread and waited on one receiver thread per sending peer (in arrival
+order), which hands finished payloads back through a queue and wakes the
+worker's poll through an inproc socket: a transfer that never comes (a peer
+that died, a forged header) cannot stall the worker's loop, its heartbeats or
+its other links, only that link, until the pair's timeout closes it.
+
+On CUDA the pairs are NCCL's: ``wait()`` then makes the worker's current
+stream wait for the transfer rather than the host, so an arrival is handed
+over when the receive is enqueued, and the stage that reads it runs after it
+on the same stream. NCCL keeps its own timeout (``hop_timeout_s`` applies to
+gloo), and it cannot pair two ranks on one GPU: ``hops: torch`` on GPUs needs
+one GPU per worker (the engine refuses otherwise).
 """
 
 from __future__ import annotations
@@ -119,16 +127,14 @@ class TorchHops:
         self._next_tag: dict[LinkId, int] = {}
         self._builder = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hop-link")
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
-        self._recvs: queue.SimpleQueue = queue.SimpleQueue()
         self.arrivals: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
         self.ctx = ctx or zmq.Context.instance()
         self.wake_addr = f"inproc://hops-{id(self)}"
         self.wake = self.ctx.socket(zmq.PULL)         # the worker polls this: an arrival is waiting
         self.wake.bind(self.wake_addr)
-        self._threads = [threading.Thread(target=self._send_loop, name="hop-send", daemon=True),
-                         threading.Thread(target=self._recv_loop, name="hop-recv", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._sender = threading.Thread(target=self._send_loop, name="hop-send", daemon=True)
+        self._sender.start()
+        self._receivers: dict[str, tuple[queue.SimpleQueue, threading.Thread]] = {}   # one per sending peer
 
     # ---- links ----------------------------------------------------------------------------------
     def connect(self, peer: str, gen: int) -> Future | None:
@@ -214,7 +220,13 @@ class TorchHops:
         except RuntimeError as exc:
             self._broken(hop.sender, link)
             raise HopError(f"link {link.a}<->{link.b} (generation {link.gen}) is closed: {exc}") from None
-        self._recvs.put((link, works, tensors, context))
+        receiver = self._receivers.get(hop.sender)
+        if receiver is None:
+            items: queue.SimpleQueue = queue.SimpleQueue()
+            receiver = self._receivers[hop.sender] = (items, threading.Thread(
+                target=self._recv_loop, args=(items,), name=f"hop-recv-{hop.sender}", daemon=True))
+            receiver[1].start()
+        receiver[0].put((link, works, tensors, context))
 
     def _send_loop(self) -> None:
         while True:
@@ -227,12 +239,13 @@ class TorchHops:
             except Exception as exc:  # the pair is closed; the receiver reports the chunk (link_failed)
                 log.warning("hop send over %s<->%s (generation %d) failed: %s", link.a, link.b, link.gen, exc)
 
-    def _recv_loop(self) -> None:
+    def _recv_loop(self, items: queue.SimpleQueue) -> None:
+        """Wait on one peer's receives in arrival order (a stuck one holds up only that peer's)."""
         wake = self.ctx.socket(zmq.PUSH)
         wake.connect(self.wake_addr)
         try:
             while True:
-                item = self._recvs.get()
+                item = items.get()
                 if item is None:
                     return
                 link, works, tensors, context = item
@@ -243,7 +256,10 @@ class TorchHops:
                 except Exception as exc:
                     arrival = Arrival(context, None, f"receive over link {link.a}<->{link.b} failed: {exc}")
                 self.arrivals.put(arrival)
-                wake.send(b"", zmq.NOBLOCK)
+                try:
+                    wake.send(b"", zmq.NOBLOCK)
+                except zmq.Again:  # wake-ups pile up unread: the worker is busy and drains arrivals each turn
+                    pass
         finally:
             wake.close(linger=0)
 
@@ -263,9 +279,11 @@ class TorchHops:
             handle(arrival)
 
     def close(self) -> None:
+        """Stop the threads (a transfer still waiting ends at the pair's timeout) and drop the pairs."""
+        for items, _ in self._receivers.values():
+            items.put(None)
         self._sends.put(None)
-        self._recvs.put(None)
-        for t in self._threads:
+        for t in [self._sender, *(t for _, t in self._receivers.values())]:
             t.join(timeout=self.timeout.total_seconds() + 1)
         self._builder.shutdown(wait=False, cancel_futures=True)
         self.links.clear()

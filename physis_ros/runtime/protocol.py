@@ -215,6 +215,7 @@ class WorkerStats(Struct, forbid_unknown_fields=True):
     compute_ms: Ms = 0.0
     kv_bytes: Count = 0          # KV allocated for the (stream, stage)s hosted here
     weight_bytes: Count = 0      # weights held: trunks and the hosted blocks
+    device_bytes: Count = 0      # the device allocator's bytes in use (CUDA; 0 on CPU)
 
 
 class Hello(_Message, tag="hello"):

@@ -142,6 +142,10 @@ class EngineConfig:
         for d in self.devices:
             if not (d == "cpu" or d.startswith("cuda")):
                 raise ConfigError("devices", f"{d!r} is not a device; use 'cpu' or 'cuda:N'")
+        gpus = [self.device_of(i) for i in range(self.workers) if self.device_of(i).startswith("cuda")]
+        if self.hops == "torch" and len(set(gpus)) < len(gpus) and self.launcher != "ray":
+            raise ConfigError("hops", "hops torch pairs GPU workers over NCCL, which cannot pair two ranks on one "
+                                      "GPU: give each worker its own (devices: [cuda:0, cuda:1, ...]) or use hops zmq")
         if self.transport == "tcp" and not is_loopback(self.bind_host) and not self.curve_keys \
                 and self.launcher != "ray":  # ray: fresh keys per worker, always (security.ephemeral_keys)
             raise ConfigError("curve_keys", f"binding {self.bind_host} (not loopback) requires CurveZMQ keys: "

@@ -241,6 +241,7 @@ class Worker:
     def _stats(self) -> p.WorkerStats:
         self.stats.kv_bytes = self.host.kv_bytes()
         self.stats.weight_bytes = self.host.weight_bytes()
+        self.stats.device_bytes = torch.cuda.memory_allocated(self.io.device) if self.io.cuda else 0
         return self.stats
 
     # ---- main loop ---------------------------------------------------------------------------

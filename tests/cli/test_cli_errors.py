@@ -96,6 +96,8 @@ CASES = [
     case("physis-bench handoff --modes none,smooth", None, 2, ["--modes", "smooth"]),
     case("physis-bench handoff --robots 0", None, 2, ["--robots", ">= 1"]),
     case("physis-bench admission --modes sometimes", None, 2, ["--modes", "adaptive, on, off"]),
+    case("physis-bench hop --sizes 64K,lots", None, 2, ["--sizes", "lots", "64K,1M"]),
+    case("physis-bench hop --sizes 2G", None, 2, ["--sizes", "(0, 1G]"]),
     case("physis-train --out x.pt", None, 2, ["--out", ".safetensors"]),
     # ---- physis-profile
     case("physis-profile --model tiny-wam", None, 2, ["required", "--json"]),

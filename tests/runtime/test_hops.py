@@ -195,3 +195,13 @@ def test_a_link_task_carries_no_tensor_frames_and_frames_beside_one_are_refused(
     assert rec.tensors == {} and rec.msg.tensors == [p.TensorSpec("x", "float32", [2, 3])]
     with pytest.raises(wire.WireError, match="expected none"):
         wire.decode([frames[0], b"\0" * 24], wire.DATA)
+
+
+def test_torch_hops_need_one_gpu_per_worker():
+    from physis_ros.config import ConfigError
+
+    with pytest.raises(ConfigError, match="hops") as info:
+        EngineConfig(workers=2, devices=["cuda:0"], hops="torch").validate()
+    assert "one GPU" in str(info.value) or "own" in str(info.value)
+    EngineConfig(workers=2, devices=["cuda:0", "cuda:1"], hops="torch").validate()
+    EngineConfig(workers=2, devices=["cpu"], hops="torch").validate()   # gloo pairs processes on one host
