@@ -13,8 +13,9 @@ On ``--device`` (a GPU, or ``cpu`` as the CI smoke test of this same code):
 
 Transports: ``zmq`` always (on CUDA a host bounce: pinned copy, frames, copy
 back); ``torch`` where it can pair the workers: gloo on CPU, NCCL between
-workers on *different* GPUs. NCCL cannot make two ranks of one GPU a pair, so
-with one GPU the time-sharing workers hop over zmq and the JSON says why.
+workers on *different* GPUs; ``shm`` on CPU. NCCL cannot make two ranks of one
+GPU a pair, so with one GPU the time-sharing workers hop over zmq and the JSON
+says why.
 """
 
 from __future__ import annotations
@@ -57,11 +58,14 @@ def transports_for(device: str, workers: int) -> tuple[dict[str, list[str]], dic
     runs, skipped = {"zmq": [device] * workers}, {}
     if not device.startswith("cuda"):
         runs["torch"] = [device] * workers
-    elif torch.cuda.device_count() >= workers:
-        runs["torch"] = [f"cuda:{i}" for i in range(workers)]   # NCCL: one GPU per worker
+        runs["shm"] = [device] * workers
     else:
-        skipped["torch"] = (f"NCCL pairs ranks on different GPUs; {workers} workers, {torch.cuda.device_count()} "
-                            f"GPU(s) here")
+        if torch.cuda.device_count() >= workers:
+            runs["torch"] = [f"cuda:{i}" for i in range(workers)]   # NCCL: one GPU per worker
+        else:
+            skipped["torch"] = (f"NCCL pairs ranks on different GPUs; {workers} workers, {torch.cuda.device_count()} "
+                                f"GPU(s) here")
+        skipped["shm"] = "host shared memory: CPU workers only"
     return runs, skipped
 
 

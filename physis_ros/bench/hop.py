@@ -14,6 +14,9 @@ as workers are) bounce a ``float32`` tensor of each size back and forth; a hop i
   pair's torch.distributed link (:class:`~physis_ros.runtime.hops.TorchHops`, rendezvous at the
   engine-side :class:`~physis_ros.runtime.hops.LinkBook`): reserve, send the header, post; the
   receiver decodes the header, allocates what it declares and waits for the arrival.
+- ``shm``: the header over ZeroMQ (declarations and ``task.shm``), the tensor copied into the ring the
+  sender writes for its peer and copied out by the receiver into a fresh tensor
+  (:class:`~physis_ros.runtime.shm_hops.ShmHops`), as CPU workers on one host do with ``hops: shm``.
 - on CUDA only: ``nccl`` (the same with the device's tensors) and ``host-bounce`` (device -> pinned
   host -> ``zmq-tcp`` -> host -> device, :class:`~physis_ros.runtime.device.DeviceIO` as workers use it).
 
@@ -50,7 +53,7 @@ from physis_ros.cli.common import write_json
 from physis_ros.bench.hop_ends import Setup, TransportFailed, measure_transport
 from physis_ros.runtime import wire
 
-CPU_TRANSPORTS = ("zmq-tcp", "zmq-ipc", "gloo")
+CPU_TRANSPORTS = ("zmq-tcp", "zmq-ipc", "gloo", "shm")
 CUDA_TRANSPORTS = ("nccl", "host-bounce")
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
 MAX_SIZE = 1 << 30

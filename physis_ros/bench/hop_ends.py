@@ -157,6 +157,45 @@ class TorchEnd(ZmqEnd):
         super().close()
 
 
+class ShmEnd(ZmqEnd):
+    """The header over ZeroMQ, the tensor through the shared ring this side writes for its peer
+    (runtime/shm_hops.py), copied out on the other side as a worker does."""
+
+    def __init__(self, role: str, setup: Setup):
+        super().__init__(role, setup)
+        from physis_ros.runtime.shm_hops import ShmHops
+
+        self.shm = ShmHops(role, 1 << 20)
+        self.peer = ""
+        self.size = 0
+
+    def connect(self, peer_address: str, peer: str) -> None:
+        super().connect(peer_address, peer)
+        self.peer = peer
+        self.shm.connect(peer, 0)
+
+    def send(self, task: p.Task, h: torch.Tensor | None) -> None:
+        tensors = {} if h is None else {"h": h}
+        n = 0 if h is None else h.numel() * h.element_size()
+        if n > self.size:  # a ring sized for this traffic (4 hops), as hop_ring_mb would be for a model
+            self.size = n
+            self.shm.connect(self.peer, self.shm.out[self.peer].gen + 1, 4 * n + (64 << 10))
+        task.shm = self.shm.write(self.peer, tensors) if tensors else None
+        if tensors and task.shm is None:
+            raise RuntimeError("the ring had no room for one hop")
+        self.push.send_multipart(wire.encode(task, tensors), copy=False)
+
+    def recv(self) -> tuple[p.Task, torch.Tensor | None]:
+        rec = self._header()
+        if rec.msg.shm is None:
+            return rec.msg, None
+        return rec.msg, self.shm.read(rec.msg.shm, rec.msg.tensors)["h"]
+
+    def close(self) -> None:
+        self.shm.close()
+        super().close()
+
+
 def _payload(n: int, device: torch.device) -> torch.Tensor:
     """A hidden state of ``n`` bytes: float32 when ``n`` allows it (no NaN: the echo is compared)."""
     gen = torch.Generator().manual_seed(n)
@@ -200,7 +239,8 @@ def _side(role: str, setup: Setup, conn) -> None:
     end = None
     try:
         torch.set_num_threads(1)
-        end = (TorchEnd if setup.transport in ("gloo", "nccl") else ZmqEnd)(role, setup)
+        end = (TorchEnd if setup.transport in ("gloo", "nccl") else ShmEnd if setup.transport == "shm"
+               else ZmqEnd)(role, setup)
         conn.send(("address", end.address))
         peer_address = conn.recv()
         end.connect(peer_address, "pong" if role == "ping" else "ping")

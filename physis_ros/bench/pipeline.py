@@ -13,9 +13,10 @@ once; placement group and actors per engine) and each worker's resident memory.
 Ray always runs CurveZMQ on routable addresses; ``--local-curve`` gives the local
 workers the same (keys, this host's address), so that only Ray differs.
 
-``--transport zmq,torch`` does the same for the hidden-state transport between
-workers (frames beside the ZeroMQ header, or torch.distributed links: gloo on
-CPU, NCCL on GPUs; entries ``PLAN@zmq``, ``PLAN@torch`` and ``torch_vs_zmq``),
+``--transport zmq,torch,shm`` does the same for the hidden-state transport between
+workers (frames beside the ZeroMQ header, torch.distributed links: gloo on CPU,
+NCCL on GPUs, or shared-memory rings; entries ``PLAN@zmq``, ``PLAN@torch``, ...
+and ``torch_vs_zmq``, ``shm_vs_zmq``),
 and ``--spin-us 0,200`` for how long an idle worker polls before it sleeps
 (entries ``PLAN@spin200``, and ``spin_vs_block``): whether spinning recovers the
 wake-up cost of an idle core. ``--socket ipc`` puts the sockets on ipc.
@@ -67,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", choices=("tcp", "ipc"), default="tcp", help="ZeroMQ sockets (ray: tcp only)")
     p.add_argument("--transport", type=transports, default=["zmq"],
                    help="hidden states between workers: zmq, torch (torch.distributed: gloo on CPU, NCCL on GPU), "
-                        "or both (zmq,torch): every plan with each, interleaved per round")
+                        "shm (shared-memory rings, CPU workers), or several (zmq,torch,shm): every plan with each, "
+                        "interleaved per round")
     p.add_argument("--spin-us", type=spins, default=[0],
                    help="an idle worker polls this long before it sleeps (comma list: each, interleaved)")
     p.add_argument("--launcher", type=launchers, default=["local"],
@@ -93,8 +95,8 @@ def launchers(text: str) -> list[str]:
 
 def transports(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names or any(n not in ("zmq", "torch") for n in names) or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"give zmq, torch or zmq,torch, got {text!r}")
+    if not names or any(n not in ("zmq", "torch", "shm") for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"give one or more of zmq, torch, shm (comma-separated), got {text!r}")
     return names
 
 
@@ -293,8 +295,9 @@ def compare(args: argparse.Namespace, plans: list[str], runs: dict[str, list[dic
         return {"chunks_per_s_ratio": float(np.median([y["chunks_per_s"] / x["chunks_per_s"] for x, y in zip(a, b)])),
                 "hop_ms_p50": [float(np.median([e["hop_ms_p50"] for e in a])), float(np.median([e["hop_ms_p50"]
                                                                                              for e in b]))]}
-    if len(args.launcher) == 1 and len(args.spin_us) == 1 and set(args.transport) == {"zmq", "torch"}:
-        result["torch_vs_zmq"] = {n: ratios(f"{n}@zmq", f"{n}@torch") for n in plans}
+    if len(args.launcher) == 1 and len(args.spin_us) == 1 and "zmq" in args.transport and len(args.transport) > 1:
+        for other in set(args.transport) - {"zmq"}:
+            result[f"{other}_vs_zmq"] = {n: ratios(f"{n}@zmq", f"{n}@{other}") for n in plans}
     if len(args.launcher) == 1 and len(args.transport) == 1 and len(args.spin_us) == 2 and 0 in args.spin_us:
         spin = max(args.spin_us)
         result["spin_vs_block"] = {n: {"spin_us": spin, **ratios(f"{n}@spin0", f"{n}@spin{spin}")} for n in plans}

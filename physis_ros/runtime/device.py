@@ -3,7 +3,10 @@
 On CPU this is a pass-through and ``perf_counter`` timing. On CUDA, received
 tensors are staged through pinned host memory and copied with
 ``non_blocking=True``; outgoing ones come back into pinned buffers; stage
-times come from CUDA events, so they measure the kernels, not the launch.
+times come from CUDA events, so they measure the kernels, not the launch, and
+the host does not wait for a stage to end to learn its time: the worker asks
+when the event has completed, or when the chunk leaves it (see
+runtime/tasks.py, ``TaskRunner._settle``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class StageTimer:
 
     def __init__(self, io: DeviceIO):
         self.io = io
-        self.ms = 0.0
+        self._ms: float | None = None
 
     def __enter__(self) -> StageTimer:
         self.wall_start = time.perf_counter()
@@ -56,9 +59,19 @@ class StageTimer:
 
     def __exit__(self, *exc) -> None:
         if self.io.cuda:
-            self.end_evt.record()
-            self.end_evt.synchronize()
-            self.ms = self.start_evt.elapsed_time(self.end_evt)
+            self.end_evt.record()  # no wait here: the kernels may still be running
         else:
-            self.ms = (time.perf_counter() - self.wall_start) * 1e3
+            self._ms = (time.perf_counter() - self.wall_start) * 1e3
         self.wall_end = time.perf_counter()
+
+    def done(self) -> bool:
+        """Whether :attr:`ms` is known without waiting."""
+        return self._ms is not None or self.end_evt.query()
+
+    @property
+    def ms(self) -> float:
+        """The stage's time; on CUDA, waits for its end event if it has not completed yet."""
+        if self._ms is None:
+            self.end_evt.synchronize()
+            self._ms = self.start_evt.elapsed_time(self.end_evt)
+        return self._ms

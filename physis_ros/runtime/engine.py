@@ -112,8 +112,8 @@ class Engine:
             self.out_addr = f"tcp://{bind_host}:{self.out.bind_to_random_port(ctrl_base)}"
         self.pool = WorkerPool(self.ctx, cfg, ctrl_base, self._ipc_dir.name if self._ipc_dir else None, self.keys,
                                self.launcher)
-        if cfg.hops == "torch":
-            self.links = LinkBook(bind_host, cfg.hop_timeout_s)
+        if cfg.hops != "zmq":
+            self.links = LinkBook(bind_host if cfg.hops == "torch" else None, cfg.hop_timeout_s)
         self.pool.on_started = self._load
         self.recovery.attach(self.pool)
         self._tasks.append(asyncio.create_task(self.pool.control_loop(), name="engine-control"))
@@ -142,7 +142,8 @@ class Engine:
         await self.pool.request(w.name, p.Load(
             req=0, threads=cfg.threads_per_worker, max_ready=cfg.max_ready, batching=cfg.batching,
             max_batch=cfg.max_batch, policy=cfg.policy, faults=p.FaultInjection(drop_task=drop), hops=cfg.hops,
-            hop_store=self.links.address if self.links else "", hop_timeout_s=cfg.hop_timeout_s, spin_us=cfg.spin_us),
+            hop_store=self.links.address if self.links else "", hop_timeout_s=cfg.hop_timeout_s,
+            hop_ring_mb=cfg.hop_ring_mb, spin_us=cfg.spin_us),
             timeout=cfg.start_timeout_s)
 
     async def stop(self) -> None:

@@ -154,7 +154,10 @@ class TorchHops:
             pg = dist.ProcessGroupNCCL(dist.PrefixStore(link.prefix, self.store), link.rank_of(self.me), 2)
         else:
             opts = dist.ProcessGroupGloo._Options()
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind_host)]
+            # Lazy: the pair connects at its first transfer, so building it never waits for the peer. (Eager
+            # construction blocks until the peer builds too, and three workers each building one of their pairs
+            # first could wait on each other in a cycle: seen with the block plan on 3 workers.)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind_host, lazy_init=True)]
             opts._timeout = self.timeout
             pg = dist.ProcessGroupGloo(dist.PrefixStore(link.prefix, self.store), link.rank_of(self.me), 2, opts)
         return pg
@@ -297,10 +300,11 @@ class LinkBook:
     only moves forward: after a restart or a failed transfer, the next ``StartStream`` names a new one and
     both ends build a fresh pair."""
 
-    def __init__(self, host: str, timeout_s: float):
-        self.store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                                   wait_for_workers=False)
-        self.address = f"{host}:{self.store.port}"
+    def __init__(self, host: str | None, timeout_s: float):
+        """``host``: where the TCPStore listens (hops torch); None: generations only (hops shm)."""
+        self.store = None if host is None else dist.TCPStore(
+            host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        self.address = "" if self.store is None else f"{host}:{self.store.port}"
         self._incarnation: dict[str, int] = {}
         self._failures: dict[frozenset, int] = {}
 

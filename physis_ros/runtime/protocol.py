@@ -48,7 +48,7 @@ Stage = tuple[Step, Block]
 DType = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8"]
 BatchSize = Annotated[int, Meta(ge=1, le=4096)]
 LostReason = Literal["queue_full", "send_failed", "task_failed", "epoch_ahead", "not_hosted", "link_failed"]
-HopTransport = Literal["zmq", "torch"]
+HopTransport = Literal["zmq", "torch", "shm"]
 
 
 class TensorSpec(Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
@@ -93,6 +93,15 @@ class HopLink(Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     tag: Annotated[int, Meta(ge=0, le=2**31 - 1 - MAX_TENSORS)]
 
 
+class ShmRef(Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """The tensors of this task are in the sender's shared-memory ring (runtime/shm_hops.py): ``nbytes`` from
+    byte counter ``position`` of ring file ``ring``, in declaration order, each 64-byte aligned."""
+
+    ring: Annotated[str, Meta(max_length=256, pattern=r"^physis-hop-[0-9]+-[A-Za-z0-9_.-]+-[A-Za-z0-9_.-]+-[0-9]+$")]
+    position: Count
+    nbytes: Count
+
+
 class Task(_Message, tag="task"):
     """A chunk on its way to ``stage``. The first stage's task carries the observation tensors
     (``obs/<name>``); later ones carry the travelling state (``cond``, ``x``, ``h``), as frames or,
@@ -110,6 +119,7 @@ class Task(_Message, tag="task"):
     trace: Annotated[list[TraceEntry], Meta(max_length=MAX_TRACE)] = []
     handoff: HandoffSpec | None = None
     link: HopLink | None = None
+    shm: ShmRef | None = None
 
 
 class Output(_Message, tag="output"):
@@ -144,6 +154,7 @@ class Load(_Message, tag="load"):
     hops: HopTransport = "zmq"                  # how hidden states go worker to worker
     hop_store: Annotated[str, Meta(max_length=1024)] = ""   # the engine's TCPStore, host:port (hops: torch)
     hop_timeout_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = 5.0
+    hop_ring_mb: Annotated[int, Meta(ge=1, le=65536)] = 64       # each shared ring's size (hops: shm)
     spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 0     # poll without blocking this long before sleeping
 
 
@@ -211,7 +222,8 @@ class WorkerStats(Struct, forbid_unknown_fields=True):
     dropped_sends: Count = 0     # outputs a peer could not take
     dropped_tasks: Count = 0     # tasks dropped because the ready queue was full
     injected_drops: Count = 0    # tasks dropped by fault injection
-    link_hops: Count = 0         # tasks whose hidden state arrived over a torch.distributed link
+    link_hops: Count = 0         # tasks whose hidden state arrived over a torch.distributed link or a shared ring
+    ring_full: Count = 0         # hops sent as frames because the shared ring had no room (hops: shm)
     compute_ms: Ms = 0.0
     kv_bytes: Count = 0          # KV allocated for the (stream, stage)s hosted here
     weight_bytes: Count = 0      # weights held: trunks and the hosted blocks

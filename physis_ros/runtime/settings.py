@@ -63,11 +63,18 @@ class EngineConfig:
     transport: str = F(default="tcp", metadata=bounded(
         choices=("tcp", "ipc"), doc="local data sockets: tcp on bind_host, or ipc in a private directory"))
     hops: str = F(default="zmq", metadata=bounded(
-        choices=("zmq", "torch"), doc="how hidden states go worker to worker: zmq frames beside the header, or "
-                                      "torch.distributed point-to-point (NCCL between GPUs, gloo on CPU; headers "
-                                      "stay on zmq)"))
+        choices=("zmq", "torch", "shm"),
+        doc="how hidden states go worker to worker (headers stay on zmq): zmq frames beside the header, torch "
+            "(torch.distributed point-to-point: NCCL between GPUs, gloo on CPU) or shm (shared-memory rings, "
+            "CPU workers on this host)"))
+    hop_ring_mb: int = F(default=64, metadata=bounded(
+        ge=1, le=65536, doc="hops shm: size of each ring (one per pair of workers and direction); a hop that "
+                            "finds no room goes as frames"))
     hop_timeout_s: float = F(default=5.0, metadata=bounded(
         gt=0, le=3600, doc="hops torch: a transfer not done by then closes its link (its streams are reset)"))
+    hop_network_trusted: bool = F(default=False, metadata=bounded(
+        doc="hops torch off loopback: gloo/NCCL and their rendezvous store have no authentication (CurveZMQ "
+            "covers only the zmq sockets); set true only on a private, trusted network"))
     spin_us: int = F(default=0, metadata=bounded(
         ge=0, le=100_000, doc="an idle worker polls its sockets without sleeping this long before it blocks"))
     bind_host: str = F(default="127.0.0.1", metadata=bounded(
@@ -142,6 +149,16 @@ class EngineConfig:
         for d in self.devices:
             if not (d == "cpu" or d.startswith("cuda")):
                 raise ConfigError("devices", f"{d!r} is not a device; use 'cpu' or 'cuda:N'")
+        if self.hops == "torch" and (self.launcher == "ray" or not is_loopback(self.bind_host)) \
+                and not self.hop_network_trusted:
+            raise ConfigError("hop_network_trusted", "hops torch sends tensors over gloo/NCCL sockets and a rendezvous "
+                                                     "store that nothing authenticates, and these workers are off "
+                                                     "loopback: set hop_network_trusted: true if the network is "
+                                                     "private, or use hops zmq (CurveZMQ)")
+        if self.hops == "shm" and (self.launcher != "local" or any(self.device_of(i) != "cpu"
+                                                                    for i in range(self.workers))):
+            raise ConfigError("hops", "hops shm shares memory between CPU worker processes on this host: it needs "
+                                      "launcher local and cpu devices; use torch (NCCL) for GPUs, zmq across hosts")
         gpus = [self.device_of(i) for i in range(self.workers) if self.device_of(i).startswith("cuda")]
         if self.hops == "torch" and len(set(gpus)) < len(gpus) and self.launcher != "ray":
             raise ConfigError("hops", "hops torch pairs GPU workers over NCCL, which cannot pair two ranks on one "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,10 +26,11 @@ from physis_ros.model.stages import check_payload, first_state, run_stage
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
 from physis_ros.runtime.batching import BatchPolicy
-from physis_ros.runtime.device import DeviceIO
+from physis_ros.runtime.device import DeviceIO, StageTimer
 from physis_ros.runtime.hops import Arrival, HopError, TorchHops, empty_like_specs
 from physis_ros.runtime.hosting import StageHost
 from physis_ros.runtime.plans import Stage, next_stage
+from physis_ros.runtime.shm_hops import ShmError, ShmHops
 
 log = logging.getLogger("physis.worker")
 
@@ -88,9 +90,13 @@ class TaskRunner:
         self.settings = p.Load(req=0)       # set by the worker's Load
         self.policy: BatchPolicy | None = None
         self.hops: TorchHops | None = None  # hidden states over torch.distributed (Load.hops == "torch")
+        self.shm: ShmHops | None = None     # hidden states through shared-memory rings (Load.hops == "shm")
         self.ready: list[Job] = []
         self.accepted = 0
         self.throttle = Throttle(5.0)
+        # Forwards whose time is not known yet (CUDA: their end event has not completed), oldest first: their
+        # trace entries and the batching policy's observation are filled in by _settle.
+        self._unsettled: deque[tuple[StageTimer, tuple[str, int], list[p.TraceEntry]]] = deque()
 
     def drop_stream(self, stream: str) -> None:
         """Forget a stream's queued tasks (it stops, or starts again under a new epoch)."""
@@ -114,8 +120,42 @@ class TaskRunner:
             return
         if rec.msg.link is not None:
             self._receive(rec)
+        elif rec.msg.shm is not None:
+            self._read_shm(rec)
         else:
             self._admit(rec)
+
+    def _check_declared(self, task: p.Task) -> dict[str, torch.Tensor]:
+        """The declared tensors (shapes only) of an out-of-band task, checked against its stage when the
+        stream is current: WireError or ValueError before a byte is read."""
+        declared = empty_like_specs(task.tensors, "meta", self.max_message_bytes)
+        placement = self.host.placements.get(task.stream)
+        if placement is not None and placement.epoch == task.epoch:
+            host = self.host.models[placement.model]
+            check_payload(host.config, False, task.stage[1], declared, host.model.dtype)
+        return declared
+
+    def _read_shm(self, rec: wire.Received[p.Task]) -> None:
+        """Copy a shm task's tensors out of its sender's ring and admit it. Every region that is the next one
+        is read, stale or malformed tasks too (then dropped), so that the ring stays in step with its sender;
+        the declarations are checked against the stage before anything read is used."""
+        task = rec.msg
+        try:
+            if self.shm is None:
+                raise ShmError("this worker was not loaded with hops 'shm'")
+            rec.tensors = self.shm.read(task.shm, task.tensors)   # bounded by the ring's size
+            self._check_declared(task)
+        except ShmError as exc:  # out of step (or forged): the engine moves the link on, both ends take a fresh ring
+            self.stats.bad_messages += 1
+            self._lost(task, "link_failed", f"cannot read the shared ring: {exc}", peer=self.shm.sender_of(task.shm)
+                       if self.shm else "")
+            return
+        except (wire.WireError, ValueError) as exc:
+            self.stats.bad_messages += 1
+            self._lost(task, "task_failed", f"malformed shm task: {exc}")
+            return
+        self.stats.link_hops += 1
+        self._admit(rec)
 
     def _receive(self, rec: wire.Received[p.Task]) -> None:
         """Post the receives a link task announces; it is admitted when they arrive (:meth:`_arrived`).
@@ -123,12 +163,8 @@ class TaskRunner:
         task = rec.msg
         try:
             if self.hops is None:
-                raise HopError("this worker was loaded with hops 'zmq'")
-            declared = empty_like_specs(task.tensors, "meta", self.max_message_bytes)
-            placement = self.host.placements.get(task.stream)
-            if placement is not None and placement.epoch == task.epoch:  # never receive into what the stage
-                host = self.host.models[placement.model]                 # does not expect
-                check_payload(host.config, False, task.stage[1], declared, host.model.dtype)
+                raise HopError("this worker was not loaded with hops 'torch'")
+            declared = self._check_declared(task)  # never receive into what the stage does not expect
             self.hops.receive(task.link, {k: torch.empty_like(v, device=self.hops.recv_device)
                                           for k, v in declared.items()}, rec)
         except HopError as exc:
@@ -207,17 +243,31 @@ class TaskRunner:
             for j in batch:
                 self._lost(j.task, "task_failed", f"stage {list(j.stage)} raised {type(exc).__name__}: {exc}")
             return
-        start, end, batch_ms = timer.wall_start, timer.wall_end, timer.ms
-        self.policy.observe(batch[0].weights, len(batch), batch_ms)
+        start, end = timer.wall_start, timer.wall_end
         self.stats.stages += len(batch)
         self.stats.batches += 1
-        self.stats.compute_ms += batch_ms
-        share = batch_ms / len(batch)  # each chunk is charged its share of the batched forward
-        for j, state in zip(batch, states):
-            j.task.trace.append(p.TraceEntry(j.stage[0], b, self.id, round(max(0.0, start - j.received) * 1e3, 4),
-                                             round(share, 4), len(batch)))
+        entries = [p.TraceEntry(j.stage[0], b, self.id, round(max(0.0, start - j.received) * 1e3, 4), 0.0, len(batch))
+                   for j in batch]
+        self._unsettled.append((timer, batch[0].weights, entries))
+        self._settle(wait=False)
+        for j, state, entry in zip(batch, states, entries):
+            j.task.trace.append(entry)
             j.state = state
             self._forward(j, end)
+
+    def _settle(self, wait: bool) -> None:
+        """Record the forwards whose time is known (all of them, waiting, if ``wait``): the trace entries'
+        compute time (each chunk is charged its share of a batched forward), stats, the batching policy."""
+        while self._unsettled:
+            timer, weights, entries = self._unsettled[0]
+            if not wait and not timer.done():
+                return
+            self._unsettled.popleft()
+            ms = timer.ms
+            self.policy.observe(weights, len(entries), ms)
+            self.stats.compute_ms += ms
+            for entry in entries:
+                entry.compute_ms = round(ms / len(entries), 4)
 
     def _forward(self, job: Job, now: float) -> None:
         """Queue the job's next stage here, or send it to the next worker or the engine."""
@@ -232,9 +282,10 @@ class TaskRunner:
             self.ready.append(job)
             return
         self.stats.tasks += 1
+        self._settle(wait=True)  # the chunk leaves: its trace carries every stage's time
         route, peer = placement.routes[task.stage], placement.peers.get(task.stage, "")
         sent = time.perf_counter()
-        task.link = None
+        task.link, task.shm, ring_head = None, None, 0
         if nxt is None:
             out: p.Message = p.Output(stream=task.stream, chunk=task.chunk, epoch=task.epoch, worker=self.id,
                                       sent=sent, hops=task.hops, trace=task.trace)
@@ -246,6 +297,12 @@ class TaskRunner:
             except HopError as exc:
                 self._lost(task, "link_failed", str(exc), peer=peer)
                 return
+        elif self.shm is not None and peer:  # the hidden state through the shared ring (frames if it is full)
+            task.stage, task.sent, out, tensors = nxt, sent, task, job.state
+            ring_head = self.shm.head(peer)
+            task.shm = self.shm.write(peer, tensors)
+            if task.shm is None:
+                self.stats.ring_full += 1
         else:
             task.stage, task.sent, out = nxt, sent, task
             tensors = self.io.to_host(job.state)
@@ -255,6 +312,8 @@ class TaskRunner:
         except zmq.Again:
             self.stats.dropped_sends += 1
             self._lost(task, "send_failed", "the next stage's worker did not take the message")
+            if task.shm is not None:
+                self.shm.unwrite(peer, task.shm, ring_head)
             return
         if task.link is not None:
             try:

@@ -78,10 +78,10 @@ def _as_frame(t: torch.Tensor) -> tuple[str, memoryview]:
 
 def encode(msg: p.Message, tensors: Mapping[str, torch.Tensor] | None = None) -> list[Any]:
     """Frames for ``socket.send_multipart(frames, copy=False)``; tensor frames are views, not copies.
-    ``msg.tensors`` is filled in from ``tensors``. A task with a ``link`` gets the declarations only:
-    its tensors travel over that link (runtime/hops.py)."""
+    ``msg.tensors`` is filled in from ``tensors``. A task with a ``link`` or ``shm`` gets the declarations only:
+    its tensors travel over that link or ring (runtime/hops.py, runtime/shm_hops.py)."""
     specs, frames = [], []
-    out_of_band = getattr(msg, "link", None) is not None
+    out_of_band = getattr(msg, "link", None) is not None or getattr(msg, "shm", None) is not None
     for name, tensor in (tensors or {}).items():
         if out_of_band:
             if tensor.dtype not in TORCH_TO_NAME:
@@ -120,7 +120,8 @@ def decode(frames: list[Any], channel: Channel[M], max_bytes: int = DEFAULT_MAX_
     except Exception as exc:  # DecodeError, and e.g. UnicodeDecodeError for bad utf-8: garbage either way
         raise WireError(f"{channel.name} header is not valid msgpack: {type(exc).__name__}: {exc}") from None
     specs = msg.tensors
-    if getattr(msg, "link", None) is not None:  # declared here, carried by a link: the receiver checks them
+    if getattr(msg, "link", None) is not None or getattr(msg, "shm", None) is not None:
+        # declared here, carried by a link or a shared ring: the receiver checks them before it reads
         if len(views) != 1:
             raise WireError(f"a task whose tensors come over a link has {len(views) - 1} tensor frames; expected none")
         return Received(msg)

@@ -38,6 +38,7 @@ from physis_ros.runtime import wire
 from physis_ros.runtime.batching import BatchPolicy
 from physis_ros.runtime.device import DeviceIO
 from physis_ros.runtime.hops import TorchHops
+from physis_ros.runtime.shm_hops import ShmHops
 from physis_ros.runtime.hosting import StageHost
 from physis_ros.runtime.security import CurveKeys
 from physis_ros.runtime.tasks import TaskRunner
@@ -165,6 +166,8 @@ class Worker:
             tasks.hops = TorchHops(self.id, msg.hop_store, self.device, bind_host=self.bind_host,
                                   timeout_s=msg.hop_timeout_s, ctx=self.ctx, max_bytes=self.max_message_bytes)
             self.poller.register(tasks.hops.wake, zmq.POLLIN)
+        if msg.hops == "shm" and tasks.shm is None:
+            tasks.shm = ShmHops(self.id, msg.hop_ring_mb * 1024 * 1024)
         return {"kv_bytes": self.host.kv_bytes()}
 
     def cmd_start_stream(self, msg: p.StartStream) -> dict | None:
@@ -179,8 +182,14 @@ class Worker:
         return self._start(msg)
 
     def _connect(self, msg: p.StartStream) -> list:
-        """Futures of the links the stream needs that are not built yet (hops: torch)."""
+        """Futures of the links the stream needs that are not built yet (hops: torch; shm rings are made now)."""
         if not msg.links:
+            return []
+        if self.tasks.shm is not None:  # a ring for each peer this worker hands states to
+            to = {r.worker for r in msg.routes}
+            for link in msg.links:
+                if link.peer in to:
+                    self.tasks.shm.connect(link.peer, link.gen)
             return []
         if self.tasks.hops is None:
             raise RuntimeError("the stream names hop links but this worker was loaded with hops 'zmq'")
@@ -310,6 +319,8 @@ class Worker:
         self.host.close()
         if self.tasks.hops is not None:
             self.tasks.hops.close()
+        if self.tasks.shm is not None:
+            self.tasks.shm.close()
         if self._log_handler is not None:
             log.removeHandler(self._log_handler)
         for sock in self.peers.values():

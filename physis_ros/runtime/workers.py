@@ -40,6 +40,7 @@ from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
 from physis_ros.runtime.security import CurveKeys
 from physis_ros.runtime.settings import EngineConfig
+from physis_ros.runtime.shm_hops import remove_rings_of
 
 log = logging.getLogger("physis.engine")
 worker_log = logging.getLogger("physis.worker")
@@ -166,13 +167,15 @@ class WorkerPool:
             w.proc.wait()
         self._unlink(w)
 
-    @staticmethod
-    def _unlink(w: WorkerProc) -> None:
+    def _unlink(self, w: WorkerProc) -> None:
+        """What a gone worker leaves on this host: its ipc socket, and the shared rings it wrote (hops shm)."""
         if w.data_addr.startswith("ipc://"):
             try:
                 os.unlink(w.data_addr[len("ipc://"):])
             except FileNotFoundError:
                 pass
+        if self.config.hops == "shm" and w.pid:
+            remove_rings_of(w.pid)
 
     def mark_up(self, w: WorkerProc) -> None:
         w.alive, w.restarting, w.last_seen = True, False, time.monotonic()

@@ -18,13 +18,13 @@ def test_device_check_runs_on_cpu_and_writes_every_figure(tmp_path):
     r = json.loads((tmp_path / "device_check.json").read_text())
     assert r["device"] == "cpu" and r["equivalent"] is True and r["skipped"] == {}
     runs = {(x["workers"], x["hops"]): x for x in r["runs"]}
-    assert set(runs) == {(1, "zmq"), (2, "zmq"), (2, "torch")}
+    assert set(runs) == {(1, "zmq"), (2, "zmq"), (2, "torch"), (2, "shm")}
     assert runs[(1, "zmq")]["max_abs_diff_vs_reference"] == 0.0 and runs[(1, "zmq")]["batching"] == "off"
     for x in runs.values():
         assert x["chunks"] == 12 and x["interval_ms_p50"] > 0 and x["stage_ms_p50"] > 0
         assert all(m["kv_bytes"] > 0 and m["weight_bytes"] > 0 and m["device_bytes"] == 0
                    for m in x["memory"].values()), x["memory"]
-    assert runs[(2, "torch")]["hop_ms_p50"] > 0 and set(r["hop_ms_p50_by_transport"]) == {"zmq", "torch"}
+    assert runs[(2, "torch")]["hop_ms_p50"] > 0 and set(r["hop_ms_p50_by_transport"]) == {"zmq", "torch", "shm"}
     assert r["profile"]["stage_ms_batch1_p50"] > 0 and r["profile"]["block_weight_bytes"] > 0
     hops = r["hop_bench"]["hops"]
-    assert {h["transport"] for h in hops} == {"zmq-tcp", "zmq-ipc", "gloo"} and r["hop_bench"]["memcpy"]
+    assert {h["transport"] for h in hops} == {"zmq-tcp", "zmq-ipc", "gloo", "shm"} and r["hop_bench"]["memcpy"]

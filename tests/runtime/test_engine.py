@@ -65,11 +65,13 @@ def test_pipeline_is_bit_identical_to_reference(model_name, plan, workers):
             assert len(o.record.stage_ms) == 32 and all(b == 1 for b in o.record.batch_sizes)
 
 
-@pytest.mark.parametrize("plan, workers", [(p, w) for p in ("step", "block", "stage") for w in (2, 3)])
-def test_torch_hops_are_bit_identical_to_reference(plan, workers):
-    """Hidden states over torch.distributed (gloo here; NCCL on GPUs), headers over ZeroMQ."""
+@pytest.mark.parametrize("hops, plan, workers", [("torch", p, w) for p in ("step", "block", "stage") for w in (2, 3)]
+                         + [("shm", "step", 2), ("shm", "block", 3), ("shm", "stage", 3)])
+def test_out_of_band_hops_are_bit_identical_to_reference(hops, plan, workers):
+    """Hidden states over torch.distributed (gloo here; NCCL on GPUs) or shared-memory rings, headers over
+    ZeroMQ."""
     chunks = 3 * load_model_config("tiny-wam").window + 1
-    out = run("tiny-wam", chunks, plan=plan, workers=workers, hops="torch")
+    out = run("tiny-wam", chunks, plan=plan, workers=workers, hops=hops)
     ref = reference("tiny-wam", chunks)
     for s in STREAMS:
         assert [o.chunk for o in out[s]] == list(range(chunks))
