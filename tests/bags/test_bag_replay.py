@@ -75,13 +75,16 @@ def test_replay_cli_skips_unknown_topic_and_keeps_timing(tmp_path):
     assert [m[3] for m in ours] == [m[4] for m in theirs]
     sent = {(t, raw): ns for t, _, ns, raw in messages if t in expected}
     assert all((t, raw) in sent for t, _, _, raw in ours)
-    # Original timing: inter-arrival times at the recorder vs the bag's log times (matched by content).
+    # Original timing: arrival times at the recorder vs the bag's log times (matched by content), each topic
+    # against its median offset (measuring from its first message alone made one late first arrival, e.g.
+    # while discovery settles on a busy machine, shift every later message: p50 6.9 ms once in CI-like runs).
     errors = []
     for topic in SCENE_TOPICS:
         pairs = [(ns, sent[(t, raw)]) for t, _, ns, raw in ours if t == topic]
         rec_ns = np.array([p[0] for p in pairs], dtype=np.int64)
         bag_ns = np.array([p[1] for p in pairs], dtype=np.int64)
-        errors += list(np.abs((rec_ns - rec_ns[0]) - (bag_ns - bag_ns[0])) / 1e6)
+        offset = np.median(rec_ns - bag_ns)
+        errors += list(np.abs((rec_ns - bag_ns) - offset) / 1e6)
     p50, worst = float(np.percentile(errors, 50)), max(errors)
     print(f"replay timing at the recorder: |error| p50 {p50:.3f} ms, max {worst:.3f} ms; "
           f"publisher side {report['timing']}")
