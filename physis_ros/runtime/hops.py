@@ -109,7 +109,7 @@ def empty_like_specs(specs: list[p.TensorSpec], device: torch.device | str, max_
 
 
 class TorchHops:
-    """One worker's links: pair process groups, a sender thread and a receiver thread."""
+    """One worker's links: pair process groups, a sender thread and a receiver thread per sending peer."""
 
     def __init__(self, worker_id: str, store: str, device: str, *, bind_host: str = "127.0.0.1",
                  timeout_s: float = 5.0, ctx: zmq.Context | None = None, max_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES):
@@ -176,9 +176,6 @@ class TorchHops:
             if old is None or old[0].gen <= link.gen:
                 self.links[peer] = (link, future.result())
                 self._next_tag[link] = 0
-
-    def pending(self) -> bool:
-        return bool(self.building)
 
     # ---- transfers ------------------------------------------------------------------------------
     def reserve(self, peer: str, count: int) -> p.HopLink:
