@@ -247,26 +247,18 @@ class Engine:
             raise EngineError(f"stream '{s.name}' needs worker(s) {', '.join(down)}, which are down")
         addr = {w.index: w.data_addr for w in procs}
         name = {w.index: w.name for w in procs}
-        peers: dict[str, set[str]] = {w.name: set() for w in procs}   # who passes hidden states to whom
-        routes: dict[str, list[p.Route]] = {w.name: [] for w in procs}
-        for w in procs:
-            for st in s.plan.stages_of(w.index):
-                nxt = s.plan.next_stage(st)
-                if nxt is None:
-                    routes[w.name].append(p.Route(st, self.out_addr))
-                    continue
-                to = s.plan.assignment[nxt]
-                routes[w.name].append(p.Route(st, addr[to], name[to]))
-                if to != w.index:
-                    peers[w.name].add(name[to])
-                    peers[name[to]].add(w.name)
         requests = []
         for w in procs:
             stages = s.plan.stages_of(w.index)
+            routes = []
+            for st in stages:
+                nxt = s.plan.next_stage(st)
+                to = None if nxt is None else s.plan.assignment[nxt]
+                routes.append(p.Route(st, self.out_addr) if to is None else p.Route(st, addr[to], name[to]))
+            links = self.links.links(w.name, {name[i] for i in s.plan.peers_of(w.index)}) if self.links else []
             requests.append(self.pool.request(
                 w.name, p.StartStream(req=0, stream=s.name, epoch=s.epoch, model=s.model.ref(stages),
-                                      stages=list(stages), routes=routes[w.name],
-                                      links=self.links.links(w.name, peers[w.name]) if self.links else []),
+                                      stages=list(stages), routes=routes, links=links),
                 timeout=self.config.start_timeout_s))  # may load blocks first (and build links)
         await asyncio.gather(*requests)
         first = addr[s.plan.assignment[s.plan.first_stage]]

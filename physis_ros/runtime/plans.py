@@ -68,6 +68,11 @@ class Plan:
                 runs.append((w, [s]))
         return runs
 
+    def peers_of(self, worker: int) -> set[int]:
+        """The workers ``worker`` hands hidden states to or takes them from (adjacent segments)."""
+        runs = [w for w, _ in self.segments()]
+        return {b if a == worker else a for a, b in zip(runs, runs[1:]) if worker in (a, b)}
+
     def hops(self) -> int:
         """Worker-to-worker transfers per chunk (excluding engine in/out)."""
         return len(self.segments()) - 1

@@ -102,12 +102,13 @@ class TaskRunner:
         """Forget a stream's queued tasks (it stops, or starts again under a new epoch)."""
         self.ready = [j for j in self.ready if j.stream != stream]
 
-    def _warn(self, key: str, text: str) -> None:
+    def warn(self, key: str, text: str) -> None:
+        """A warning logged at most once per 5 s per ``key`` (a flood of bad messages cannot flood the log)."""
         self.throttle.log(log, logging.WARNING, key, f"worker {self.id}: {text}")
 
     def _lost(self, task: p.Task, reason: str, detail: str, peer: str = "") -> None:
         """Report a chunk this worker cannot pass on, so the engine resets its stream now."""
-        self._warn(f"lost:{reason}", f"chunk {task.chunk} of stream '{task.stream}' lost ({reason}): {detail}")
+        self.warn(f"lost:{reason}", f"chunk {task.chunk} of stream '{task.stream}' lost ({reason}): {detail}")
         self.send_ctrl(p.TaskLost(worker=self.id, stream=task.stream, chunk=task.chunk, epoch=task.epoch,
                                   reason=reason, detail=p.clip_text(detail), peer=peer))
 
@@ -116,7 +117,7 @@ class TaskRunner:
             rec = wire.decode(frames, wire.DATA, self.max_message_bytes)
         except wire.WireError as exc:
             self.stats.bad_messages += 1
-            self._warn("bad_data", f"dropped a malformed data message: {exc}")
+            self.warn("bad_data", f"dropped a malformed data message: {exc}")
             return
         if rec.msg.link is not None:
             self._receive(rec)
@@ -194,7 +195,7 @@ class TaskRunner:
             return
         if task.stage not in placement.stages:
             self.stats.bad_messages += 1
-            self._warn("not_hosted", f"dropped a task for stage {list(task.stage)} of stream '{task.stream}', "
+            self.warn("not_hosted", f"dropped a task for stage {list(task.stage)} of stream '{task.stream}', "
                                      f"which is not hosted here")
             return
         host = self.host.models[placement.model]

@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 import zmq
 
-from physis_ros.logs import Throttle
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
 from physis_ros.runtime.batching import BatchPolicy
@@ -110,7 +109,6 @@ class Worker:
         self.starting: dict[str, tuple[p.StartStream, list]] = {}  # streams waiting for their blocks
         self.running = True
         self.stats = p.WorkerStats()
-        self.throttle = Throttle(5.0)
         self.tasks = TaskRunner(worker_id, self.host, self.io, self.stats, max_message_bytes, self._push, self.send_ctrl)
         self._log_handler = _ForwardToEngine(self, logging.INFO) if forward_logs else None
         if self._log_handler is not None:
@@ -135,9 +133,6 @@ class Worker:
             self.ctrl.send_multipart(wire.encode(msg), zmq.NOBLOCK, copy=False)
         except zmq.Again:  # the engine is not reading: it will notice the silence itself
             pass
-
-    def _warn(self, key: str, text: str) -> None:
-        self.throttle.log(log, logging.WARNING, key, f"worker {self.id}: {text}")
 
     # ---- control plane ---------------------------------------------------------------------
     def handle_control(self, rec: wire.Received) -> None:
@@ -311,7 +306,7 @@ class Worker:
             rec = wire.decode(frames, wire.TO_WORKER, self.max_message_bytes)
         except wire.WireError as exc:
             self.stats.bad_messages += 1
-            self._warn("bad_ctrl", f"dropped a malformed control message: {exc}")
+            self.tasks.warn("bad_ctrl", f"dropped a malformed control message: {exc}")
             return
         self.handle_control(rec)
 

@@ -4,66 +4,30 @@ every plan over these links: tests/runtime/test_engine.py::test_out_of_band_hops
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import time
 
 import pytest
 import torch
 import uvloop
 import zmq
 
-from physis_ros.model import load_model_config
-from physis_ros.observations import SyntheticScene
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
-from physis_ros.runtime.engine import Engine, Observation, ServedModel
+from physis_ros.runtime.engine import Engine
 from physis_ros.runtime.hops import LinkBook, LinkId, empty_like_specs
 from physis_ros.runtime.plans import make_plan
 from physis_ros.runtime.settings import EngineConfig
 
-CFG = load_model_config("tiny-wam")
-SCENE = SyntheticScene(CFG.observation_shapes)
+from two_streams import CFG, TwoStreams
 
 
-class Served:
-    """An engine with hops over torch links and streams ``a`` and ``b`` on the stage plan over 2 workers."""
+class Served(TwoStreams):
+    """Streams ``a`` and ``b`` on the stage plan over 2 workers, hops over torch links."""
 
     def __init__(self, **engine):
-        self.engine = Engine(EngineConfig(workers=2, hops="torch", **engine), on_event=self.events_append)
-        self.events: list = []
-        self.got: dict[str, list] = {"a": [], "b": []}
-
-    def events_append(self, e) -> None:
-        self.events.append(e)
-
-    async def __aenter__(self) -> Served:
-        await self.engine.start()
         plan = make_plan("stage", CFG.steps, CFG.blocks, 2)
-        for name in ("a", "b"):
-            await self.engine.add_stream(
-                name, lambda c, n=name: Observation(SCENE.observation(n, c), self.engine.clock()),
-                self.got[name].append, model=ServedModel(CFG), plan=plan, slo_interval_ms=100.0)
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.engine.stop()
-
-    async def until(self, cond, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert time.monotonic() < deadline, \
-                f"timed out; events: {[(e.stream, e.kind, e.cause) for e in self.events]}, links {self.engine.links.gen('w0', 'w1')}"
-            await asyncio.sleep(0.01)
-
-    async def more(self, n: int = 3) -> None:
-        """Both streams deliver ``n`` more chunks."""
-        have = {k: len(v) for k, v in self.got.items()}
-        await self.until(lambda: all(len(self.got[k]) >= have[k] + n for k in self.got))
-
-    def chunks(self, name: str) -> list[int]:
-        return [o.chunk for o in self.got[name]]
+        super().__init__(EngineConfig(workers=2, hops="torch", **engine), plans=(plan, plan))
 
     def forge(self, worker: str, task: p.Task, tensors: dict[str, torch.Tensor]) -> None:
         """Send ``task`` (declaring ``tensors``, none of which is sent) to ``worker``'s data socket."""

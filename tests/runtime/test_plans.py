@@ -55,3 +55,11 @@ def test_linear_partition_is_optimal():
 def test_unknown_plan_is_refused():
     with pytest.raises(ValueError, match="unknown plan 'ring'; choose one of: sequential, step, block, stage"):
         make_plan("ring", 4, 8, 2)
+
+
+def test_peers_are_the_workers_a_plan_hands_hidden_states_between():
+    block = make_plan("block", 4, 8, 3)  # each step walks w0 -> w1 -> w2, then the next step starts on w0
+    assert [block.peers_of(w) for w in range(3)] == [{1, 2}, {0, 2}, {0, 1}]
+    stage = make_plan("stage", 4, 8, 2)
+    assert stage.peers_of(0) == {1} and stage.peers_of(1) == {0}
+    assert make_plan("sequential", 4, 8, 1).peers_of(0) == set()

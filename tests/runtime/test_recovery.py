@@ -16,52 +16,12 @@ import uvloop
 import zmq
 
 from physis_ros.config import ConfigError, from_mapping
-from physis_ros.model import load_model_config
-from physis_ros.observations import SyntheticScene
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
-from physis_ros.runtime.engine import Engine, EngineError, Observation, ServedModel
-from physis_ros.runtime.plans import Plan, pipeline_order
+from physis_ros.runtime.engine import EngineError
 from physis_ros.runtime.settings import EngineConfig
 
-CFG = load_model_config("tiny-wam")
-SCENE = SyntheticScene(CFG.observation_shapes)
-ON_W0 = Plan("sequential", CFG.steps, CFG.blocks, {s: 0 for s in pipeline_order(CFG.steps, CFG.blocks)})
-ON_W1 = Plan("sequential", CFG.steps, CFG.blocks, {s: 1 for s in pipeline_order(CFG.steps, CFG.blocks)})
-
-
-class Run:
-    """An engine with streams ``a`` and ``b`` (each on its own worker unless a plan is given)."""
-
-    def __init__(self, engine_cfg: EngineConfig, plans=(ON_W0, ON_W1), observe=None):
-        self.engine = Engine(engine_cfg, on_event=self.on_event)
-        self.plans = plans
-        self.observe = observe or (lambda name, c: SCENE.observation(name, c))
-        self.events = []
-        self.got = {"a": [], "b": []}
-
-    def on_event(self, e):
-        self.events.append(e)
-
-    async def __aenter__(self) -> Run:
-        await self.engine.start()
-        for name, plan in zip(("a", "b"), self.plans):
-            await self.engine.add_stream(
-                name, lambda c, n=name: Observation(self.observe(n, c), self.engine.clock()),
-                self.got[name].append, model=ServedModel(CFG), plan=plan, slo_interval_ms=100.0)
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.engine.stop()
-
-    async def until(self, cond, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert time.monotonic() < deadline, "timed out"
-            await asyncio.sleep(0.01)
-
-    def chunks(self, name: str) -> list[int]:
-        return [o.chunk for o in self.got[name]]
+from two_streams import SCENE, TwoStreams
 
 
 def contiguous(idx: list[int]) -> bool:
@@ -75,7 +35,7 @@ def gaps_equal_lost(idx: list[int], lost: int) -> bool:
 def test_an_output_without_its_tensor_resets_only_its_stream():
     """Was: the engine's output loop died on such a message, and both robots stopped for good."""
     async def main():
-        async with Run(EngineConfig(workers=2)) as run:
+        async with TwoStreams(EngineConfig(workers=2)) as run:
             engine = run.engine
             await run.until(lambda: len(run.got["a"]) >= 3 and len(run.got["b"]) >= 3)
             ctx = zmq.Context()
@@ -119,7 +79,7 @@ def test_a_silently_dropped_task_resets_its_stream_within_its_bound():
     """Was: a task a worker dropped left its chunk missing forever; the stream's credits never came back."""
     async def main():
         cfg = EngineConfig(workers=2, faults=from_mapping(type(EngineConfig().faults), {"drop_task": 6, "worker": "w1"}))
-        async with Run(cfg) as run:
+        async with TwoStreams(cfg) as run:
             await run.until(lambda: any(e.kind == "readmitted" for e in run.events))
             dropped_at = run.events[0].time
             n = len(run.got["b"])
@@ -139,7 +99,7 @@ def test_a_silently_dropped_task_resets_its_stream_within_its_bound():
 def test_a_ready_queue_burst_is_reported_and_resets_the_stream():
     """Was: the worker dropped the oldest task on a full queue and the stream waited forever."""
     async def main():
-        async with Run(EngineConfig(workers=2, max_ready=16, max_in_flight=2)) as run:
+        async with TwoStreams(EngineConfig(workers=2, max_ready=16, max_in_flight=2)) as run:
             engine = run.engine
             await run.until(lambda: len(run.got["b"]) >= 2)
             s = engine.streams["b"]
@@ -178,7 +138,7 @@ def test_a_non_finite_chunk_is_never_delivered_and_resets_its_stream():
         return obs
 
     async def main():
-        async with Run(EngineConfig(workers=2), observe=observe) as run:
+        async with TwoStreams(EngineConfig(workers=2), observe=observe) as run:
             await run.until(lambda: any(e.kind == "readmitted" for e in run.events) and len(run.got["a"]) >= 8)
             return run.events, run.engine.stream_status("a"), run.got["a"], run.chunks("b")
 
@@ -192,7 +152,7 @@ def test_a_non_finite_chunk_is_never_delivered_and_resets_its_stream():
 def test_a_fault_during_restart_is_survived():
     """Was: a second fault while a worker restarted took the whole engine down (one attempt only)."""
     async def main():
-        async with Run(EngineConfig(workers=2, heartbeat_timeout_s=0.5)) as run:
+        async with TwoStreams(EngineConfig(workers=2, heartbeat_timeout_s=0.5)) as run:
             pool = run.engine.pool
             await run.until(lambda: len(run.got["b"]) >= 3)
             first = pool.workers["w1"].proc.pid
@@ -214,7 +174,7 @@ def test_a_fault_during_restart_is_survived():
 
 def test_a_worker_that_cannot_come_back_ends_the_engine_saying_why(monkeypatch):
     async def main():
-        async with Run(EngineConfig(workers=2, restart_budget_s=1.5)) as run:
+        async with TwoStreams(EngineConfig(workers=2, restart_budget_s=1.5)) as run:
             pool = run.engine.pool
             await run.until(lambda: len(run.got["b"]) >= 2)
             spawn = pool.spawn
@@ -242,7 +202,7 @@ def test_a_flood_of_garbage_slows_but_never_stalls(target):
     """Was: a one-second flood at the output port froze both robots for 34 s (every bad message logged
     unthrottled, the loop never yielding, the heartbeat monitor starved)."""
     async def main():
-        async with Run(EngineConfig(workers=2, plan="stage")) as run:
+        async with TwoStreams(EngineConfig(workers=2, plan="stage")) as run:
             engine = run.engine
             await run.until(lambda: len(run.got["a"]) >= 5 and len(run.got["b"]) >= 5)
             ctx = zmq.Context()
