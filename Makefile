@@ -55,7 +55,7 @@ $(EDITABLE_STAMP): $(REQ_STAMP) setup.py
 	@mkdir -p $(STAMPS) && touch $@
 
 test: setup
-	$(VPY) -m pytest -q tests $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -rs tests $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/physis-demo $(DEMO_ARGS)

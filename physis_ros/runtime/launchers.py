@@ -253,21 +253,27 @@ class RayLauncher:
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
         return bool(ready)
 
+    def actor(self, index: int, ctrl_addr: str) -> tuple[ActorSpec, dict[str, float]]:
+        """Worker ``w<index>``'s spec and the resources its actor asks of its bundle. A GPU worker asks for
+        the bundle's one GPU; Ray then sets the actor's CUDA_VISIBLE_DEVICES to it, so it runs on cuda:0."""
+        cfg = self.config
+        cuda = cfg.device_of(index).startswith("cuda")
+        spec = ActorSpec(f"w{index}", ctrl_addr, "cuda:0" if cuda else "cpu", cfg.threads_per_worker,
+                         cfg.max_message_mb * 1024 * 1024, self.worker_keys[index])
+        return spec, {"num_cpus": cfg.ray.cpus_per_worker, "num_gpus": 1 if cuda else 0}
+
     def start(self, index: int, ctrl_addr: str) -> RayWorker:
         """Create worker ``w<index>``'s actor in bundle ``index`` and start its loop (returns at once)."""
         ray = _ray()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        cfg = self.config
         if self._actor_cls is None:
             self._actor_cls = ray.remote(WorkerActor)
-        cuda = cfg.device_of(index).startswith("cuda")
-        spec = ActorSpec(f"w{index}", ctrl_addr, "cuda:0" if cuda else "cpu", cfg.threads_per_worker,
-                         cfg.max_message_mb * 1024 * 1024, self.worker_keys[index])
+        spec, resources = self.actor(index, ctrl_addr)
         actor = self._actor_cls.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                                  placement_group_bundle_index=index),
-            num_cpus=cfg.ray.cpus_per_worker, num_gpus=1 if cuda else 0,
+            **resources,
             max_restarts=0,      # the pool re-creates workers itself (hello, load, streams re-admitted)
             max_concurrency=2,   # serve() holds one thread for the worker's life; info() uses the other
         ).remote(spec)
