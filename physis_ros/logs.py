@@ -25,10 +25,18 @@ class Throttle:
         self._last[key] = now
         return self._held.pop(key, 0)
 
-    def log(self, logger: logging.Logger, level: int, key: str, text: str) -> bool:
-        """Log ``text`` unless throttled; True if it was written."""
+    def line(self, key: str, text: str) -> str | None:
+        """``text`` (with the count held back since the last one) if a line for ``key`` may be written now, else
+        None: for loggers that are not :class:`logging.Logger` (rclpy's)."""
         held = self.ready(key)
         if held is None:
+            return None
+        return text + (f" ({held} similar line(s) held back)" if held else "")
+
+    def log(self, logger: logging.Logger, level: int, key: str, text: str, exc_info: bool = False) -> bool:
+        """Log ``text`` unless throttled (``exc_info``: with the current exception's traceback); True if written."""
+        line = self.line(key, text)
+        if line is None:
             return False
-        logger.log(level, text + (f" ({held} similar line(s) held back)" if held else ""))
+        logger.log(level, line, exc_info=exc_info)
         return True

@@ -172,7 +172,7 @@ def accept_input(msg, stream: StreamInfo, role: str, serve: ServeInfo) -> np.nda
     if role == "image":
         return accept_image(msg, cfg, stream.model_config)
     if role == "joint_states":
-        return accept_joints(msg, cfg)
+        return accept_joints(msg, cfg, model=stream.model_config)
     return accept_actions(msg, cfg, stream.model_config)
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import uvloop
 
-from physis_ros.cli.common import write_json
+from physis_ros.cli.common import device_arg, write_json
 from physis_ros.model import build_model, load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.reference import reference_rollout
@@ -46,7 +46,7 @@ TOLERANCE = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 2e-2}   # batched vs 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-wam", help="preset (a backbone shape on a GPU, e.g. wan2.1-1.3b)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda:N")
     p.add_argument("--workers", type=int, default=2, help="workers time-sharing the device in the second run")
     p.add_argument("--chunks", type=int, default=24)
     p.add_argument("--profile-repeats", type=int, default=5)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import uvloop
 
-from physis_ros.cli.common import write_json
+from physis_ros.cli.common import device_arg, write_json
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import build_model, load_model_config
 from physis_ros.observations import SyntheticScene
@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip", type=int, default=0, help="fill-phase chunks to exclude (0: 10 + 2 x segments)")
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds over all plans, interleaved (a shared machine's speed drifts); medians reported")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda:N")
     p.add_argument("--socket", choices=("tcp", "ipc"), default="tcp", help="ZeroMQ sockets (ray: tcp only)")
     p.add_argument("--transport", type=transports, default=["zmq"],
                    help="hidden states between workers: zmq, torch (torch.distributed: gloo on CPU, NCCL on GPU), "

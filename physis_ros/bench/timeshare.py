@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from physis_ros.cli.common import write_json
+from physis_ros.cli.common import device_arg, write_json
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import build_model, load_model_config
 from physis_ros.observations import SyntheticScene
@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=150)
     p.add_argument("--max-batch", type=int, default=4)
     p.add_argument("--profile", help="physis-profile JSON (measured now if omitted)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda:N")
     p.add_argument("--repeats", type=int, default=3, help="rounds over the three modes, interleaved")
     p.add_argument("--json", help="write results here")
 

@@ -252,6 +252,28 @@ model_arg = _typed(_model_arg)
 model_arg.__name__ = "model"
 
 
+def check_device(text: str) -> None:
+    """A torch device this host has: ``cpu`` or ``cuda[:N]`` with N below the CUDA device count (CliError
+    otherwise). Every ``--device`` that names a torch device (physis-worker, -rollout, -profile, -bench) uses it."""
+    if text == "cpu":
+        return                                  # the default: no torch import just to parse flags
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise CliError(f"{text!r} is not a torch device; give cpu or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise CliError(f"{text!r}: physis runs on cpu or cuda:N, not {device.type}")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise CliError(f"{text} is not available here ({torch.cuda.device_count()} CUDA device(s)); give cpu or "
+                       f"cuda:N with N < the count")
+
+
+device_arg = _typed(check_device)
+device_arg.__name__ = "device"
+
+
 # ----------------------------------------------------------------------------- serve configs and files
 
 def set_threads(threads: int) -> None:

@@ -7,7 +7,7 @@ The JSON it writes feeds the planner (``physis-bench timeshare --profile``),
 the workers' adaptive batching and the joint scheduler's cost profiles.
 
 Exit status: 0 success; 2 usage or input error (bad flag or value, missing --json,
-unknown preset, unreadable/empty/binary/invalid model YAML, unwritable --json;
+unknown preset, unusable --device, unreadable/empty/binary/invalid model YAML, unwritable --json;
 nothing was measured); 70 internal error (a bug; PHYSIS_DEBUG=1 shows the
 traceback); 130 interrupted. Errors are one line on stderr:
 'physis-profile: error: <what and the fix>'.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-from physis_ros.cli.common import (ArgumentParser, check_writable, cli_main, fail, model_arg, nonneg_int,
+from physis_ros.cli.common import (ArgumentParser, check_writable, cli_main, device_arg, fail, model_arg, nonneg_int,
                                    positive_int, set_threads, write_json)
 
 
@@ -26,7 +26,7 @@ from physis_ros.cli.common import (ArgumentParser, check_writable, cli_main, fai
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="physis-profile", description=__doc__)
     parser.add_argument("--model", type=model_arg, default="tiny-wam", help="preset name or model YAML path")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda:N")
     parser.add_argument("--batch-sizes", default="1,2,4", help="comma-separated batch sizes to time")
     parser.add_argument("--repeats", type=positive_int, default=15)
     parser.add_argument("--threads", type=positive_int, default=1)

@@ -18,7 +18,7 @@ import hashlib
 import sys
 import time
 
-from physis_ros.cli.common import (ArgumentParser, check_writable, cli_main, fail, model_arg, nonneg_int,
+from physis_ros.cli.common import (ArgumentParser, check_writable, cli_main, device_arg, fail, model_arg, nonneg_int,
                                    positive_int, set_threads, write_json)
 
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=positive_int, default=16)
     parser.add_argument("--streams", type=positive_int, default=1, help="number of streams (robots), round robin")
     parser.add_argument("--seed", type=nonneg_int, default=0)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda:N")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     parser.add_argument("--json", help="write per-chunk hashes and timings here")
     parser.add_argument("--live", action="store_true", help="print a table row per chunk as it is produced")

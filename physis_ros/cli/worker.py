@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 
-from physis_ros.cli.common import ArgumentParser, check_keys_dir, cli_main, positive_int
+from physis_ros.cli.common import ArgumentParser, check_keys_dir, cli_main, device_arg, positive_int
 
 PR_SET_PDEATHSIG = 1
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="physis-worker", description=__doc__)
     parser.add_argument("--connect", required=True, help="engine control address, e.g. tcp://10.0.0.2:5555")
     parser.add_argument("--id", default=f"w-{os.getpid()}", help="worker name (unique per engine)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda:N")
     parser.add_argument("--bind-host", default="127.0.0.1",
                         help="interface for this worker's data socket (loopback unless told otherwise)")
     parser.add_argument("--transport", choices=("tcp", "ipc"), default="tcp")
@@ -84,13 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_log_stderr:
         logging.basicConfig(format=f"[worker {args.id}] %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
-    try:
-        device = torch.device(args.device)
-    except (RuntimeError, ValueError) as exc:
-        parser.error(f"argument --device: {args.device!r} is not a device ({exc}); give cpu or cuda:N")
-    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-        parser.error(f"argument --device: {args.device} is not available here "
-                     f"({torch.cuda.device_count()} CUDA device(s)); give cpu or cuda:N with N < the count")
     if args.transport == "tcp" and not is_loopback(args.bind_host) and not args.curve_keys:
         parser.error(f"--bind-host {args.bind_host} is not loopback: give --curve-keys DIR (see physis-keys)")
     try:

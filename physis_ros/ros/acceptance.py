@@ -39,11 +39,14 @@ def accept_image(msg: Image | CompressedImage, stream: StreamConfig, model: Mode
     return conv.image_from_msg(msg, stream, model)
 
 
-def accept_joints(msg: JointState, stream: StreamConfig, now: float | None = None) -> np.ndarray:
-    """The model's ``state`` input from a joint state, exactly as the node accepts it."""
+def accept_joints(msg: JointState, stream: StreamConfig, now: float | None = None,
+                  model: ModelConfig | None = None) -> np.ndarray:
+    """The model's ``state`` input from a joint state, exactly as the node accepts it (checked in the
+    precision of ``model``: float32 if not given)."""
     if now is not None:
         conv.check_stamp(msg.header.stamp, now, stream.max_future_s, stream.max_age_s)
-    return conv.joints_from_msg(msg, list(stream.joint_names), stream.max_joints, stream.max_abs_position)
+    return conv.joints_from_msg(msg, list(stream.joint_names), stream.max_joints, stream.max_abs_position,
+                                model.dtype if model is not None else "float32")
 
 
 def accept_actions(msg: ActionChunk | JointTrajectory, stream: StreamConfig, model: ModelConfig) -> np.ndarray:
@@ -53,5 +56,5 @@ def accept_actions(msg: ActionChunk | JointTrajectory, stream: StreamConfig, mod
     horizon = model.observation_shapes["actions"][0]
     names = list(stream.joint_names)
     if isinstance(msg, JointTrajectory):
-        return conv.actions_from_trajectory(msg, names, horizon, stream.max_abs_position)
-    return conv.actions_from_chunk(msg, names, horizon, stream.max_abs_position)
+        return conv.actions_from_trajectory(msg, names, horizon, stream.max_abs_position, model.dtype)
+    return conv.actions_from_chunk(msg, names, horizon, stream.max_abs_position, model.dtype)

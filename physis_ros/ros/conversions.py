@@ -10,8 +10,8 @@ They run on the executor thread, which every robot shares, so they stay cheap
 whatever arrives: messages over the configured caps (``image.max_bytes``,
 ``max_joints``) are refused before any work, images are resampled straight from
 the message buffer (:func:`area_average`: ~1.5 ms and ~1.5 MB for 1080p, never a
-full-size float copy), and joint positions are checked in float32, the model's
-precision. (The output side is :mod:`physis_ros.ros.outputs`.)
+full-size float copy), and joint positions are checked in the precision the model
+uses (its ``dtype``: float32, float16 or bfloat16). (The output side is :mod:`physis_ros.ros.outputs`.)
 """
 
 from __future__ import annotations
@@ -358,13 +358,31 @@ def _names(names: list[str], limit: int = 12) -> str:
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
+# bfloat16 (which numpy lacks) rounds a float32 to inf at and beyond the midpoint past its largest value
+BF16_OVERFLOW = float.fromhex("0x1.ffp+127")     # (2 - 2**-8) * 2**127 = 3.396e38
+
+
+def finite_in(values: np.ndarray, dtype: str = "float32") -> np.ndarray:
+    """Which of ``values`` (float64) stay finite in the model's precision: cast to float32 (the observation
+    tensors) and then, as the model does, to ``dtype`` (float32, float16 or bfloat16). 1e5 is finite in
+    float32 but inf in float16 (largest 65504)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        f32 = np.asarray(values, dtype=np.float64).astype(np.float32)
+        if dtype == "float16":
+            return np.isfinite(f32.astype(np.float16))
+        if dtype == "bfloat16":
+            return np.isfinite(f32) & (np.abs(f32) < BF16_OVERFLOW)
+        return np.isfinite(f32)
+
+
 def joints_from_msg(msg: JointState, joint_names: list[str], max_joints: int | None = None,
-                    max_abs: float | None = None) -> np.ndarray:
+                    max_abs: float | None = None, dtype: str = "float32") -> np.ndarray:
     """Positions of ``joint_names`` (in that order) from a JointState with any order and extra joints.
 
     A message listing more than ``max_joints`` names or positions is refused (``too_large``) before it
-    is looked at. Positions are checked in float32, the model's precision, and rejected as
-    ``nonfinite`` if float32 cannot represent them (|x| > 3.4e38: inf after the cast) or if |x| exceeds
+    is looked at. Positions are checked in the model's precision (``dtype``; float32 by default) and
+    rejected as ``nonfinite`` if it cannot represent them (float32: |x| > 3.4e38, float16: |x| > 65504:
+    inf after the cast) or if |x| exceeds
     ``max_abs``: a finite float32 as large as 1e25 still overflows the model's float32 arithmetic (its
     squares and norms) into NaN chunks, and poisons the stream's KV cache for the chunks after. The
     default bound, 1e9, is far beyond any joint in radians or metres (float32 resolves only 64 units
@@ -391,25 +409,26 @@ def joints_from_msg(msg: JointState, joint_names: list[str], max_joints: int | N
     picked = pos[[index[n] for n in joint_names]]
     with np.errstate(over="ignore", invalid="ignore"):
         out = picked.astype(np.float32)
-    ok = np.isfinite(out) & (np.abs(picked) <= limit)     # NaN compares False too
+    ok = finite_in(picked, dtype) & (np.abs(picked) <= limit)     # NaN compares False too
     if not ok.all():
         bad = [f"{n}={v!r}" for n, v, good in zip(joint_names, picked.tolist(), ok.tolist()) if not good]
-        raise InputRejected("nonfinite", f"position(s) not finite in float32 or beyond max_abs_position "
-                                         f"{limit:g}: {', '.join(bad)}")
+        raise InputRejected("nonfinite", f"position(s) not finite in {dtype} (the model's precision) or beyond "
+                                         f"max_abs_position {limit:g}: {', '.join(bad)}")
     return out
 
 
-def _float32_rows(rows: np.ndarray, what: str, max_abs: float) -> np.ndarray:
-    """Rows checked in float32 (the model's precision), as :func:`joints_from_msg` checks positions."""
+def _checked_rows(rows: np.ndarray, what: str, max_abs: float, dtype: str = "float32") -> np.ndarray:
+    """Rows (as float32) checked in the model's precision, as :func:`joints_from_msg` checks positions."""
     with np.errstate(over="ignore", invalid="ignore"):
         out = np.asarray(rows, dtype=np.float64).astype(np.float32)
-    if not np.isfinite(out).all() or np.abs(out).max(initial=0.0) > max_abs:
-        raise InputRejected("nonfinite", f"{what} holds values float32 cannot represent or beyond {max_abs:g}")
+    if not finite_in(out, dtype).all() or np.abs(out).max(initial=0.0) > max_abs:
+        raise InputRejected("nonfinite", f"{what} holds values {dtype} (the model's precision) cannot represent "
+                                         f"or beyond {max_abs:g}")
     return out
 
 
 def actions_from_chunk(msg: ActionChunk, joint_names: list[str], horizon: int,
-                       max_abs: float = 1e9) -> np.ndarray:
+                       max_abs: float = 1e9, dtype: str = "float32") -> np.ndarray:
     """The actions a world model imagines, [horizon, len(joint_names)], from an ActionChunk (this server's
     WAM output, or any policy's): its first ``horizon`` steps, columns mapped by joint name."""
     names = list(msg.joint_names)
@@ -418,21 +437,21 @@ def actions_from_chunk(msg: ActionChunk, joint_names: list[str], horizon: int,
     if len(names) != dof or actions.size != rows * dof:
         raise InputRejected("malformed", f"ActionChunk of {rows}x{dof} with {len(names)} joint names and "
                                          f"{actions.size} values")
-    return _select(actions.reshape(rows, dof), names, joint_names, horizon, "ActionChunk", max_abs)
+    return _select(actions.reshape(rows, dof), names, joint_names, horizon, "ActionChunk", max_abs, dtype)
 
 
 def actions_from_trajectory(msg: JointTrajectory, joint_names: list[str], horizon: int,
-                            max_abs: float = 1e9) -> np.ndarray:
+                            max_abs: float = 1e9, dtype: str = "float32") -> np.ndarray:
     """The actions to imagine from a JointTrajectory: the positions of its first ``horizon`` points."""
     names = list(msg.joint_names)
     if any(len(p.positions) != len(names) for p in msg.points):
         raise InputRejected("malformed", f"JointTrajectory points must each hold {len(names)} positions")
     rows = np.array([list(p.positions) for p in msg.points], dtype=np.float64).reshape(len(msg.points), len(names))
-    return _select(rows, names, joint_names, horizon, "JointTrajectory", max_abs)
+    return _select(rows, names, joint_names, horizon, "JointTrajectory", max_abs, dtype)
 
 
 def _select(rows: np.ndarray, names: list[str], joint_names: list[str], horizon: int, what: str,
-            max_abs: float) -> np.ndarray:
+            max_abs: float, dtype: str = "float32") -> np.ndarray:
     index = {n: i for i, n in enumerate(names)}
     if len(index) != len(names):
         raise InputRejected("malformed", f"{what} lists a joint twice")
@@ -441,7 +460,7 @@ def _select(rows: np.ndarray, names: list[str], joint_names: list[str], horizon:
         raise InputRejected("missing_joints", f"{what} lacks joint(s) {', '.join(missing)} (got {_names(names)})")
     if len(rows) < horizon:
         raise InputRejected("size", f"{what} has {len(rows)} steps; the world model imagines {horizon}")
-    return _float32_rows(rows[:horizon, [index[n] for n in joint_names]], what, max_abs)
+    return _checked_rows(rows[:horizon, [index[n] for n in joint_names]], what, max_abs, dtype)
 
 
 def observation_from_msgs(image_msg: Image | CompressedImage, joint_msg: JointState, stream: StreamConfig,
@@ -449,4 +468,4 @@ def observation_from_msgs(image_msg: Image | CompressedImage, joint_msg: JointSt
     """The observation tensors (unbatched float32) one chunk consumes, exactly as the node builds them."""
     return {"image": image_from_msg(image_msg, stream, model),
             "state": joints_from_msg(joint_msg, list(stream.joint_names), stream.max_joints,
-                                     stream.max_abs_position)}
+                                     stream.max_abs_position, model.dtype)}

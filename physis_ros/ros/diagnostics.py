@@ -7,7 +7,8 @@ Verdicts are over a time window (``diagnostics_window_s``), so they decay: a str
 publishing falls to 0 chunks/s and turns ERROR ("no chunk for X s") once it has published nothing
 for two expected intervals (its SLO interval, or its own median interval if that is longer).
 
-- stream ERROR: failed (a worker lost under it), starved (no fresh observation for longer than
+- stream ERROR: failed (reset: a worker lost under it, a chunk lost or non-finite), recovering (re-admitted
+  after a reset, no chunk published since: ERROR until it publishes again), starved (no fresh observation for longer than
   ``diagnostics_starved_s``) or stalled (no chunk for two expected intervals);
   WARN: interval p99 over the SLO, deadline-miss rate over ``diagnostics_miss_rate_warn``, inputs
   rejected since the last report, the engine not serving yet; else OK.
@@ -149,7 +150,7 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
         "waiting_for_observation_s": float(idle_s) if idle_s is not None else 0.0,
         "dropped_total": rejected.get("queue_full", 0) + rejected.get("unpaired", 0),
         "rejected_total": sum(rejected.values()),
-        "failures_total": inputs.get("failures", 0),          # worker lost under this stream
+        "failures_total": inputs.get("failures", 0),          # resets of this stream (any cause; resets.<cause>)
         "lost_chunks_total": inputs.get("lost_chunks", 0),    # chunks in flight when it happened
         # matched subscribers (a controller connected?); a RELIABLE one is needed for ros2_control
         "action_chunk_subscribers": inputs.get("action_chunk_subscribers", 0),
@@ -163,12 +164,15 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
     values["late_chunks_total"] = inputs.get("late_chunks", 0)
     late = int(stats.get("late_chunks_window", 0))
     values.update({f"rejected.{reason}": n for reason, n in sorted(rejected.items())})
+    values.update({f"resets.{cause}": n for cause, n in sorted(inputs.get("resets", {}).items())})
     slo = f" (SLO {slo_interval_ms:.1f} ms)" if slo_interval_ms else ""
     stall_s = 2.0 * expected_ms / 1e3 if not math.isnan(expected_ms) else starved_s
     if engine_state != "serving":
         level, msg = (ERROR if engine_state == "failed" else WARN), f"engine {engine_state}"
     elif inputs.get("failed"):
         level, msg = ERROR, f"stream failed: {inputs['failed']}"
+    elif inputs.get("recovering"):
+        level, msg = ERROR, f"recovering: {inputs['recovering']}; re-admitted, waiting for its first chunk"
     elif idle_s is not None and idle_s > starved_s:
         level, msg = ERROR, (f"starved: no fresh observation for {idle_s:.1f} s (camera or joint_states silent "
                              f"or stale)")

@@ -76,7 +76,8 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
             st.warn("idle", f"stream {name}: no fresh observation for {idle:.1f} s (images "
                             f"{inputs['received'].get('images', 0)}, joint states "
                             f"{inputs['received'].get('joints', 0)} received so far)")
-        inputs.update(failed=st.health.failed, failures=st.health.failures, lost_chunks=st.health.lost_chunks,
+        inputs.update(failed=st.health.failed, recovering=st.health.recovering, failures=st.health.failures,
+                      lost_chunks=st.health.lost_chunks, resets=st.resets(),
                       late_points=st.late_points, late_chunks=st.late_chunks, **st.subscriber_counts())
         hw = diag.stream_hardware_id(node.hostname, [worker_hw[w] for w in snap["streams"].get(name, [])
                                                      if w in worker_hw])

@@ -17,13 +17,14 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from trajectory_msgs.msg import JointTrajectory
 
+from physis_ros.logs import Throttle
 from physis_ros.model.spec import ModelConfig
 from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
 from physis_ros.ros import acceptance, outputs, qos
@@ -45,8 +46,10 @@ class StreamHealthState:
     """What happened to a stream in the engine, as the node heard it (engine thread writes, others read)."""
 
     failed: str | None = None      # a reset under way (or for good); None once re-admitted
+    recovering: str | None = None  # reset, and no chunk published since: /diagnostics ERROR until its first chunk
     failures: int = 0
     lost_chunks: int = 0
+    resets: Counter = field(default_factory=Counter)   # cause -> resets the node heard of
     gone: bool = False
 
 
@@ -76,6 +79,7 @@ class RosStream:
         self.published = 0
         self.rejects_reported = 0
         self.last_warn: dict[str, float] = {}
+        self.throttle = Throttle(serve.warn_throttle_s)   # reset / re-admission lines, per cause
         # node-side timings (ms): engine emit -> on_output (handover), on_output -> first output published
         self.handover_ms: deque = deque(maxlen=200)
         self.publish_ms: deque = deque(maxlen=200)
@@ -176,7 +180,7 @@ class RosStream:
 
     def on_joints(self, msg: JointState) -> None:
         try:
-            data = acceptance.accept_joints(msg, self.config, now=self.node.now())
+            data = acceptance.accept_joints(msg, self.config, now=self.node.now(), model=self.model)
         except conv.InputRejected as exc:
             self._reject(exc, "joint_states")
             return
@@ -218,6 +222,9 @@ class RosStream:
         stamp, rec, publish_ms = out.tag, out.record, math.nan
         if node.closing:
             return
+        h = self.health
+        if h.recovering is not None and h.failed is None:   # the first chunk after a reset: healthy again
+            h.recovering = None
         if self.pub_chunk is not None:
             publish_ms = self._publish_actions(out, handover, start)
         elif node.armed:
@@ -267,15 +274,34 @@ class RosStream:
 
     def on_event(self, event: StreamEvent) -> None:
         h, log = self.health, self.node.get_logger()
+        self.throttle.period_s = self.node.config.warn_throttle_s   # a flood of resets: one line per cause per period
         if event.kind == "failed":
             h.failed = event.reason
+            h.recovering = f"reset ({event.cause or 'unknown'}): {event.reason}"
             h.failures += 1
             h.lost_chunks += event.lost_chunks
-            log.error(f"stream {self.name} reset ({event.cause}): {event.reason}; {event.lost_chunks} chunk(s) in "
-                      f"flight lost")
+            h.resets[event.cause or "unknown"] += 1
+            line = self.throttle.line(f"reset:{event.cause}", f"stream {self.name} reset ({event.cause}): "
+                                      f"{event.reason}; {event.lost_chunks} chunk(s) in flight lost")
+            if line is not None:
+                log.error(line)
         elif event.kind == "readmitted":
             h.failed = None
-            log.warning(f"stream {self.name} re-admitted: {event.reason} (chunk indices skip the lost ones)")
+            line = self.throttle.line("readmitted", f"stream {self.name} re-admitted: {event.reason} (chunk indices "
+                                      f"skip the lost ones; ERROR on /diagnostics until its first chunk)")
+            if line is not None:
+                log.warning(line)
+
+    def resets(self) -> dict[str, int]:
+        """Resets by cause: what the node heard, or the engine's own count where higher (it also counts a
+        fault that hits a stream already resetting)."""
+        counts = Counter(self.health.resets)
+        engine = self.node.engine
+        snap = engine.health() if engine is not None else None
+        s = snap.streams.get(self.name) if snap is not None else None
+        for cause, n in (s.resets.items() if s is not None else ()):
+            counts[cause] = max(counts[cause], n)
+        return dict(sorted(counts.items()))
 
     # ---- reports (executor thread) ----------------------------------------------------------------------
     def records(self) -> tuple[list, int, int, list[float], list[float]]:
@@ -288,6 +314,6 @@ class RosStream:
         summary = self.stats.summary() if self.stats.records else {}
         return {"chunks": self.published, "model": self.model.name, "origin": self.origin, "workers": self.workers,
                 "rejected": snap["rejected"], "received": snap["received"], "failures": self.health.failures,
-                "lost_chunks": self.health.lost_chunks,
+                "lost_chunks": self.health.lost_chunks, "resets": self.resets(),
                 "interval_ms_p50": summary.get("interval_ms_p50", math.nan),
                 "latency_ms_p50": summary.get("latency_ms_p50", math.nan)}

@@ -240,7 +240,10 @@ class TaskRunner:
                                    KVBatch(host.tables[b], slots), [j.handoff for j in batch])
         except Exception as exc:  # a failing task must not take the worker down
             self.stats.errors += 1
-            log.exception("worker %s: stage %s of %d task(s) failed", self.id, batch[0].stage, len(batch))
+            # throttled per stage: the first failure with its traceback, a storm of them as a count
+            self.throttle.log(log, logging.ERROR, f"stage_failed:{list(batch[0].stage)}",
+                              f"worker {self.id}: stage {batch[0].stage} of {len(batch)} task(s) failed: "
+                              f"{type(exc).__name__}: {exc}", exc_info=True)
             for j in batch:
                 self._lost(j.task, "task_failed", f"stage {list(j.stage)} raised {type(exc).__name__}: {exc}")
             return

@@ -79,15 +79,22 @@ CASES = [
     case("physis-rollout --model {input} --chunks 1", "", 2, ["empty"], ".yaml"),
     case("physis-rollout --chunks 0", None, 2, ["--chunks", "> 0"]),
     case("physis-rollout --bogus", None, 2, ["unrecognized arguments", "--bogus"]),
+    case("physis-rollout --device tpu --chunks 1", None, 2, ["--device", "tpu", "cpu or cuda:N"]),
     # ---- physis-worker
     case("physis-worker", None, 2, ["required", "--connect"]),
     case("physis-worker --connect nonsense", None, 2, ["--connect", "tcp://"]),
     case("physis-worker --connect tcp://127.0.0.1:1 --curve-keys {input}", CORRUPT_KEYS, 2, ["CurveZMQ", "physis-keys"]),
     case("physis-worker --connect tcp://127.0.0.1:1 --threads many", None, 2, ["--threads", "integer"]),
+    case("physis-worker --connect tcp://127.0.0.1:1 --device tpu", None, 2, ["--device", "tpu", "cpu or cuda:N"]),
     # ---- physis-bench, each subcommand
     case("physis-bench", None, 2, ["required"]),
     case("physis-bench pipeline --workers 0", None, 2, ["--workers", ">= 1"]),
     case("physis-bench pipeline --plans bogus", None, 2, ["unknown plan", "bogus"]),
+    case("physis-bench pipeline --device tpu", None, 2, ["--device", "tpu", "cpu or cuda:N"]),
+    case("physis-bench timeshare --device tpu", None, 2, ["--device", "tpu", "cpu or cuda:N"]),
+    case("physis-bench device --device tpu --json {tmp}/d.json", None, 2, ["--device", "tpu", "cpu or cuda:N"]),
+    case("physis-bench device --device cuda:64 --json {tmp}/d.json", None, 2, ["--device", "cuda:64", "not available"]),
+    case("physis-bench device --workers 0 --json {tmp}/d.json", None, 2, ["--workers", ">= 1"]),
     case("physis-bench timeshare --profile {input}", "{not json", 2, ["--profile", "not valid JSON"], ".json"),
     case("physis-bench timeshare --profile {input}", BINARY, 2, ["--profile", "binary"], ".json"),
     case("physis-bench soak --minutes soon", None, 2, ["--minutes"]),
@@ -103,6 +110,7 @@ CASES = [
     case("physis-profile --model tiny-wam", None, 2, ["required", "--json"]),
     case("physis-profile --model {input} --json {tmp}/p.json", "- 1\n- 2\n", 2, ["mapping"], ".yaml"),
     case("physis-profile --batch-sizes a,b --json {tmp}/p.json", None, 2, ["--batch-sizes"]),
+    case("physis-profile --device tpu --json {tmp}/p.json", None, 2, ["--device", "tpu", "cpu or cuda:N"]),
     # ---- physis-sim
     case("physis-sim --devices 0 --slo-ms 100 --models wan2.1-1.3b", None, 2, ["--devices", "> 0"]),
     case("physis-sim --devices 4 --slo-ms -5 --models wan2.1-1.3b", None, 2, ["--slo-ms", "positive"]),
@@ -172,7 +180,8 @@ CASES = [
 ]
 
 COMMANDS = ["physis-rollout", "physis-worker", "physis-bench pipeline", "physis-bench timeshare", "physis-bench soak",
-            "physis-bench streams", "physis-bench ros", "physis-profile", "physis-sim", "physis-keys",
+            "physis-bench streams", "physis-bench ros", "physis-bench device", "physis-bench handoff",
+            "physis-bench admission", "physis-bench hop", "physis-profile", "physis-sim", "physis-keys",
             "physis-bag info", "physis-bag replay", "physis-bag record", "physis-bag check", "physis-bag generate",
             "physis-report", "physis-serve", "physis-demo", "physis-synthetic", "physis-stream add", "physis-stream list",
             "physis-stream remove"]

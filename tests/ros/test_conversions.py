@@ -353,6 +353,44 @@ def test_large_but_representable_positions_pass_without_a_bound():
     assert np.isfinite(out).all() and out[0] == np.finfo(np.float32).max and out[3] == 0.0
 
 
+def test_inputs_are_checked_in_the_precision_the_model_uses():
+    """Issue 12: inputs must be checked "in the precision the model uses", and a model may run in float16:
+    1e5 is finite in float32 (so it passed) but inf once the float16 model casts it."""
+    from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
+
+    from physis_ros.ros import acceptance
+
+    half = dataclasses.replace(MODEL, dtype="float16")
+    pos = [0.0, 0.0, 0.0, 1e5, 0.0, 0.0, 0.0]
+    assert conv.joints_from_msg(joint_msg(JOINTS, pos), JOINTS)[3] == 1e5            # fine for float32
+    assert acceptance.accept_joints(joint_msg(JOINTS, pos), stream(), model=MODEL)[3] == 1e5
+    for reject in (lambda: conv.joints_from_msg(joint_msg(JOINTS, pos), JOINTS, dtype="float16"),
+                   lambda: acceptance.accept_joints(joint_msg(JOINTS, pos), stream(), model=half),
+                   lambda: conv.observation_from_msgs(image_msg(RGB, "rgb8"), joint_msg(JOINTS, pos), stream(), half)):
+        with pytest.raises(conv.InputRejected) as err:
+            reject()
+        assert err.value.reason == "nonfinite" and "joint4=100000.0" in err.value.detail
+        assert "float16" in err.value.detail
+    pos[3] = 65504.0                                                                  # float16's largest: kept
+    assert acceptance.accept_joints(joint_msg(JOINTS, pos), stream(), model=half)[3] == 65504.0
+    # a world model's actions input, the same rule
+    acwm = dataclasses.replace(load_model_config("tiny-acwm"), dtype="float16")
+    rows = [[0.0] * 7 for _ in range(8)]
+    rows[2][5] = 7e4
+    traj = JointTrajectory(joint_names=JOINTS, points=[JointTrajectoryPoint(positions=r) for r in rows])
+    assert acceptance.accept_actions(traj, stream(), dataclasses.replace(acwm, dtype="float32"))[2, 5] == 7e4
+    with pytest.raises(conv.InputRejected, match="float16") as err:
+        acceptance.accept_actions(traj, stream(), acwm)
+    assert err.value.reason == "nonfinite"
+    # bfloat16 keeps float32's range (numpy has no bfloat16: the rounding bound is checked)
+    big = [0.0] * 7
+    big[0] = 3.39e38
+    assert conv.joints_from_msg(joint_msg(JOINTS, big), JOINTS, max_abs=math.inf, dtype="bfloat16")[0] > 3e38
+    big[0] = 3.3962e38
+    with pytest.raises(conv.InputRejected):
+        conv.joints_from_msg(joint_msg(JOINTS, big), JOINTS, max_abs=math.inf, dtype="bfloat16")
+
+
 def _encode(px: np.ndarray, ext: str, *params) -> CompressedImage:
     bgr = px[:, :, ::-1] if px.ndim == 3 and px.shape[2] == 3 else px
     if px.ndim == 3 and px.shape[2] == 4:

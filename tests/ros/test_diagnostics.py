@@ -1,6 +1,7 @@
 """/diagnostics statuses from snapshots (no ROS graph needed): levels, windowed rates that decay,
 hardware ids, and no STALE from the node itself."""
 
+import contextlib
 import math
 import time
 
@@ -168,3 +169,97 @@ def test_timeline_metrics_and_late_chunks_reach_diagnostics():
     late = status(diag.window_stats(recs, now, 5.0, 100.0))
     assert late.level == WARN and "1 chunk(s)" in late.message and "not sent" in late.message, late.message
     assert values(late)["late_chunks_window"] == "1"
+
+
+
+@contextlib.contextmanager
+def served_stream():
+    """The real node and the ROS side of its first config stream (no engine: the tests play its events)."""
+    import rclpy
+
+    from physis_ros.config import repo_config_dir
+    from physis_ros.ros.node import PhysisServer
+    from physis_ros.ros.streams import RosStream
+    from physis_ros.runtime.streams import ServedModel
+
+    from rosprobe import DOMAIN
+
+    context = rclpy.Context()
+    rclpy.init(args=["physis-serve", "--ros-args", "--params-file", str(repo_config_dir() / "serve.yaml")],
+               context=context, domain_id=DOMAIN)
+    try:
+        node = PhysisServer(context=context)
+        try:
+            name, cfg = next(iter(node.config.streams.items()))
+            st = node.streams[name] = RosStream(node, name, cfg, ServedModel(node.model), "config", ["w0"])
+            node.state = "serving"
+            yield node, name, st
+        finally:
+            node.destroy_node()
+    finally:
+        rclpy.try_shutdown(context=context)
+
+
+def test_a_reset_stream_is_error_until_it_publishes_again_and_its_resets_by_cause_are_reported():
+    """Bug found: the node cleared a stream's failure when the engine re-admitted it, so /diagnostics could
+    say OK before the stream published again (the requirement: ERROR until it publishes again); and the
+    engine's resets by cause reached neither /diagnostics nor the ``--summary-json`` totals."""
+    import numpy as np
+
+    from physis_ros.ros import health
+    from physis_ros.ros.conversions import time_msg
+    from physis_ros.runtime.streams import ChunkOutput, StreamEvent
+
+    with served_stream() as (node, name, st):
+        def verdict():
+            s = next(s for s in health.statuses(node) if s.name == f"{node.diag_prefix}: {name}")
+            return s.level, s.message, values(s)
+
+        st.on_event(StreamEvent(name, "failed", "chunk 3 lost (dropped_task)", 2, "task_lost"))
+        level, msg, v = verdict()
+        assert level == ERROR and "stream failed" in msg, msg
+        assert v["resets.task_lost"] == "1" and v["failures_total"] == "1" and v["lost_chunks_total"] == "2"
+        st.on_event(StreamEvent(name, "readmitted", "placed again on w0"))
+        level, msg, v = verdict()    # re-admitted, nothing published yet: still ERROR
+        assert level == ERROR and "recovering" in msg and "task_lost" in msg, msg
+        st.on_event(StreamEvent(name, "failed", "chunk 9 past its bound", 1, "chunk_timeout"))
+        st.on_event(StreamEvent(name, "readmitted", "placed again on w0"))
+        assert verdict()[0] == ERROR
+        now = node.now()
+        rec = records(1, 0.1, end=now)[0]
+        rec.stream, rec.chunk = name, 12
+        st.on_output(ChunkOutput(name, 12, np.zeros(st.model.output_shape, np.float32), rec, time_msg(now)))
+        level, msg, v = verdict()    # it published again: no longer the reset's ERROR
+        assert "recovering" not in msg and "failed" not in msg, msg
+        assert v["resets.task_lost"] == "1" and v["resets.chunk_timeout"] == "1" and v["failures_total"] == "2"
+        report = node.report()[name]  # what physis-serve --summary-json writes per stream
+        assert report["resets"] == {"chunk_timeout": 1, "task_lost": 1} and report["failures"] == 2
+
+
+def test_a_storm_of_resets_logs_one_line_per_cause_per_period():
+    """Each reset and re-admission was logged: a fault storm (a worker dropping every task) was a log flood."""
+    from physis_ros.runtime.streams import StreamEvent
+
+    class Recorder:
+        def __init__(self):
+            self.lines = []
+
+        def error(self, text):
+            self.lines.append(("error", text))
+
+        def warning(self, text):
+            self.lines.append(("warning", text))
+
+    with served_stream() as (node, name, st):
+        log = Recorder()
+        node.get_logger = lambda: log
+        for i in range(50):
+            st.on_event(StreamEvent(name, "failed", f"chunk {i} lost", 1, "task_lost"))
+            st.on_event(StreamEvent(name, "readmitted", "placed again on w0"))
+        st.on_event(StreamEvent(name, "failed", "chunk 99 past its bound", 1, "chunk_timeout"))
+        assert [kind for kind, _ in log.lines] == ["error", "warning", "error"], log.lines
+        assert "reset (task_lost)" in log.lines[0][1] and "reset (chunk_timeout)" in log.lines[2][1]
+        assert st.health.failures == 51 and st.health.resets == {"task_lost": 50, "chunk_timeout": 1}
+        st.throttle.clock = lambda: 1e12   # a period later: the next line says how many were held back
+        st.on_event(StreamEvent(name, "failed", "chunk 100 lost", 1, "task_lost"))
+        assert "49 similar line(s) held back" in log.lines[-1][1], log.lines[-1]

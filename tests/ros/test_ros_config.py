@@ -121,6 +121,26 @@ def test_file_errors_name_the_file(tmp_path):
         unwrap_ros_parameters({"a": {"ros__parameters": {}}, "b": {"ros__parameters": {}}})
 
 
+@pytest.mark.parametrize("text, key", [
+    ("streams:\n  robot0:\n    joint_names: [{joints}]\n    control_rate_hz: .inf\n",
+     "streams.robot0.control_rate_hz"),
+    ("streams:\n  robot0:\n    joint_names: [{joints}]\n    image:\n      pad_value: .nan\n",
+     "streams.robot0.image.pad_value"),
+    ("warn_throttle_s: -.inf\nstreams:\n  robot0:\n    joint_names: [{joints}]\n", "warn_throttle_s"),
+    ("engine:\n  heartbeat_timeout_s: .NaN\n", "engine.heartbeat_timeout_s"),
+    ("/**:\n  ros__parameters:\n    streams:\n      robot0:\n        joint_names: [{joints}]\n"
+     "        max_abs_position: .Inf\n", "streams.robot0.max_abs_position"),
+])
+def test_inf_and_nan_in_a_serve_yaml_are_refused_naming_the_key(tmp_path, text, key):
+    """YAML's .inf/.nan parse as floats and would pass every range check (nan compares False): a serve
+    config file holding one is refused at load, naming the dotted key (plain and ROS-parameter formats)."""
+    path = tmp_path / "serve.yaml"
+    path.write_text(text.format(joints=", ".join(JOINTS)))
+    with pytest.raises(ConfigError) as err:
+        load_serve_config(path)
+    assert err.value.key == key and "finite" in str(err.value) and str(path) in str(err.value), str(err.value)
+
+
 def test_cli_config_error_exit_code(tmp_path, capsys):
     from physis_ros.cli.serve import main
     bad = tmp_path / "bad.yaml"

@@ -192,9 +192,12 @@ def test_lost_worker_is_reported_restarted_and_the_stream_carries_on(sim):
         w = latest_status(sim, "worker w0") or {}
         return w.get("_level") == 0 and int(w.get("pid", old_pid)) != old_pid
     sim.probe.wait(restarted, 90, "the worker to be restarted")
-    # Re-admitted: no longer "failed" (it may well be ERROR "starved": no input arrives until below).
+    # Re-admitted: no longer "failed", but ERROR until it publishes again (no input arrives until below).
     sim.probe.wait(lambda: not (latest_status(sim, STREAM) or {}).get("_message", "stream failed").startswith(
         "stream failed"), 15, "the stream to be re-admitted")
+    readmitted = latest_status(sim, STREAM)
+    assert readmitted["_level"] == 2 and readmitted["_message"].startswith("recovering"), readmitted
+    assert int(readmitted["resets.worker_lost"]) >= 1, readmitted
     more = []
     for i in range(N, N + 3):
         img, js = observation_msgs(sim, i, time_msg(sim.sim_now()))
@@ -206,6 +209,8 @@ def test_lost_worker_is_reported_restarted_and_the_stream_carries_on(sim):
     after = [m for m, _ in sim.probe.get("chunk")][N:]
     assert [m.header.stamp for m in after] == [img.header.stamp for img in more]
     assert [m.chunk_index for m in after] == list(range(N, N + 3))  # nothing was in flight: no gap
+    sim.probe.wait(lambda: not (latest_status(sim, STREAM) or {}).get("_message", "recovering").startswith(
+        "recovering"), 15, "/diagnostics to see the stream publishing again")
     assert sim.server.poll() is None
     assert "stream d0 reset (worker_lost)" in sim.server.log_path.read_text()
 
