@@ -92,7 +92,8 @@ class PhysisServer(LifecycleNode):
         self.engine_started: float | None = None   # time.monotonic() of configure
         self.serving_since: float | None = None
         self.hostname = socket.gethostname()
-        self.diag_prefix = self.get_fully_qualified_name().lstrip("/")  # physis_server unless remapped
+        # /diagnostics names: '<node>: <what>' with the node's own name (a __node remap), never its namespace
+        self.diag_prefix = self.get_name()
         self.streams: dict[str, RosStream] = {}
         self.ended: dict[str, dict] = {}    # totals of streams that left (or were stopped)
         self.startup: dict[str, str] = {}   # config stream -> "admitted" or the rejection

@@ -134,6 +134,8 @@ class Engine:
         self._tasks.append(asyncio.create_task(self.pool.monitor_loop(), name="engine-monitor"))
         self._tasks.append(asyncio.create_task(self.recovery.watch(), name="engine-watchdog"))
         self._started = True
+        log.info("engine started: %d worker(s) (%s), plan %s, %s hops", len(procs),
+                 ", ".join(f"{w.name} pid {w.pid} on {w.host}:{w.device}" for w in procs), cfg.plan, cfg.hops)
 
     async def _load(self, w: WorkerProc) -> None:
         cfg = self.config

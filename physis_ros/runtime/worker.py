@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -50,19 +52,44 @@ CTRL_BURST = 16
 
 
 class _ForwardToEngine(logging.Handler):
-    """Sends this worker's log lines to the engine, which logs them under the worker's name."""
+    """Sends this worker's log lines to the engine, which logs them under the worker's name. It sits on
+    the ``physis`` logger, so every ``physis.*`` line the worker process makes (``physis.worker``,
+    ``physis.hops``, ...) is forwarded once; lines of loggers other than ``physis.worker`` keep their
+    source in front (``hops: ...``), since workers spawned by the engine have no stderr log.
+
+    A ZeroMQ socket belongs to one thread: lines logged on other threads (the hop sender and receivers)
+    wait in a queue that the worker's loop sends from (:meth:`flush`)."""
+
+    MAX_PENDING = 1000   # lines from other threads waiting for the loop; beyond it they are counted, not kept
 
     def __init__(self, worker: Worker, level: int):
         super().__init__(level)
         self.worker = worker
+        self.owner = threading.get_ident()
+        self.pending: queue.SimpleQueue[p.LogRecord] = queue.SimpleQueue()
+        self.dropped = 0
 
     def emit(self, record: logging.LogRecord) -> None:
         level = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warning"}.get(record.levelno, "error")
         try:
-            self.worker.send_ctrl(p.LogRecord(worker=self.worker.id, level=level,
-                                              text=p.clip_text(self.format(record))))
+            text = self.format(record)
+            source = record.name.split(".", 1)[1] if record.name.startswith("physis.") else ""
+            if source and source != "worker":
+                text = f"{source}: {text}"
+            msg = p.LogRecord(worker=self.worker.id, level=level, text=p.clip_text(text))
+            if threading.get_ident() == self.owner:
+                self.worker.send_ctrl(msg)
+            elif self.pending.qsize() < self.MAX_PENDING:
+                self.pending.put(msg)
+            else:
+                self.dropped += 1
         except Exception:  # never let logging take the worker down
             pass
+
+    def flush(self) -> None:
+        """Send the lines other threads logged (on the worker's own thread)."""
+        while not self.pending.empty():
+            self.worker.send_ctrl(self.pending.get_nowait())
 
 
 class Worker:
@@ -111,8 +138,8 @@ class Worker:
         self.stats = p.WorkerStats()
         self.tasks = TaskRunner(worker_id, self.host, self.io, self.stats, max_message_bytes, self._push, self.send_ctrl)
         self._log_handler = _ForwardToEngine(self, logging.INFO) if forward_logs else None
-        if self._log_handler is not None:
-            log.addHandler(self._log_handler)
+        if self._log_handler is not None:   # every physis.* logger, not only physis.worker
+            logging.getLogger("physis").addHandler(self._log_handler)
 
     # ---- sockets -------------------------------------------------------------------------
     def _push(self, address: str) -> zmq.Socket:
@@ -252,6 +279,7 @@ class Worker:
     def serve(self) -> None:
         self.send_ctrl(p.Hello(worker=self.id, data=self.data_addr, pid=os.getpid(), device=self.device,
                                host=socket.gethostname()[:128]))
+        log.info("up on %s:%s (pid %d), data at %s", socket.gethostname(), self.device, os.getpid(), self.data_addr)
         tasks = self.tasks
         next_beat = time.monotonic() + HEARTBEAT_S
         next_poll = busy_until = 0.0
@@ -287,6 +315,8 @@ class Worker:
                 if tasks.ready or events:
                     busy_until = now + tasks.settings.spin_us * 1e-6
                 if now >= next_beat:
+                    if self._log_handler is not None:
+                        self._log_handler.flush()
                     self.send_ctrl(p.Heartbeat(worker=self.id, queue=len(tasks.ready), stats=self._stats()))
                     next_beat = now + HEARTBEAT_S
         finally:
@@ -317,7 +347,8 @@ class Worker:
         if self.tasks.shm is not None:
             self.tasks.shm.close()
         if self._log_handler is not None:
-            log.removeHandler(self._log_handler)
+            logging.getLogger("physis").removeHandler(self._log_handler)
+            self._log_handler.flush()   # what the hop threads said last
         for sock in self.peers.values():
             sock.close(linger=1000)
         self.data_in.close(linger=0)

@@ -13,13 +13,14 @@ import time
 import uuid
 
 import pytest
-from rclpy.qos import QoSProfile, ReliabilityPolicy
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
 from physis_ros.ros.launcher import Child, serve_command, synthetic_command
 
 from rosprobe import JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, diag_values, processes_with_marker, write_config
 
 RELIABLE = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
+ROSOUT = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 NS = f"{TAG}_l0"
 CONTROLLER_TOPIC = f"/{TAG}_arm_controller/joint_trajectory"
 START_TIMEOUT = 90.0
@@ -29,6 +30,7 @@ class Live:
     def __init__(self, tmp):
         from diagnostic_msgs.msg import DiagnosticArray
         from lifecycle_msgs.srv import ChangeState, GetState
+        from rcl_interfaces.msg import Log
         from trajectory_msgs.msg import JointTrajectory
 
         from physis_ros.msg import ActionChunk, ChunkTelemetry
@@ -46,6 +48,7 @@ class Live:
         self.probe.subscribe("telemetry", ChunkTelemetry, f"/{TAG}_ltelemetry", RELIABLE)
         self.probe.subscribe("robot_telemetry", ChunkTelemetry, f"/{NS}/telemetry", RELIABLE)
         self.probe.subscribe("diagnostics", DiagnosticArray, "/diagnostics", QoSProfile(depth=100))
+        self.probe.subscribe("rosout", Log, "/rosout", ROSOUT)   # before the server starts: nothing missed
         self.change = self.probe.node.create_client(ChangeState, f"/{NODE}/change_state")
         self.get_state = self.probe.node.create_client(GetState, f"/{NODE}/get_state")
         env = child_env(self.marker)
@@ -128,6 +131,25 @@ def test_configure_computes_but_publishes_no_outputs(live):
     assert engine["armed"] == "False" and engine["_level"] == 1 and "disarmed" in engine["_message"]
     assert engine["lifecycle"] == "inactive" and live.others() != []
     assert live.status("worker w0").get("_level") == 0
+
+
+def test_engine_and_worker_log_lines_reach_rosout(live):
+    """Requirement: engine and worker lines go through the node's logger to /rosout, INFO included, and a
+    worker's lines carry its name (the workers themselves run with --no-log-stderr)."""
+    def lines(child: str) -> list:
+        return [m for m, _ in live.probe.get("rosout") if m.name.endswith(f"{NODE}.{child}")]
+
+    def level(m) -> int:
+        return int.from_bytes(m.level, "little") if isinstance(m.level, bytes) else m.level
+
+    live.probe.wait(lambda: any(m.msg.startswith("engine started") for m in lines("engine")), 10,
+                    "the engine's 'engine started' line on /rosout")
+    started = next(m for m in lines("engine") if m.msg.startswith("engine started"))
+    assert level(started) == 20 and "w0 pid" in started.msg   # INFO (rcl_interfaces/Log.INFO)
+    live.probe.wait(lambda: any(m.msg.startswith("[w0] up on ") for m in lines("worker")), 10,
+                    "worker w0's 'up on' line on /rosout")
+    up = next(m for m in lines("worker") if m.msg.startswith("[w0] up on "))
+    assert level(up) == 20 and " (pid " in up.msg
 
 
 def test_activate_publishes_trajectories_on_the_controllers_topic(live):

@@ -54,7 +54,9 @@ class Live:
         self.probe = Probe()
         for name, ns_ in STREAMS.items():
             self.probe.subscribe(f"chunk/{name}", ActionChunk, f"/{ns_}/action_chunk", RELIABLE)
-            # What ros2_control's joint_trajectory_controller uses: RELIABLE.
+            # A reliable reader: the strictest a controller can be. joint_trajectory_controller subscribes with
+            # SystemDefaultsQoS (best effort under rmw_fastrtps; docs/ros2_control.md section 1), which our
+            # RELIABLE publisher matches too.
             self.probe.subscribe(f"traj/{name}", JointTrajectory, f"/{ns_}/joint_trajectory", RELIABLE)
         self.probe.subscribe("telemetry", ChunkTelemetry, TELEMETRY, LATCHED)  # from the first chunk on
         self.probe.subscribe("diagnostics", DiagnosticArray, "/diagnostics", QoSProfile(depth=50))
