@@ -16,7 +16,8 @@ out, minus the chunk's compute on its workers).
                          [--modes none,hard,soft] [--delays 0,2,4] [--json out.json] [--plot out.png]
 
 JSON: ``runs`` (per model, mode and delay: seam jump p50/p99, seam velocity jump p99, jerk RMS, late
-points and chunks, tracking error, the delay the hand-off assumed, the response overhead p50 per robot),
+points and chunks, tracking error, ``target_tracking_error`` (closed loop: the arm against the expert's
+target pose at every executed step), the delay the hand-off assumed, the response overhead p50 per robot),
 ``tracking_error_trained`` / ``tracking_error_random``, ``targets`` (the issue's ratios), ``targets_met``
 and ``passed``. Exit status: 0 every target met; 1 a target missed or a non-finite seam; 2 usage error.
 """
@@ -76,6 +77,19 @@ class RobotRun:
     delays: list = dataclasses.field(default_factory=list)      # d the hand-off assumed
     outputs: list = dataclasses.field(default_factory=list)     # (first_step, actions) for the plot
     resets: int = 0             # its stream was reset (a worker lost under load): its seams are not the hand-off's
+    scenario: Scenario | None = None
+
+    def target_tracking(self, skip_steps: int) -> float:
+        """Closed loop: RMS of the arm's commanded pose at every executed control step (after the first
+        ``skip_steps``) against the expert's target pose for where the disc is at that step."""
+        traj, robot, sc = self.robot.trajectory(), self.robot, self.scenario
+        if robot.t0 is None or sc is None or len(traj) <= skip_steps:
+            return math.nan
+        first = robot.chunks[0].first_step + robot.chunks[0].first_row
+        dof = traj.shape[1]
+        targets = np.array([sc.expert.target(SyntheticScene.disc_center(robot.t0 + n * robot.period - sc.t0, sc.phase),
+                                             dof) for n in range(first, first + len(traj))])
+        return rms(traj[skip_steps:], targets[skip_steps:])
 
 
 class Scenario:
@@ -102,10 +116,12 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
     cfg = served.config
     interval_ms = timeline.execution / timeline.rate_hz * 1e3
     runs: dict[str, RobotRun] = {}
-    for name in names:
-        scenario = Scenario(name, cfg.observation_shapes, timeline.horizon, timeline.rate_hz)
+    for i, name in enumerate(names):
+        # Robot i sees the same scene (target path, from its start) in every run: modes and delays are
+        # compared on the same motion, not on paths of different difficulty.
+        scenario = Scenario(f"robot{i}", cfg.observation_shapes, timeline.horizon, timeline.rate_hz)
         q0 = SyntheticScene.joints(cfg.observation_shapes["state"][0], 0.0, scenario.phase)
-        run = runs[name] = RobotRun(SimulatedRobot(q0, timeline.rate_hz, timeline.extra_delay))
+        run = runs[name] = RobotRun(SimulatedRobot(q0, timeline.rate_hz, timeline.extra_delay), scenario=scenario)
 
         def observe(c: int, run: RobotRun = run, scenario: Scenario = scenario) -> Observation:
             now = engine.clock()
@@ -136,8 +152,9 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
     return runs
 
 
-def summarize_run(mode: str, d: int, model: str, runs: dict[str, RobotRun], skip: int) -> dict:
-    """One row of ``runs``: metrics over every robot, the first ``skip`` chunks of each left out (start-up)."""
+def summarize_run(mode: str, d: int, model: str, runs: dict[str, RobotRun], skip: int, skip_steps: int = 0) -> dict:
+    """One row of ``runs``: metrics over every robot, the first ``skip`` chunks of each (``skip_steps`` control
+    steps of the executed trajectory) left out (start-up)."""
     seams = [s for r in runs.values() for s in r.seams[skip:]]
     pos = [s[0] for s in seams]
     return {
@@ -150,6 +167,9 @@ def summarize_run(mode: str, d: int, model: str, runs: dict[str, RobotRun], skip
         "late_points": sum(r.robot.late_points for r in runs.values()),
         "late_chunks": sum(r.robot.late_chunks for r in runs.values()),
         "tracking_error": float(np.mean([t for r in runs.values() for t in r.tracking[skip:]])),
+        # the arm against the moving target (closed loop), over the steps after the skipped chunks' period
+        "target_tracking_error": float(np.mean([r.target_tracking(skip_steps)
+                                                for r in runs.values()])),
         "assumed_delay_steps_p50": percentile([x for r in runs.values() for x in r.delays[skip:]], 50),
         "response_overhead_ms_p50": {name: percentile(r.overhead_ms[skip:], 50) for name, r in runs.items()},
     }
@@ -175,12 +195,12 @@ async def run_all(args: argparse.Namespace) -> dict:
             names = [f"r{tag}_{i}" for i in range(args.robots)]
             tag += 1
             runs = await serve_run(engine, admission, served, names, timeline, args.chunks, args)
-            row = summarize_run(mode, d, model, runs, skip)
+            row = summarize_run(mode, d, model, runs, skip, skip * args.execution_horizon)
             examples[(model, mode, d)] = runs[names[0]]
             print(f"  {model:<7} {mode:<5} d={d}: seam p50/p99 {row['seam_jump_p50']:.4f}/{row['seam_jump_p99']:.4f}"
                   f" rad, velocity p99 {row['seam_velocity_jump_p99']:.3f} rad/s, jerk {row['jerk_rms']:.1f}, "
                   f"late points {row['late_points']} (chunks {row['late_chunks']}), tracking "
-                  f"{row['tracking_error']:.4f}, overhead p50 "
+                  f"{row['tracking_error']:.4f} (arm vs target {row['target_tracking_error']:.4f}), overhead p50 "
                   f"{', '.join(f'{v:.2f}' for v in row['response_overhead_ms_p50'].values())} ms", flush=True)
             return row
 

@@ -18,7 +18,7 @@ def test_small_handoff_run(tmp_path, capsys):
     assert code in (0, 1), capsys.readouterr()            # 1: a target missed (this machine is shared)
     r = json.loads(out.read_text())
     keys = {"mode", "delay_steps", "seam_jump_p50", "seam_jump_p99", "seam_velocity_jump_p99", "jerk_rms",
-            "late_points", "tracking_error"}
+            "late_points", "tracking_error", "target_tracking_error"}
     trained = [x for x in r["runs"] if x["model"] == "trained"]
     assert {(x["mode"], x["delay_steps"]) for x in trained} == {(m, d) for m in ("none", "hard", "soft") for d in (0, 2)}
     for x in r["runs"]:
@@ -36,5 +36,8 @@ def test_small_handoff_run(tmp_path, capsys):
     assert not handed or min(x["seam_jump_p50"] for x in handed) == 0.0, trained
     # the shipped checkpoint has learned the expert; the random init has not
     assert r["tracking_error_trained"] < 0.3 * r["tracking_error_random"]
+    # closed loop: the trained policy's arm follows the moving target, the random one's does not
+    random_arm = r["random"]["target_tracking_error"]
+    assert all(x["target_tracking_error"] < 0.5 * random_arm for x in trained), (random_arm, trained)
     assert r["targets"]["trained_vs_random_tracking"] < 0.3 and r["passed"] in (True, False)
     assert (tmp_path / "handoff.png").read_bytes()[:4] == b"\x89PNG"
