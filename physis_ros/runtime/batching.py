@@ -1,9 +1,12 @@
 """A worker's ready-queue policy and adaptive batching of same-weight tasks.
 
 Policy: ``oldest`` runs the task whose chunk entered the pipeline first;
-``edf`` the one whose deadline (enqueue time + the stream's SLO interval) is
-earliest. Both are starvation-free: every waiting task eventually holds the
-smallest key, because keys only grow for later chunks.
+``edf`` the one whose deadline is earliest: the time by which its chunk must
+leave to keep the stream's published interval within its SLO (one SLO interval
+after the previous chunk left, or after its own release while that one is
+still in flight; :meth:`~physis_ros.runtime.streams.StreamState.slack_s`).
+Both are starvation-free: every waiting task eventually holds the smallest key,
+because keys only grow for later chunks.
 
 Batching merges ready tasks that use the *same weights* (the same block of the
 same model; other steps, chunks or streams) into one forward, never two tasks that share a KV slot (a later chunk

@@ -315,9 +315,8 @@ class Engine:
             handoff = s.place_on_timeline(f, enqueue)
             s.inflight[c] = f
             order = time.perf_counter()
-            slo_s = (s.slo_interval_ms or 1000.0) / 1e3
             task = p.Task(stream=s.name, chunk=c, stage=s.plan.first_stage, epoch=s.epoch, seed=self.config.seed,
-                          order=order, deadline=order + slo_s, sent=order, handoff=handoff)
+                          order=order, deadline=order + s.slack_s(c, enqueue), sent=order, handoff=handoff)
             await self._push[s.first_addr].send_multipart(wire.encode(task, observation_payload(obs.data)),
                                                           copy=False)
 

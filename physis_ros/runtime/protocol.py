@@ -113,7 +113,7 @@ class Task(_Message, tag="task"):
     epoch: Count
     seed: Seed = 0
     order: Clock = 0.0          # when the chunk entered the pipeline (engine clock): oldest first
-    deadline: Clock = 0.0       # order + the stream's SLO interval (edf policy)
+    deadline: Clock = 0.0       # when the chunk must leave to keep the stream's interval (edf policy)
     sent: Clock = 0.0           # set by the sender, turned into a hop time by the receiver
     hops: Annotated[list[Ms], Meta(max_length=MAX_TRACE)] = []
     trace: Annotated[list[TraceEntry], Meta(max_length=MAX_TRACE)] = []

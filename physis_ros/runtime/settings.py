@@ -88,7 +88,8 @@ class EngineConfig:
         choices=("off", "on", "adaptive"), doc="merge ready tasks of the same block into one forward"))
     max_batch: int = F(default=4, metadata=bounded(ge=1, le=64, doc="largest batched forward"))
     policy: str = F(default="oldest", metadata=bounded(
-        choices=("oldest", "edf"), doc="which ready task a worker runs first"))
+        choices=("oldest", "edf"), doc="which ready task a worker runs first: the oldest chunk's, or the one "
+                                       "that must leave first to keep its stream's interval within the SLO"))
     max_streams: int = F(default=8, metadata=bounded(ge=1, le=65536, doc="streams the engine may hold at once"))
     max_ready: int = F(default=1024, metadata=bounded(
         ge=1, le=2**20, doc="tasks a worker's ready queue holds before it drops the oldest (and resets its "

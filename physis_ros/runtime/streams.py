@@ -176,6 +176,16 @@ class StreamState:
         self.releases += 1
         return due
 
+    def slack_s(self, chunk: int, now: float) -> float:
+        """How long chunk ``chunk``, released at ``now`` (engine clock), may take (the ``edf`` policy's
+        deadline): one SLO interval after the previous chunk left, when it has, so that a chunk whose
+        predecessor left early runs first on a shared worker and the published interval holds; else
+        one SLO interval from now."""
+        slo_s = (self.slo_interval_ms or 1000.0) / 1e3
+        if self.last_emit is None or self.next_emit != chunk:
+            return slo_s
+        return min(slo_s, self.last_emit + slo_s - now)
+
     def place_on_timeline(self, f: InFlight, release: float) -> p.HandoffSpec | None:
         """Place a chunk released now on the control timeline (its first step, the shift since the last
         one, the delay the hand-off assumes: a high percentile of the recent delays, in steps, plus any

@@ -2,6 +2,7 @@
 worker, and its place on the control timeline (first step, shift, the delay the hand-off assumes)."""
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -75,3 +76,18 @@ def test_no_handoff_spec_without_a_mode_but_still_on_the_timeline():
     assert s.place_on_timeline(f, 5.0) is None
     f2 = InFlight(5.1, 5.1, None, 1.0, 0.0)
     assert s.place_on_timeline(f2, 5.1) is None and (f2.first_step, f2.shift) == (5, 5)
+
+
+def test_edf_deadline_keeps_the_published_interval():
+    """A chunk released after its predecessor left is due one SLO interval after that one left (a stream
+    whose last chunk left early has less slack, so it runs first on a shared worker); while the predecessor
+    is still in flight, one SLO interval from its own release; never later than that."""
+    s = StreamState("r", None, None, lambda c: None, None, None, 100.0, asyncio.Semaphore(1))
+    assert s.slack_s(0, 10.0) == 0.1                 # nothing has left yet
+    s.last_emit, s.next_emit = 10.0, 5               # chunk 4 left at t = 10 s
+    assert math.isclose(s.slack_s(5, 10.03), 0.07)   # released 30 ms later: 70 ms left of the interval
+    assert math.isclose(s.slack_s(5, 10.12), -0.02)  # released late: already behind, most urgent
+    assert s.slack_s(6, 10.03) == 0.1                # chunk 5 still in flight: from its own release
+    s.last_emit = 9.0
+    assert s.slack_s(5, 9.0 - 0.05) == 0.1           # never more than one interval
+    assert StreamState("u", None, None, lambda c: None, None, None, None, asyncio.Semaphore(1)).slack_s(0, 1.0) == 1.0

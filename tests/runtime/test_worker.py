@@ -140,28 +140,38 @@ def test_control_requests_are_typed_and_failures_answered(worker, engine_end):
     assert isinstance(replies[10], p.Ack) and replies[10].stats.kv_bytes > 0
 
 
-def test_every_physis_logger_is_forwarded_to_the_engine_once(engine_end, monkeypatch):
+def test_every_physis_logger_is_forwarded_to_the_engine_once(engine_end):
     """Spawned workers run with --no-log-stderr: physis.hops (and any physis.*) lines must reach the engine."""
     import logging
+    import threading
+
+    # setLevel (not a patched attribute): it also clears the loggers' cached isEnabledFor answers, which
+    # an earlier test in this process may have left at another level.
+    names = ("physis", "physis.worker", "physis.hops")
+    levels = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.INFO if n == "physis" else logging.NOTSET)
     physis = logging.getLogger("physis")
-    monkeypatch.setattr(physis, "level", logging.INFO)
-    w = Worker(engine_end.addr, "w0")
     try:
-        engine_end.received(timeout_ms=100)  # whatever the worker said at start
-        logging.getLogger("physis.hops").warning("hop to %s timed out", "w1")
-        logging.getLogger("physis.worker").info("a worker line")
-        logging.getLogger("physis.hops").debug("below the level: not sent")
-        logs = [(m.worker, m.level, m.text) for m in engine_end.received() if isinstance(m, p.LogRecord)]
-        assert logs == [("w0", "warning", "hops: hop to w1 timed out"), ("w0", "info", "a worker line")]
-        # A hop thread's line is not sent from that thread (a ZeroMQ socket is one thread's): it waits for
-        # the worker's loop, here its close.
-        import threading
-        t = threading.Thread(target=lambda: logging.getLogger("physis.hops").warning("send over w0<->w1 failed"))
-        t.start()
-        t.join()
-        assert not [m for m in engine_end.received(timeout_ms=100) if isinstance(m, p.LogRecord)]
+        w = Worker(engine_end.addr, "w0")
+        try:
+            engine_end.received(timeout_ms=100)  # whatever the worker said at start
+            logging.getLogger("physis.hops").warning("hop to %s timed out", "w1")
+            logging.getLogger("physis.worker").info("a worker line")
+            logging.getLogger("physis.hops").debug("below the level: not sent")
+            logs = [(m.worker, m.level, m.text) for m in engine_end.received() if isinstance(m, p.LogRecord)]
+            assert logs == [("w0", "warning", "hops: hop to w1 timed out"), ("w0", "info", "a worker line")]
+            # A hop thread's line is not sent from that thread (a ZeroMQ socket is one thread's): it waits
+            # for the worker's loop, here its close.
+            t = threading.Thread(target=lambda: logging.getLogger("physis.hops").warning("send over w0<->w1 failed"))
+            t.start()
+            t.join()
+            assert not [m for m in engine_end.received(timeout_ms=100) if isinstance(m, p.LogRecord)]
+        finally:
+            w.close()
+        assert w._log_handler not in physis.handlers  # removed on close
+        logs = [m.text for m in engine_end.received() if isinstance(m, p.LogRecord)]
+        assert logs == ["hops: send over w0<->w1 failed"]
     finally:
-        w.close()
-    assert w._log_handler not in physis.handlers  # removed on close
-    logs = [m.text for m in engine_end.received() if isinstance(m, p.LogRecord)]
-    assert logs == ["hops: send over w0<->w1 failed"]
+        for n, level in levels.items():
+            logging.getLogger(n).setLevel(level)
