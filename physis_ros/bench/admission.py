@@ -90,6 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=1, help="repeat the modes this many times (interleaved)")
     p.add_argument("--headroom", type=float, default=None, help="admission.headroom (default: the config's)")
     p.add_argument("--pace-margin", type=float, default=None, help="admission.pace_margin (default: the config's)")
+    p.add_argument("--host-reserve-cores", type=float, default=None,
+                   help="admission.host_reserve_cores (default: the config's)")
     p.add_argument("--max-streams", type=int, default=None, help="join at most this many robots of the model "
                                                                  "(default 20; --quick 2)")
     p.add_argument("--window", type=float, default=None, help="seconds measured per phase (default 8; --quick 1.5)")
@@ -141,6 +143,8 @@ def _serve_mapping(args, base: dict, mode: str, profiles_dir: str, cap: int) -> 
         admission["headroom"] = args.headroom
     if args.pace_margin is not None:
         admission["pace_margin"] = args.pace_margin
+    if args.host_reserve_cores is not None:
+        admission["host_reserve_cores"] = args.host_reserve_cores
     # Admission, not the engine's stream table, must be what says no: room for every robot this run may join.
     max_streams = max(int(engine.get("max_streams", 8)), cap + 4)
     return deep_merge({k: v for k, v in base.items() if k != "streams"},
@@ -247,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
                         "max_streams": cap, "quick": args.quick, "jitter_buffer": None,
                         "camera": {"rate_hz": args.rate, "width": args.width, "height": args.height},
                         "headroom": any_cfg.admission.headroom, "pace_margin": any_cfg.admission.pace_margin,
+                        "host_reserve_cores": any_cfg.admission.host_reserve_cores,
                         "corun_slowdown": any_cfg.admission.corun_slowdown, "policy": any_cfg.engine.policy,
                         "max_batch": any_cfg.engine.max_batch, "engine_max_streams": any_cfg.engine.max_streams,
                         "profile_repeats": repeats, "ros_domain_id": domain, "base_config": str(config_in),

@@ -49,6 +49,7 @@ BOUNDS = {
     "warmup": (0, False), "pace_margin_ms": (0, False), "headroom": (0, False), "emit_delay_ms": (0, False),
     "window": (0, True), "settle": (0, False), "rounds": (1, False), "max_streams": (1, False),
     "control_rate_hz": (0, True), "second_control_rate_hz": (0, True), "pace_margin": (0, False),
+    "host_reserve_cores": (0, False),
     "profile_repeats": (1, False), "robots": (1, False), "execution_horizon": (1, False),
 }
 

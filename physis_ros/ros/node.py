@@ -179,6 +179,12 @@ class PhysisServer(LifecycleNode):
         rosout.detach(self._rosout)
         return done
 
+    def destroy_node(self) -> None:
+        # A destroyed node's logger must not keep taking the process's physis.* lines (a test, or an embedding
+        # program, may create several nodes without close()).
+        rosout.detach(self._rosout)
+        super().destroy_node()
+
     # ---- lifecycle (executor thread) ----------------------------------------------------------------
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         self.start_engine()   # returns at once; /diagnostics says "starting" until the workers serve

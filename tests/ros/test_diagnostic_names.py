@@ -40,3 +40,20 @@ def test_status_names_are_the_node_name_without_its_namespace(ros_args, namespac
     assert got_fqn == fqn
     assert f"{prefix}: engine" in names and f"{prefix}: robot0" in names and f"{prefix}: robot1" in names
     assert all(n.startswith(f"{prefix}: ") and "/" not in n.split(":")[0] for n in names), names
+
+
+def test_a_destroyed_node_stops_taking_physis_log_lines():
+    """Each node routes physis.* lines to its logger (/rosout); destroying it must take that route away, or
+    every later line goes to every node ever made in the process."""
+    import logging
+
+    from physis_ros.ros.rosout import RosoutHandler
+
+    def routes() -> int:
+        return sum(isinstance(h, RosoutHandler) for h in logging.getLogger("physis").handlers)
+
+    before = routes()
+    statuses_of()
+    statuses_of(namespace="robots")
+    assert routes() == before
+
