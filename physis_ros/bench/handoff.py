@@ -85,8 +85,7 @@ class RobotRun:
         traj, robot, sc = self.robot.trajectory(), self.robot, self.scenario
         if robot.t0 is None or sc is None or len(traj) <= skip_steps:
             return math.nan
-        first = robot.chunks[0].first_step + robot.chunks[0].first_row
-        dof = traj.shape[1]
+        first, dof = robot.first_executed_step, traj.shape[1]
         targets = np.array([sc.expert.target(SyntheticScene.disc_center(robot.t0 + n * robot.period - sc.t0, sc.phase),
                                              dof) for n in range(first, first + len(traj))])
         return rms(traj[skip_steps:], targets[skip_steps:])
@@ -276,7 +275,7 @@ def plot(result: dict, path: str) -> None:
     if example is not None:
         dt = 1.0 / result["control_rate_hz"]
         x = example.robot.trajectory()
-        start = example.robot.chunks[0].first_step + example.robot.chunks[0].first_row
+        start = example.robot.first_executed_step
         ax2.plot((start + np.arange(len(x))) * dt, x[:, 0], label="executed (joint 1)", color="C0")
         for first_step, _, expert in example.outputs[::2]:
             ax2.plot((first_step + np.arange(len(expert))) * dt, expert[:, 0], color="C1", alpha=0.4, lw=0.8)

@@ -264,15 +264,21 @@ class TransportFailed(RuntimeError):
     pass
 
 
-def _expect(conn, kind: str, timeout: float = TIMEOUT_S) -> Any:
-    if not conn.poll(timeout):
-        raise TransportFailed(f"no '{kind}' from a side in {timeout:.0f} s")
+def _receive(conn, gone: str) -> tuple:
+    """A side's next message; TransportFailed with ``gone`` if it exited, or with the error it reported."""
     try:
         msg = conn.recv()
     except EOFError:
-        raise TransportFailed(f"a side exited before its '{kind}'") from None
+        raise TransportFailed(gone) from None
     if msg[0] == "error":
         raise TransportFailed(msg[1])
+    return msg
+
+
+def _expect(conn, kind: str, timeout: float = TIMEOUT_S) -> Any:
+    if not conn.poll(timeout):
+        raise TransportFailed(f"no '{kind}' from a side in {timeout:.0f} s")
+    msg = _receive(conn, f"a side exited before its '{kind}'")
     if msg[0] != kind:
         raise TransportFailed(f"expected '{kind}', got '{msg[0]}'")
     return msg[1]
@@ -309,12 +315,7 @@ def measure_transport(setup: Setup, progress) -> dict[int, list[float]]:
                 raise TransportFailed(f"no progress in {TIMEOUT_S * 2:.0f} s")
             for conn in ready:
                 role = next(r for r, c in conns.items() if c is conn)
-                try:
-                    msg = conn.recv()
-                except EOFError:
-                    raise TransportFailed(f"the {role} process exited (code {procs[role].exitcode})") from None
-                if msg[0] == "error":
-                    raise TransportFailed(msg[1])
+                msg = _receive(conn, f"the {role} process exited (code {procs[role].exitcode})")
                 if msg[0] == "done":
                     done.add(role)
                 elif msg[0] == "size":

@@ -75,14 +75,18 @@ class SimulatedRobot:
             return self.q0
         return self.command(math.floor((t - self.t0) / self.period))
 
+    @property
+    def first_executed_step(self) -> int:
+        """The control step of :meth:`trajectory`'s first row: the first row the first chunk arrived in time for."""
+        return self.chunks[0].first_step + self.chunks[0].first_row
+
     def trajectory(self) -> np.ndarray:
         """The commanded positions at every control step from the first chunk's arrival to the last
         chunk's end [steps, dof]."""
         if not self.chunks:
             return np.zeros((0, len(self.q0)))
-        first = self.chunks[0].first_step + self.chunks[0].first_row
         last = self.chunks[-1].first_step + len(self.chunks[-1].rows)
-        return np.array([self.command(n) for n in range(first, last)])
+        return np.array([self.command(n) for n in range(self.first_executed_step, last)])
 
     def jerk_rms(self) -> float:
         """RMS of the commanded trajectory's third derivative (finite differences at the control rate)."""

@@ -362,12 +362,10 @@ def _names(names: list[str], limit: int = 12) -> str:
 BF16_OVERFLOW = float.fromhex("0x1.ffp+127")     # (2 - 2**-8) * 2**127 = 3.396e38
 
 
-def finite_in(values: np.ndarray, dtype: str = "float32") -> np.ndarray:
-    """Which of ``values`` (float64) stay finite in the model's precision: cast to float32 (the observation
-    tensors) and then, as the model does, to ``dtype`` (float32, float16 or bfloat16). 1e5 is finite in
-    float32 but inf in float16 (largest 65504)."""
+def finite_in(f32: np.ndarray, dtype: str = "float32") -> np.ndarray:
+    """Which of ``f32`` (the observation tensor's float32 values) stay finite when the model casts them to
+    ``dtype`` (float32, float16 or bfloat16). 1e5 is finite in float32 but inf in float16 (largest 65504)."""
     with np.errstate(over="ignore", invalid="ignore"):
-        f32 = np.asarray(values, dtype=np.float64).astype(np.float32)
         if dtype == "float16":
             return np.isfinite(f32.astype(np.float16))
         if dtype == "bfloat16":
@@ -409,7 +407,7 @@ def joints_from_msg(msg: JointState, joint_names: list[str], max_joints: int | N
     picked = pos[[index[n] for n in joint_names]]
     with np.errstate(over="ignore", invalid="ignore"):
         out = picked.astype(np.float32)
-    ok = finite_in(picked, dtype) & (np.abs(picked) <= limit)     # NaN compares False too
+    ok = finite_in(out, dtype) & (np.abs(picked) <= limit)     # NaN compares False too
     if not ok.all():
         bad = [f"{n}={v!r}" for n, v, good in zip(joint_names, picked.tolist(), ok.tolist()) if not good]
         raise InputRejected("nonfinite", f"position(s) not finite in {dtype} (the model's precision) or beyond "

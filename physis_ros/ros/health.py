@@ -34,13 +34,14 @@ def engine_snapshot(node: PhysisServer) -> dict[str, Any]:
     on its own loop: the one place the node reads the engine)."""
     h = node.engine.health() if node.engine is not None else None
     if h is None:
-        return {"workers": {}, "streams": {}}
+        return {"workers": {}, "streams": {}, "resets": {}}
     workers = {w.name: {"pid": w.pid, "state": w.state, "alive": w.state in ("up", "starting"),
                         "last_seen": h.taken - w.heartbeat_age_s if math.isfinite(w.heartbeat_age_s) else 0.0,
                         "host": w.host, "device": w.device,
                         "stats": {**dict(w.stats), "restarts": w.restarts, "queue": w.queue}}
                for w in h.workers}
-    return {"workers": workers, "streams": {name: list(s.workers) for name, s in h.streams.items()}}
+    return {"workers": workers, "streams": {name: list(s.workers) for name, s in h.streams.items()},
+            "resets": {name: dict(s.resets) for name, s in h.streams.items()}}
 
 
 def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
@@ -77,7 +78,7 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
                             f"{inputs['received'].get('images', 0)}, joint states "
                             f"{inputs['received'].get('joints', 0)} received so far)")
         inputs.update(failed=st.health.failed, recovering=st.health.recovering, failures=st.health.failures,
-                      lost_chunks=st.health.lost_chunks, resets=st.resets(),
+                      lost_chunks=st.health.lost_chunks, resets=st.resets(snap["resets"].get(name, {})),
                       late_points=st.late_points, late_chunks=st.late_chunks, **st.subscriber_counts())
         hw = diag.stream_hardware_id(node.hostname, [worker_hw[w] for w in snap["streams"].get(name, [])
                                                      if w in worker_hw])

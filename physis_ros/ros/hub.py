@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from physis_ros.config import ConfigError
+from physis_ros.ros import health
 from physis_ros.ros.admission import Admitted, Rejected, server_admission
 from physis_ros.ros.config import StreamConfig, stream_namespace
 from physis_ros.ros.stream_model import check_stream_model, slo_interval_ms
@@ -117,6 +118,7 @@ class StreamHub:
     def _forget(self, name: str) -> None:
         st = self.node.streams.pop(name, None)
         if st is not None:
-            self.node.ended[name] = st.report()   # its totals stay in the exit summary
+            # its totals stay in the exit summary
+            self.node.ended[name] = st.report(health.engine_snapshot(self.node)["resets"].get(name, {}))
             st.destroy()
         self.admission.remove(name)

@@ -258,7 +258,8 @@ class PhysisServer(LifecycleNode):
 
     def report(self) -> dict[str, Any]:
         """Totals per stream (for the exit summary and tests), and the config streams not admitted."""
-        out = {**self.ended, **{name: st.report() for name, st in self.streams.items()}}
+        resets = health.engine_snapshot(self)["resets"]
+        out = {**self.ended, **{name: st.report(resets.get(name, {})) for name, st in self.streams.items()}}
         for name, verdict in self.startup.items():
             if verdict != "admitted":
                 out.setdefault(name, {"chunks": 0, "rejected": {}, "received": {}, "failures": 0, "lost_chunks": 0,

@@ -19,6 +19,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sensor_msgs.msg import CompressedImage, Image, JointState
@@ -292,14 +293,12 @@ class RosStream:
             if line is not None:
                 log.warning(line)
 
-    def resets(self) -> dict[str, int]:
-        """Resets by cause: what the node heard, or the engine's own count where higher (it also counts a
-        fault that hits a stream already resetting)."""
+    def resets(self, engine_counts: Mapping[str, int]) -> dict[str, int]:
+        """Resets by cause: what the node heard, or the engine's own count (``engine_counts``, from
+        :func:`physis_ros.ros.health.engine_snapshot`) where higher: it also counts a fault that hits a stream
+        already resetting."""
         counts = Counter(self.health.resets)
-        engine = self.node.engine
-        snap = engine.health() if engine is not None else None
-        s = snap.streams.get(self.name) if snap is not None else None
-        for cause, n in (s.resets.items() if s is not None else ()):
+        for cause, n in engine_counts.items():
             counts[cause] = max(counts[cause], n)
         return dict(sorted(counts.items()))
 
@@ -309,11 +308,12 @@ class RosStream:
             return (list(self.stats.records), self.stats.total, self.stats.deadline_misses, list(self.handover_ms),
                     list(self.publish_ms))
 
-    def report(self) -> dict[str, Any]:
+    def report(self, engine_resets: Mapping[str, int]) -> dict[str, Any]:
+        """Totals for the exit summary (``engine_resets``: as for :meth:`resets`)."""
         snap = self.input.snapshot()
         summary = self.stats.summary() if self.stats.records else {}
         return {"chunks": self.published, "model": self.model.name, "origin": self.origin, "workers": self.workers,
                 "rejected": snap["rejected"], "received": snap["received"], "failures": self.health.failures,
-                "lost_chunks": self.health.lost_chunks, "resets": self.resets(),
+                "lost_chunks": self.health.lost_chunks, "resets": self.resets(engine_resets),
                 "interval_ms_p50": summary.get("interval_ms_p50", math.nan),
                 "latency_ms_p50": summary.get("latency_ms_p50", math.nan)}

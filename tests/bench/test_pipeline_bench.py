@@ -6,12 +6,17 @@ import json
 from physis_ros.cli import bench
 
 
-def test_transports_zmq_and_torch_are_both_bit_identical_and_compared(tmp_path):
+def pipeline(tmp_path, workers: int, chunks: int, *variant: str) -> dict:
+    """``physis-bench pipeline`` on the stage plan of tiny-wam, verified, one repeat: its JSON."""
     out = tmp_path / "p.json"
-    assert bench.main(["pipeline", "--model", "tiny-wam", "--workers", "3", "--plans", "stage", "--chunks", "12",
-                       "--repeats", "1", "--no-parallel-limit", "--transport", "zmq,torch", "--verify",
+    assert bench.main(["pipeline", "--model", "tiny-wam", "--workers", str(workers), "--plans", "stage", "--chunks",
+                       str(chunks), "--repeats", "1", "--no-parallel-limit", *variant, "--verify",
                        "--json", str(out)]) == 0
-    r = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_transports_zmq_and_torch_are_both_bit_identical_and_compared(tmp_path):
+    r = pipeline(tmp_path, 3, 12, "--transport", "zmq,torch")
     assert r["transports"] == ["zmq", "torch"] and set(r["plans"]) == {"stage@zmq", "stage@torch"}
     for key, hops in (("stage@zmq", "zmq"), ("stage@torch", "torch")):
         entry = r["plans"][key]
@@ -21,11 +26,7 @@ def test_transports_zmq_and_torch_are_both_bit_identical_and_compared(tmp_path):
 
 
 def test_spin_variants_are_entries_with_their_comparison(tmp_path):
-    out = tmp_path / "p.json"
-    assert bench.main(["pipeline", "--model", "tiny-wam", "--workers", "2", "--plans", "stage", "--chunks", "10",
-                       "--repeats", "1", "--no-parallel-limit", "--spin-us", "0,300", "--verify",
-                       "--json", str(out)]) == 0
-    r = json.loads(out.read_text())
+    r = pipeline(tmp_path, 2, 10, "--spin-us", "0,300")
     assert set(r["plans"]) == {"stage@spin0", "stage@spin300"}
     assert r["plans"]["stage@spin300"]["spin_us"] == 300 and r["plans"]["stage@spin300"]["max_abs_diff_vs_reference"] == 0
     assert r["spin_vs_block"]["stage"]["spin_us"] == 300
