@@ -15,7 +15,7 @@ as workers are) bounce a ``float32`` tensor of each size back and forth; a hop i
   engine-side :class:`~physis_ros.runtime.hops.LinkBook`): reserve, send the header, post; the
   receiver decodes the header, allocates what it declares and waits for the arrival.
 - ``shm``: the header over ZeroMQ (declarations and ``task.shm``), the tensor copied into the ring the
-  sender writes for its peer and copied out by the receiver into a fresh tensor
+  sender writes for its peer and read in place by the receiver (a view, freed when dropped)
   (:class:`~physis_ros.runtime.shm_hops.ShmHops`), as CPU workers on one host do with ``hops: shm``.
 - on CUDA only: ``nccl`` (the same with the device's tensors) and ``host-bounce`` (device -> pinned
   host -> ``zmq-tcp`` -> host -> device, :class:`~physis_ros.runtime.device.DeviceIO` as workers use it).

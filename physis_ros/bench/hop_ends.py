@@ -159,7 +159,8 @@ class TorchEnd(ZmqEnd):
 
 class ShmEnd(ZmqEnd):
     """The header over ZeroMQ, the tensor through the shared ring this side writes for its peer
-    (runtime/shm_hops.py), copied out on the other side as a worker does."""
+    (runtime/shm_hops.py), read in place on the other side as a worker does (the echo is copied from that
+    view into this side's own ring)."""
 
     def __init__(self, role: str, setup: Setup):
         super().__init__(role, setup)

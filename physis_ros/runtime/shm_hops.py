@@ -1,13 +1,17 @@
 """Hidden-state bytes of a hop through shared memory, for workers on one host (``engine.hops: shm``).
 
 A socket copies a hop's bytes twice in the kernel and the receiver writes them into fresh pages; here
-the sender copies the tensors once into a ring it shares with the receiver, and the receiver copies
-them once out, so a hop costs about two memcpys (and the receiver's fresh pages). The ZeroMQ header carries the
-declarations and where the bytes are (:class:`~physis_ros.runtime.protocol.ShmRef`).
+the sender copies the tensors once into a ring it shares with the receiver, and the receiver reads them
+where they are: its tensors are views of the ring, and their region is given back to the sender when the
+last view of it is gone (a weakref finalizer on each tensor's buffer, so no code path can forget to
+free it, and bytes still in use, e.g. queued or in a ZeroMQ frame, are never overwritten). A hop costs
+one memcpy. The ZeroMQ header carries the declarations and where the bytes are
+(:class:`~physis_ros.runtime.protocol.ShmRef`).
 
 One ring per (sender, receiver, link generation): a file in ``/dev/shm`` the sender creates
 (``physis-hop-<pid>-<sender>-<receiver>-<gen>``, mode 0600), with a 64-byte header whose ``tail`` the
-receiver advances as it consumes. Positions are byte counters that only grow; a region never wraps
+receiver advances as regions are freed (in order: one freed
+before an older one waits for it). Positions are byte counters that only grow; a region never wraps
 (it starts at the ring's beginning when it would, the skipped bytes counted). The receiver accepts only
 the region that must come next (ZeroMQ delivers one sender's headers in order), so a forged or stale
 reference is refused and cannot make it read, or the sender overwrite, bytes that are not free. A
@@ -22,8 +26,11 @@ import mmap
 import os
 import re
 import struct
+import threading
+import weakref
+from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -102,7 +109,10 @@ class Ring:
 
     def close(self) -> None:
         del self.view
-        self.mm.close()
+        try:
+            self.mm.close()
+        except BufferError:   # tensors read in place still view it: unmapped when the last of them goes
+            pass
 
 
 @dataclass
@@ -110,6 +120,22 @@ class _Outgoing:
     ring: Ring
     gen: int
     head: int = 0
+
+
+@dataclass
+class _Lease:
+    """A region read in place: given back when its last tensor is gone."""
+
+    end: int                 # the ring position just after the region
+    views: int               # its tensors still alive
+
+
+@dataclass
+class _Incoming:
+    name: str
+    ring: Ring
+    position: int            # where the next region must start
+    leases: deque[_Lease] = field(default_factory=deque)   # oldest first
 
 
 class ShmHops:
@@ -120,7 +146,8 @@ class ShmHops:
         self.ring_bytes = ring_bytes
         self.dir = directory
         self.out: dict[str, _Outgoing] = {}
-        self.into: dict[str, tuple[str, Ring, int]] = {}   # sender -> (ring name, ring, next position)
+        self.into: dict[str, _Incoming] = {}               # by sender
+        self._lock = threading.RLock()   # leases are freed from whichever thread drops the last view
 
     # ---- sending ---------------------------------------------------------------------------------
     def connect(self, peer: str, gen: int, ring_bytes: int | None = None) -> None:
@@ -169,42 +196,71 @@ class ShmHops:
         return m.group(2) if m else ""
 
     def read(self, ref: p.ShmRef, specs: list[p.TensorSpec]) -> dict[str, torch.Tensor]:
-        """The declared tensors, copied out of the ring ``ref`` names; ShmError unless ``ref`` is exactly the
-        region that comes next from that sender (then nothing is read and the ring is left as it was)."""
+        """The declared tensors, as views of the ring ``ref`` names (their region is freed when they are all
+        gone); ShmError unless ``ref`` is exactly the region that comes next from that sender (then nothing is
+        read and the ring is left as it was)."""
         m = NAME.match(ref.ring)
         if m is None or m.group(3) != self.me:
             raise ShmError(f"ring {ref.ring!r} is not one written for {self.me}")
         sender = m.group(2)
+        with self._lock:
+            have = self.into.get(sender)
+            if have is None or have.name != ref.ring:
+                if have is not None and int(NAME.match(have.name).group(4)) > int(m.group(4)):
+                    raise ShmError(f"ring {ref.ring!r} is of an older link generation than {have.name!r}")
+                try:
+                    ring = Ring(self.dir / ref.ring, 0, create=False)
+                except (OSError, ValueError) as exc:   # no such ring (forged, or its writer is gone)
+                    raise ShmError(f"cannot open ring {ref.ring!r}: {exc}") from None
+                if have is not None:
+                    have.ring.close()
+                have = _Incoming(ref.ring, ring, ring.tail)
+                self.into[sender] = have
+            ring = have.ring
+            total = sum(_aligned(_spec_bytes(s)) for s in specs)
+            if total != ref.nbytes or ref.position != ring.start_of(have.position, total) or total > ring.size:
+                raise ShmError(f"reference to bytes {ref.position}+{ref.nbytes} of {have.name} is not the region "
+                               f"that comes next ({ring.start_of(have.position, total)}+{total})")
+            have.position = ref.position + total
+            lease = _Lease(end=have.position, views=0)
+            have.leases.append(lease)
+            offset = HEADER + ref.position % ring.size
+            tensors = {}
+            for spec in specs:
+                n = _spec_bytes(spec)
+                dtype = wire.DTYPES[spec.dtype][1]
+                if n == 0:
+                    tensors[spec.name] = torch.empty(spec.shape, dtype=dtype)
+                    continue
+                # One buffer object per tensor: torch keeps it alive as long as the tensor or any view of it,
+                # so its finalizer runs exactly when the bytes are no longer used.
+                buf = memoryview(ring.mm)[offset:offset + n]
+                lease.views += 1
+                weakref.finalize(buf, self._release, have, lease)
+                tensors[spec.name] = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(spec.shape)
+                del buf
+                offset += _aligned(n)
+            if lease.views == 0:
+                self._release(have, lease, view=False)
+            return tensors
+
+    def _release(self, have: _Incoming, lease: _Lease, view: bool = True) -> None:
+        """One tensor of ``lease`` is gone (any thread: ZeroMQ frees sent frames on its own); the sender may
+        write over every region up to the oldest still in use."""
+        with self._lock:
+            lease.views -= view
+            if lease.views > 0:
+                return
+            tail = None
+            while have.leases and have.leases[0].views <= 0:
+                tail = have.leases.popleft().end
+            if tail is not None and not have.ring.mm.closed:
+                have.ring.tail = tail
+
+    def in_use(self, sender: str) -> int:
+        """Regions from ``sender`` read in place and not yet freed."""
         have = self.into.get(sender)
-        if have is None or have[0] != ref.ring:
-            if have is not None and int(NAME.match(have[0]).group(4)) > int(m.group(4)):
-                raise ShmError(f"ring {ref.ring!r} is of an older link generation than {have[0]!r}")
-            try:
-                ring = Ring(self.dir / ref.ring, 0, create=False)
-            except (OSError, ValueError) as exc:   # no such ring (forged, or its writer is gone)
-                raise ShmError(f"cannot open ring {ref.ring!r}: {exc}") from None
-            if have is not None:
-                have[1].close()
-            have = (ref.ring, ring, ring.tail)
-            self.into[sender] = have
-        name, ring, position = have
-        total = sum(_aligned(_spec_bytes(s)) for s in specs)
-        if total != ref.nbytes or ref.position != ring.start_of(position, total) or total > ring.size:
-            raise ShmError(f"reference to bytes {ref.position}+{ref.nbytes} of {name} is not the region that comes "
-                           f"next ({ring.start_of(position, total)}+{total})")
-        offset = HEADER + ref.position % ring.size
-        tensors = {}
-        for spec in specs:
-            n = _spec_bytes(spec)
-            dtype = wire.DTYPES[spec.dtype][1]
-            dst = torch.empty(spec.shape, dtype=dtype)
-            dst.reshape(-1).view(torch.uint8).copy_(ring.view[offset:offset + n])
-            tensors[spec.name] = dst
-            offset += _aligned(n)
-        position = ref.position + total
-        ring.tail = position        # the sender may write over it now
-        self.into[sender] = (name, ring, position)
-        return tensors
+        return 0 if have is None else len(have.leases)
 
     # ---- end -------------------------------------------------------------------------------------
     def _unlink(self, ring: Ring) -> None:
@@ -214,8 +270,9 @@ class ShmHops:
     def close(self) -> None:
         for out in self.out.values():
             self._unlink(out.ring)
-        for _, ring, _ in self.into.values():
-            ring.close()
+        with self._lock:
+            for have in self.into.values():
+                have.ring.close()
         self.out.clear()
         self.into.clear()
 

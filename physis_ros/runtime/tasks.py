@@ -137,7 +137,7 @@ class TaskRunner:
         return declared
 
     def _read_shm(self, rec: wire.Received[p.Task]) -> None:
-        """Copy a shm task's tensors out of its sender's ring and admit it. Every region that is the next one
+        """Read a shm task's tensors in place from its sender's ring and admit it. Every region that is the next one
         is read, stale or malformed tasks too (then dropped), so that the ring stays in step with its sender;
         the declarations are checked against the stage before anything read is used."""
         task = rec.msg

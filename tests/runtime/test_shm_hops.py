@@ -1,4 +1,5 @@
 """Hidden states through shared-memory rings (hops: shm): exact bytes, a ring that fills up sends frames, a
+region read in place is never written over while a view of it lives (freed in order, from any thread), a
 reference that is not the next region is refused without reading or freeing anything, rings of a restarted
 worker are replaced and a dead worker's are removed. (Bit-identity of plans over shm:
 tests/runtime/test_engine.py::test_out_of_band_hops_are_bit_identical_to_reference.)"""
@@ -58,6 +59,55 @@ def test_a_full_ring_sends_frames_and_frees_as_the_receiver_reads(pair):
     b.read(refs[0], specs(chunk))                   # frees one region
     assert a.write("w1", chunk) is not None
     assert a.write("w1", {"x": torch.ones(1, 20 * KB)}) is None   # larger than the ring: never fits
+
+
+def test_a_region_read_in_place_is_not_written_over_until_its_last_view_is_gone(pair):
+    a, b = pair
+    chunk = {"x": torch.ones(1, 4 * KB)}                            # 16 KB: four fill the 64 KB ring
+    held = [b.read(a.write("w1", {"x": torch.full((1, 4 * KB), float(i))}), specs(chunk))["x"] for i in range(4)]
+    assert b.in_use("w0") == 4 and a.write("w1", chunk) is None   # full: the receiver still uses every byte
+    first_row = held[0][0, :8]                                     # a view of a view keeps the region too
+    del held[0]
+    assert a.write("w1", chunk) is None and b.in_use("w0") == 4
+    del first_row
+    assert b.in_use("w0") == 3
+    ref = a.write("w1", {"x": torch.full((1, 4 * KB), 9.0)})       # the freed region, written over...
+    assert ref is not None and ref.position % (64 * KB) == 0
+    assert [float(t[0, 0]) for t in held] == [1.0, 2.0, 3.0]       # ...while the held ones keep their values
+    assert torch.equal(b.read(ref, specs(chunk))["x"], torch.full((1, 4 * KB), 9.0))
+
+
+def test_regions_are_freed_in_order_whichever_view_goes_first(pair):
+    a, b = pair
+    chunk = {"x": torch.ones(1, 4 * KB)}
+    older, newer = (b.read(a.write("w1", chunk), specs(chunk)) for _ in range(2))
+    tail = b.into["w0"].ring.tail
+    del newer                                                      # freed, but after one still in use
+    assert b.into["w0"].ring.tail == tail and b.in_use("w0") == 2
+    del older
+    assert b.into["w0"].ring.tail == tail + 2 * 16 * KB and b.in_use("w0") == 0
+
+
+def test_a_view_dropped_on_another_thread_frees_its_region(pair):
+    import threading
+
+    a, b = pair
+    chunk = {"x": torch.ones(1, 4 * KB)}
+    box = [b.read(a.write("w1", chunk), specs(chunk))["x"]]
+    t = threading.Thread(target=box.clear)     # as ZeroMQ's I/O thread drops a frame sent with copy=False
+    t.start()
+    t.join()
+    assert b.in_use("w0") == 0
+
+
+def test_a_ring_replaced_while_views_of_it_live_keeps_them_valid(pair):
+    a, b = pair
+    kept = b.read(a.write("w1", {"x": torch.full((1, 100), 7.0)}), specs({"x": torch.zeros(1, 100)}))["x"]
+    a.connect("w1", 1)                          # the old ring is unlinked by its writer, closed by its reader
+    new = a.write("w1", {"x": torch.full((1, 100), 5.0)})
+    assert torch.equal(b.read(new, specs({"x": torch.zeros(1, 100)}))["x"], torch.full((1, 100), 5.0))
+    assert torch.equal(kept, torch.full((1, 100), 7.0))
+    del kept
 
 
 def test_a_reference_that_is_not_the_next_region_is_refused_and_changes_nothing(pair, tmp_path):
