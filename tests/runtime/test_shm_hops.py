@@ -208,3 +208,37 @@ def test_shm_is_for_cpu_workers_on_this_host():
     for bad in ({"devices": ["cuda:0", "cuda:1"]}, {"launcher": "external"}):
         with pytest.raises(ConfigError, match="hops shm"):
             EngineConfig(workers=2, hops="shm", **bad).validate()
+
+
+
+def test_workers_give_every_region_back_as_chunks_move_on():
+    """A worker that kept a view of what it read (a queued job, a pass-through tensor) would fill a 1 MB
+    ring within a few dozen hops; hops would then go as frames (``ring_full``)."""
+    from physis_ros.model import load_model_config
+    from physis_ros.observations import SyntheticScene
+    from physis_ros.runtime.engine import Engine, Observation, ServedModel
+    from physis_ros.runtime.plans import make_plan
+    from physis_ros.runtime.settings import EngineConfig
+
+    cfg = load_model_config("tiny-wam")
+    scene = SyntheticScene(cfg.observation_shapes)
+    chunks = 40
+    hops = 2 * chunks * (2 * cfg.steps - 1)    # block plan: w0 -> w1 within each step, w1 -> w0 between steps
+
+    async def main():
+        engine = Engine(EngineConfig(workers=2, hops="shm", hop_ring_mb=1))
+        async with engine:
+            for name in ("a", "b"):
+                await engine.add_stream(name, lambda c, n=name: Observation(scene.observation(n, c), engine.clock()),
+                                        lambda out: None, model=ServedModel(cfg), chunks=chunks,
+                                        plan=make_plan("block", cfg.steps, cfg.blocks, 2))
+            for name in ("a", "b"):
+                await engine.wait_stream(name)
+            deadline = time.monotonic() + 10.0     # worker stats come with their heartbeats
+            stats = lambda: [w.stats for w in engine.pool.workers.values()]   # noqa: E731
+            while sum(s.link_hops for s in stats()) < hops * 0.9 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            return stats()
+
+    stats = uvloop.run(main())
+    assert sum(s.link_hops for s in stats) >= hops * 0.9 and all(s.ring_full == 0 for s in stats), stats
