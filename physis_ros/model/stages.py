@@ -28,10 +28,10 @@ def chunk_input(obs: dict[str, torch.Tensor], noise: torch.Tensor) -> dict[str, 
     return state
 
 
-def observation_payload(obs: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """One unbatched observation as the tensors a chunk's first task carries (float32, batch 1)."""
-    return {OBS_PREFIX + k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)).unsqueeze(0)
-            for k, v in obs.items()}
+def observation_payload(obs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One unbatched observation as the arrays a chunk's first task carries (float32, batch 1); numpy, so that
+    the engine sends it without a torch op (the worker receives tensors)."""
+    return {OBS_PREFIX + k: np.ascontiguousarray(v, dtype=np.float32)[None] for k, v in obs.items()}
 
 
 def first_state(payload: Mapping[str, torch.Tensor], noise: torch.Tensor,

@@ -21,6 +21,7 @@ import socket
 import statistics
 import time
 
+import numpy as np
 import torch
 import zmq
 
@@ -153,7 +154,7 @@ def measure_corun_slowdown(config: ModelConfig, procs: int, seconds: float = 2.0
     return max(1.0, statistics.median(ratios))
 
 
-def measure_hop(state: dict[str, torch.Tensor], trace: list | None = None, repeats: int = 200) -> float:
+def measure_hop(state: dict[str, torch.Tensor | np.ndarray], trace: list | None = None, repeats: int = 200) -> float:
     """One message of ``state`` through encode, tcp loopback and decode (median, ms)."""
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -162,7 +163,7 @@ def measure_hop(state: dict[str, torch.Tensor], trace: list | None = None, repea
     push.connect(f"tcp://127.0.0.1:{port}")
     msg = p.Task(stream="profile", chunk=0, stage=(1, 0), epoch=0,
                  trace=[p.TraceEntry(*entry) for entry in trace or []])
-    tensors = {k: v.cpu() for k, v in state.items()}
+    tensors = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     times = []
     try:
         for _ in range(repeats):

@@ -32,6 +32,9 @@ DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
     "uint8": (np.dtype("u1"), torch.uint8),
 }
 TORCH_TO_NAME = {tdt: name for name, (_, tdt) in DTYPES.items()}
+# numpy arrays are sent as they are (no torch on the path: an observation goes out without a torch op,
+# each of which costs tens of microseconds when the process has been idle); bfloat16 is torch's alone.
+NUMPY_TO_NAME = {np_dt: name for name, (np_dt, _) in DTYPES.items() if name != "bfloat16"}
 MAX_HEADER_BYTES = 256 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _ENCODER = msgspec.msgpack.Encoder()
@@ -63,20 +66,30 @@ class Received(Generic[M]):
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _as_frame(t: torch.Tensor) -> tuple[str, memoryview]:
-    if t.dtype not in TORCH_TO_NAME:
-        raise WireError(f"tensor dtype {t.dtype} cannot be sent; allowed: {', '.join(DTYPES)}")
-    name = TORCH_TO_NAME[t.dtype]
-    t = t.detach()
+def _dtype_name(t: torch.Tensor | np.ndarray) -> str:
+    name = (NUMPY_TO_NAME if isinstance(t, np.ndarray) else TORCH_TO_NAME).get(t.dtype)
+    if name is None:
+        raise WireError(f"tensor dtype {t.dtype} cannot be sent; allowed: {', '.join(DTYPES)} (numpy arrays: "
+                        f"{', '.join(NUMPY_TO_NAME.values())}, little-endian)")
+    return name
+
+
+def _as_frame(t: torch.Tensor | np.ndarray) -> tuple[str, memoryview]:
+    name = _dtype_name(t)
+    if isinstance(t, np.ndarray):
+        return name, memoryview(np.ascontiguousarray(t).reshape(-1).view(np.uint8))
+    if t.requires_grad:
+        t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
+    if not t.is_contiguous():
+        t = t.contiguous()
     if name == "bfloat16":
         t = t.view(torch.uint16) if hasattr(torch, "uint16") else t.view(torch.int16)
     return name, memoryview(t.numpy().reshape(-1).view(np.uint8))
 
 
-def encode(msg: p.Message, tensors: Mapping[str, torch.Tensor] | None = None) -> list[Any]:
+def encode(msg: p.Message, tensors: Mapping[str, torch.Tensor | np.ndarray] | None = None) -> list[Any]:
     """Frames for ``socket.send_multipart(frames, copy=False)``; tensor frames are views, not copies.
     ``msg.tensors`` is filled in from ``tensors``. A task with a ``link`` or ``shm`` gets the declarations only:
     its tensors travel over that link or ring (runtime/hops.py, runtime/shm_hops.py)."""
@@ -84,9 +97,7 @@ def encode(msg: p.Message, tensors: Mapping[str, torch.Tensor] | None = None) ->
     out_of_band = getattr(msg, "link", None) is not None or getattr(msg, "shm", None) is not None
     for name, tensor in (tensors or {}).items():
         if out_of_band:
-            if tensor.dtype not in TORCH_TO_NAME:
-                raise WireError(f"tensor dtype {tensor.dtype} cannot be sent; allowed: {', '.join(DTYPES)}")
-            specs.append(p.TensorSpec(name, TORCH_TO_NAME[tensor.dtype], list(tensor.shape)))
+            specs.append(p.TensorSpec(name, _dtype_name(tensor), list(tensor.shape)))
             continue
         dtype, frame = _as_frame(tensor)
         specs.append(p.TensorSpec(name, dtype, list(tensor.shape)))
@@ -149,10 +160,14 @@ def _decode_tensor(spec: p.TensorSpec, view: memoryview, max_bytes: int) -> torc
         raise WireError(f"tensor '{spec.name}' {spec.dtype}{spec.shape} needs {expected} bytes but its frame has "
                         f"{view.nbytes}")
     array = np.frombuffer(view, dtype=np_dtype).reshape(spec.shape)
-    with warnings.catch_warnings():
-        # Received zmq buffers are read-only and torch warns about that. The view stays
-        # zero-copy: nothing writes into a received tensor (every stage makes new ones).
-        warnings.simplefilter("ignore", UserWarning)
+    if view.readonly:
+        with warnings.catch_warnings():
+            # A read-only buffer (bytes; frames received with copy=False are writable), which torch warns
+            # about. The view stays zero-copy: nothing writes into a received tensor (every stage makes new
+            # ones).
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(array)
+    else:
         t = torch.from_numpy(array)
     if torch_dtype == torch.bfloat16:
         t = t.view(torch.bfloat16)

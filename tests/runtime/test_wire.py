@@ -5,6 +5,7 @@ WireError naming the field, never anything else."""
 import math
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +33,29 @@ def test_round_trip_every_dtype(dtype):
     assert out.tensors["x"].dtype == dtype and torch.equal(out.tensors["x"], t)
     assert out.tensors["empty"].shape == (0, 5)
 
+
+
+@pytest.mark.parametrize("dtype", ["<f4", "<f2", "<f8", "<i8", "<i4", "u1"])
+def test_numpy_arrays_go_out_as_the_same_bytes_as_tensors(dtype):
+    a = (np.arange(24).reshape(2, 3, 4) * 1.5).astype(dtype)[:, ::2]      # not contiguous: sent as its values
+    as_numpy, as_torch = frames_of(task(), {"x": a}), frames_of(task(), {"x": torch.from_numpy(a.copy())})
+    assert as_numpy == as_torch
+    assert np.array_equal(decode(as_numpy, wire.DATA).tensors["x"].numpy(), a)
+
+
+@pytest.mark.parametrize("array, named", [(np.zeros(3, ">f4"), ">f4"), (np.zeros(3, np.complex64), "complex64"),
+                                          (np.zeros(3, np.uint16), "uint16")])
+def test_a_numpy_dtype_the_wire_does_not_carry_is_refused_by_name(array, named):
+    with pytest.raises(WireError, match=f"dtype {named} cannot be sent.*little-endian"):
+        encode(task(), {"x": array})
+
+
+def test_received_frames_that_are_writable_decode_without_a_warning_and_read_only_ones_quietly(recwarn):
+    t = torch.arange(6, dtype=torch.float32)
+    header, body = frames_of(task(), {"x": t})
+    for buf in (bytearray(body), body):   # frames received with copy=False are writable; bytes are not
+        assert torch.equal(decode([header, buf], wire.DATA).tensors["x"], t)
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
 
 @pytest.mark.parametrize("msg, channel", [
     (p.Output(stream="r", chunk=1, epoch=0, worker="w1", trace=[p.TraceEntry(1, 7, "w1", 0.0, 1.0, 4)]), wire.OUTPUT),
