@@ -23,6 +23,9 @@ def test_small_handoff_run(tmp_path, capsys):
     assert {(x["mode"], x["delay_steps"]) for x in trained} == {(m, d) for m in ("none", "hard", "soft") for d in (0, 2)}
     for x in r["runs"]:
         assert keys <= set(x) and all(math.isfinite(x[k]) for k in keys - {"mode"}), x
+        # the server's overhead runs from the frame being ready; from its capture it adds the camera's render
+        for robot, server in x["response_overhead_ms_p50"].items():
+            assert 0 < server <= x["response_overhead_from_capture_ms_p50"][robot] and x["sensor_ms_p50"][robot] > 0
     # Where a chunk takes over within the delay it assumed, it continues the committed actions bit for bit
     # (seam 0; exact on every plan in test_engine). A chunk later than that (a load spike on this shared
     # machine: it happened here with 5 seams per run) takes over past its frozen rows, so require exact
