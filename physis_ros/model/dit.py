@@ -111,6 +111,12 @@ class DiTModel(ServableModel):
         self._modulation = {int(k): self._modulation_of(blk) for k, blk in self.blocks.items()}
         self._out_modulation = TimestepCache(lambda t: self.out_ada(F.silu(self.time_embed(t))))
 
+    @property
+    def device(self) -> torch.device:
+        # The trunk's own weight, not a walk over every parameter (which costs tens of microseconds, and
+        # the noise of every chunk asks for the device).
+        return self.out_ada.weight.device
+
     def _new_block(self, b: int) -> Block:
         c = self.config
         return self._seeded(f"blocks.{b}", lambda: Block(c.hidden, c.heads, c.ffn_dim))
