@@ -73,8 +73,7 @@ class RobotRun:
     """What one simulated robot saw in one run."""
 
     robot: SimulatedRobot
-    experts: dict = dataclasses.field(default_factory=dict)     # chunk -> (arm, time) the expert's chunk is for
-    frames: dict = dataclasses.field(default_factory=dict)      # chunk -> (captured, frame ready), engine clock
+    frames: dict = dataclasses.field(default_factory=dict)      # chunk -> (captured, frame ready, arm there)
     seams: list = dataclasses.field(default_factory=list)       # (position jump, velocity jump) per chunk
     tracking: list = dataclasses.field(default_factory=list)    # RMS vs the expert over the executed rows
     overhead_ms: list = dataclasses.field(default_factory=list)            # from the frame being ready
@@ -135,15 +134,14 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
             now = engine.clock()
             q = run.robot.position(now)
             obs = scenario.observe(now, q)
-            run.experts[c] = (now, np.array(q))
-            run.frames[c] = (now, engine.clock())
+            run.frames[c] = (now, engine.clock(), np.array(q))
             return Observation(obs, now)
 
         def on_output(out: ChunkOutput, run: RobotRun = run, scenario: Scenario = scenario) -> None:
             rec = out.record
             k, seam = run.robot.receive(engine.clock(), rec.first_step, rec.step0, out.output)
-            expert = scenario.expert_chunk(*run.experts.pop(out.chunk))
-            captured, ready = run.frames.pop(out.chunk)
+            captured, ready, q = run.frames.pop(out.chunk)
+            expert = scenario.expert_chunk(captured, q)
             run.seams.append((seam.position_jump, seam.velocity_jump))
             if k < len(out.output):
                 run.tracking.append(rms(out.output[k:], expert[k:]))

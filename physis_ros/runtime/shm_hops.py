@@ -10,9 +10,9 @@ one memcpy. The ZeroMQ header carries the declarations and where the bytes are
 
 One ring per (sender, receiver, link generation): a file in ``/dev/shm`` the sender creates
 (``physis-hop-<pid>-<sender>-<receiver>-<gen>``, mode 0600), with a 64-byte header whose ``tail`` the
-receiver advances as regions are freed (in order: one freed
-before an older one waits for it). Positions are byte counters that only grow; a region never wraps
-(it starts at the ring's beginning when it would, the skipped bytes counted). The receiver accepts only
+receiver advances as regions are freed (in order: one freed before an older one waits for it).
+Positions are byte counters that only grow; a region never wraps (it starts at the ring's beginning
+when it would, the skipped bytes counted). The receiver accepts only
 the region that must come next (ZeroMQ delivers one sender's headers in order), so a forged or stale
 reference is refused and cannot make it read, or the sender overwrite, bytes that are not free. A
 region the ring has no room for goes as frames instead (counted), and a header the sender could not
