@@ -20,6 +20,11 @@ as workers are) bounce a ``float32`` tensor of each size back and forth; a hop i
 - on CUDA only: ``nccl`` (the same with the device's tensors) and ``host-bounce`` (device -> pinned
   host -> ``zmq-tcp`` -> host -> device, :class:`~physis_ros.runtime.device.DeviceIO` as workers use it).
 
+Beside the transports, the floor (not a transport of the product, never "best"): the least a hop whose
+header goes over ZeroMQ can cost here, a 16-byte header over ZeroMQ ipc and one copy into a mapping the
+peer reads in place, no framing and no checks (:class:`~physis_ros.bench.hop_ends.FloorEnd`), with the
+receiver sleeping on its socket (``floor-block``, as an idle worker does) or polling it (``floor-spin``).
+
 Beside them, the physical limit on this machine: ``dst.copy_(src)`` of the same bytes between
 preallocated ``uint8`` tensors, one thread (as workers run), p50. The issue's target is the best
 transport within 3x of that copy from 1 MiB on (``target``); missing it is a measurement, not a
@@ -28,7 +33,8 @@ failure.
     physis-bench hop [--sizes 64K,256K,1M,4M,16M,64M] [--repeats N] [--json out.json] [--plot out.png]
 
 JSON: ``hops`` ({bytes, transport, p50_us, p99_us} per size and transport), ``memcpy`` ({bytes,
-p50_us}), ``ratio_best_to_memcpy`` ({bytes, transport, ratio}), ``target`` ({ratio_max, from_bytes,
+p50_us}), ``ratio_best_to_memcpy`` ({bytes, transport, ratio}), ``floor`` ({bytes, mode, p50_us,
+p99_us, ratio_to_memcpy}), ``target`` ({ratio_max, from_bytes,
 met}), ``skipped`` (transport -> why), ``errors`` (transport -> what failed), ``repeats`` per size,
 ``machine`` and ``command``. Exit status: 0 every transport measured (target met or not); 1 a
 transport failed or echoed wrong bytes; 2 usage error.
@@ -50,7 +56,7 @@ import torch
 import zmq
 
 from physis_ros.cli.common import write_json
-from physis_ros.bench.hop_ends import Setup, TransportFailed, measure_transport
+from physis_ros.bench.hop_ends import FLOOR_MODES, Setup, TransportFailed, measure_transport
 from physis_ros.runtime import wire
 
 CPU_TRANSPORTS = ("zmq-tcp", "zmq-ipc", "gloo", "shm")
@@ -125,11 +131,19 @@ def measure_memcpy(n: int, repeats: int, warmup: int) -> float:
 
 
 # ---- results -----------------------------------------------------------------------------------
-def summarize(sizes: list[int], measured: dict[str, dict[int, list[float]]], memcpy: dict[int, float]) -> dict:
-    """The JSON's ``hops``, ``memcpy``, ``ratio_best_to_memcpy`` and ``target`` (times in microseconds)."""
-    hops = [{"bytes": n, "transport": t, "p50_us": round(float(np.percentile(by[n], 50)) * 1e6, 3),
-             "p99_us": round(float(np.percentile(by[n], 99)) * 1e6, 3)}
-            for n in sizes for t, by in measured.items()]
+def _row(samples: list[float]) -> dict:
+    return {"p50_us": round(float(np.percentile(samples, 50)) * 1e6, 3),
+            "p99_us": round(float(np.percentile(samples, 99)) * 1e6, 3)}
+
+
+def summarize(sizes: list[int], measured: dict[str, dict[int, list[float]]], memcpy: dict[int, float],
+              floor: dict[str, dict[int, list[float]]] | None = None) -> dict:
+    """The JSON's ``hops``, ``memcpy``, ``ratio_best_to_memcpy``, ``target`` and ``floor`` (times in
+    microseconds)."""
+    hops = [{"bytes": n, "transport": t, **_row(by[n])} for n in sizes for t, by in measured.items()]
+    floor_rows = [{"bytes": n, "mode": mode, **(row := _row(by[n])),
+                   "ratio_to_memcpy": round(row["p50_us"] / max(memcpy[n] * 1e6, 1e-3), 3)}
+                  for n in sizes for mode, by in (floor or {}).items()]
     memcpy_rows = [{"bytes": n, "p50_us": round(memcpy[n] * 1e6, 3)} for n in sizes]
     ratios = []
     for n in sizes:
@@ -142,7 +156,7 @@ def summarize(sizes: list[int], measured: dict[str, dict[int, list[float]]], mem
     target = {"ratio_max": TARGET_RATIO, "from_bytes": TARGET_FROM,
               "met": bool(checked) and all(r["ratio"] <= TARGET_RATIO for r in checked),
               "checked_bytes": [r["bytes"] for r in checked]}
-    return {"hops": hops, "memcpy": memcpy_rows, "ratio_best_to_memcpy": ratios, "target": target}
+    return {"hops": hops, "memcpy": memcpy_rows, "ratio_best_to_memcpy": ratios, "target": target, "floor": floor_rows}
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -169,7 +183,9 @@ def machine() -> dict:
 
 def table(result: dict) -> str:
     transports = result["transports"]
-    head = ["bytes"] + [f"{t} p50/p99 us" for t in transports] + ["memcpy p50 us", "best/memcpy"]
+    modes = list(dict.fromkeys(f["mode"] for f in result["floor"]))
+    head = (["bytes"] + [f"{t} p50/p99 us" for t in transports] + ["memcpy p50 us", "best/memcpy"]
+            + [f"{m} (x memcpy)" for m in modes])
     rows = []
     for m, r in zip(result["memcpy"], result["ratio_best_to_memcpy"] or [None] * len(result["memcpy"])):
         n = m["bytes"]
@@ -178,6 +194,9 @@ def table(result: dict) -> str:
             h = next((h for h in result["hops"] if h["bytes"] == n and h["transport"] == t), None)
             cells.append("-" if h is None else f"{h['p50_us']:.1f} / {h['p99_us']:.1f}")
         cells += [f"{m['p50_us']:.1f}", "-" if r is None else f"{r['ratio']:.1f}x ({r['transport']})"]
+        for mode in modes:
+            f = next((f for f in result["floor"] if f["bytes"] == n and f["mode"] == mode), None)
+            cells.append("-" if f is None else f"{f['p50_us']:.1f} ({f['ratio_to_memcpy']:.1f}x)")
         rows.append(cells)
     widths = [max(len(c) for c in col) for col in zip(head, *rows)]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head, *rows])
@@ -193,6 +212,10 @@ def plot(result: dict, path: str) -> None:
     for i, t in enumerate(result["transports"]):
         rows = sorted((h for h in result["hops"] if h["transport"] == t), key=lambda h: h["bytes"])
         ax.plot([h["bytes"] for h in rows], [h["p50_us"] for h in rows], "o-", color=f"C{i}", label=f"{t} (p50)")
+    for i, mode in enumerate(dict.fromkeys(f["mode"] for f in result["floor"])):
+        rows = sorted((f for f in result["floor"] if f["mode"] == mode), key=lambda f: f["bytes"])
+        ax.plot([f["bytes"] for f in rows], [f["p50_us"] for f in rows], "x:", color=f"0.{3 + 3 * i}",
+                label=f"{mode} (p50; not a transport)")
     ax.plot(sizes, [m["p50_us"] for m in result["memcpy"]], "s--", color="k", label="memcpy (p50)")
     ax.plot(sizes, [TARGET_RATIO * m["p50_us"] for m in result["memcpy"]], ":", color="0.5",
             label=f"{TARGET_RATIO:g}x memcpy (target from {label(TARGET_FROM)})")
@@ -232,15 +255,16 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
 
     measured: dict[str, dict[int, list[float]]] = {}
+    floor: dict[str, dict[int, list[float]]] = {}
     errors: dict[str, str] = {}
-    for transport in transports:
+    for transport in transports + FLOOR_MODES:
         devices = {}
         if transport in CUDA_TRANSPORTS:
             count = torch.cuda.device_count()
             devices = {"ping": "cuda:0", "pong": f"cuda:{1 if count > 1 else 0}"}
         setup = Setup(transport, sizes, repeats, args.warmup, max_bytes, devices=devices)
         try:
-            measured[transport] = measure_transport(setup, progress)
+            (floor if transport in FLOOR_MODES else measured)[transport] = measure_transport(setup, progress)
         except TransportFailed as exc:
             if transport == "nccl" and torch.cuda.device_count() < 2:  # NCCL may refuse two ranks on one device
                 skipped[transport] = f"failed with both processes on cuda:0 (one GPU): {exc}"
@@ -254,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
                               "warmup": args.warmup, "memcpy_threads": 1,
                               "method": "one-way = round trip / 2 between two spawned processes; memcpy = "
                                         "dst.copy_(src), uint8, 1 thread"}
-    result.update(summarize(sizes, measured, memcpy))
+    result.update(summarize(sizes, measured, memcpy, floor))
     result["skipped"] = skipped
     result["errors"] = errors
     result["wall_s"] = round(time.perf_counter() - started, 1)
@@ -264,6 +288,9 @@ def run(args: argparse.Namespace) -> int:
     verdict = ("met" if target["met"] else "MISSED") if target["checked_bytes"] else "not checked (no such size)"
     print(f"target: best transport within {TARGET_RATIO:g}x memcpy from {label(TARGET_FROM)} on: {verdict}"
           + "".join(f"; {t} skipped ({why})" for t, why in skipped.items()))
+    print("floor (a 16-byte ZeroMQ header and one copy, no framing; not a transport): "
+          + ", ".join(f"{f['mode']} {label(f['bytes'])} {f['ratio_to_memcpy']:.1f}x" for f in result["floor"]
+                      if f["bytes"] >= TARGET_FROM))
     if args.plot and result["transports"]:
         plot(result, args.plot)
     if args.json:

@@ -5,9 +5,12 @@ returns the round-trip times. The transports, and what each measures: :mod:`phys
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing
 import multiprocessing.connection
+import os
 import queue
+import struct
 import shutil
 import tempfile
 import time
@@ -54,7 +57,7 @@ class ZmqEnd:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.MAXMSGSIZE, setup.max_bytes)
         self.pull.setsockopt(zmq.LINGER, 0)
-        if setup.transport == "zmq-ipc":
+        if setup.transport == "zmq-ipc" or setup.transport in FLOOR_MODES:
             self.address = f"ipc://{Path(setup.ipc_dir) / role}.sock"
             self.pull.bind(self.address)
         else:
@@ -197,6 +200,85 @@ class ShmEnd(ZmqEnd):
         super().close()
 
 
+FLOOR_MODES = ("floor-block", "floor-spin")
+_FLOOR_HEADER = struct.Struct("<qq")   # slot, bytes (-1: stop)
+
+
+class FloorEnd(ZmqEnd):
+    """Not a transport of the product: the least a hop whose header goes over ZeroMQ can cost on this
+    machine. A 16-byte header (which slot, how many bytes) over ZeroMQ ipc and one copy into a mapping the
+    peer reads in place, with no framing, no checks and no bookkeeping; ``floor-spin`` polls the socket
+    instead of sleeping on it. What a product transport costs beyond this is its own work."""
+
+    SLOTS = 2
+
+    def __init__(self, role: str, setup: Setup):
+        super().__init__(role, setup)
+        self.spin = setup.transport == "floor-spin"
+        self.slot_bytes = max(setup.sizes)
+        self.path = Path("/dev/shm") / f"physis-floor-{os.getpid()}-{role}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self.SLOTS * self.slot_bytes)
+            self.mine = mmap.mmap(fd, self.SLOTS * self.slot_bytes)
+        finally:
+            os.close(fd)
+        self.out = torch.frombuffer(self.mine, dtype=torch.uint8)
+        self.out.fill_(0)   # no page faults while measured
+        self.theirs: mmap.mmap | None = None
+        self.into: torch.Tensor | None = None
+        self.next_slot = 0
+        self.address = f"{self.address}|{self.path}"   # the peer maps this side's slots at connect
+
+    def connect(self, peer_address: str, peer: str) -> None:
+        address, path = peer_address.split("|")
+        super().connect(address, peer)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.theirs = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self.into = torch.frombuffer(self.theirs, dtype=torch.uint8)
+
+    def send(self, task: p.Task, h: torch.Tensor | None) -> None:
+        if h is None:
+            self.push.send(_FLOOR_HEADER.pack(0, -1))
+            return
+        n = h.numel() * h.element_size()
+        slot, self.next_slot = self.next_slot, (self.next_slot + 1) % self.SLOTS
+        self.out[slot * self.slot_bytes:slot * self.slot_bytes + n].copy_(h.reshape(-1).view(torch.uint8))
+        self.push.send(_FLOOR_HEADER.pack(slot, n))
+
+    def recv(self) -> tuple[p.Task, torch.Tensor | None]:
+        if self.spin:
+            deadline = time.monotonic() + TIMEOUT_S
+            while True:
+                try:
+                    header = self.pull.recv(zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"nothing arrived in {TIMEOUT_S:.0f} s") from None
+        else:
+            if not self.pull.poll(int(TIMEOUT_S * 1e3)):
+                raise TimeoutError(f"nothing arrived in {TIMEOUT_S:.0f} s")
+            header = self.pull.recv()
+        slot, n = _FLOOR_HEADER.unpack(header)
+        if n < 0:
+            return p.Task(stream=STOP, chunk=0, stage=(1, 0), epoch=0), None
+        start = slot * self.slot_bytes
+        h = self.into[start:start + n]
+        return p.Task(stream="hop", chunk=0, stage=(1, 0), epoch=0), h.view(torch.float32) if n % 4 == 0 else h
+
+    def close(self) -> None:
+        del self.out, self.into
+        self.mine.close()
+        if self.theirs is not None:
+            self.theirs.close()
+        self.path.unlink(missing_ok=True)
+        super().close()
+
+
 def _payload(n: int, device: torch.device) -> torch.Tensor:
     """A hidden state of ``n`` bytes: float32 when ``n`` allows it (no NaN: the echo is compared)."""
     gen = torch.Generator().manual_seed(n)
@@ -241,7 +323,7 @@ def _side(role: str, setup: Setup, conn) -> None:
     try:
         torch.set_num_threads(1)
         end = (TorchEnd if setup.transport in ("gloo", "nccl") else ShmEnd if setup.transport == "shm"
-               else ZmqEnd)(role, setup)
+               else FloorEnd if setup.transport in FLOOR_MODES else ZmqEnd)(role, setup)
         conn.send(("address", end.address))
         peer_address = conn.recv()
         end.connect(peer_address, "pong" if role == "ping" else "ping")
@@ -292,7 +374,7 @@ def measure_transport(setup: Setup, progress) -> dict[int, list[float]]:
     tmp = None
     procs, conns = {}, {}
     try:
-        if setup.transport == "zmq-ipc":
+        if setup.transport == "zmq-ipc" or setup.transport in FLOOR_MODES:
             tmp = tempfile.mkdtemp(prefix="physis-hop-")
             setup.ipc_dir = tmp
         if setup.transport in ("gloo", "nccl"):

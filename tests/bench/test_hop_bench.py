@@ -9,6 +9,7 @@ import math
 import pytest
 
 from physis_ros.bench.hop import CPU_TRANSPORTS, CUDA_TRANSPORTS, sizes_arg
+from physis_ros.bench.hop_ends import FLOOR_MODES
 from physis_ros.cli import bench
 
 SIZES = [64 << 10, 1 << 20]
@@ -53,6 +54,14 @@ def test_small_hop_run(tmp_path, capsys):
     target = r["target"]
     assert target["ratio_max"] == 3.0 and target["from_bytes"] == 1048576 and isinstance(target["met"], bool)
     assert target["met"] == all(x["ratio"] <= 3.0 for x in r["ratio_best_to_memcpy"] if x["bytes"] >= 1 << 20)
+    # the floor beside them: both modes at every size, never counted as a transport (nor as the best one)
+    assert sorted((f["bytes"], f["mode"]) for f in r["floor"]) == sorted((n, m) for n in SIZES for m in FLOOR_MODES)
+    for f in r["floor"]:
+        assert set(f) == {"bytes", "mode", "p50_us", "p99_us", "ratio_to_memcpy"}, f
+        assert _positive(f["p50_us"]) and f["p50_us"] <= f["p99_us"]
+        assert f["ratio_to_memcpy"] == pytest.approx(f["p50_us"] / memcpy[f["bytes"]], rel=1e-2)
+    assert not set(FLOOR_MODES) & set(r["transports"]) and not set(FLOOR_MODES) & {h["transport"] for h in r["hops"]}
+    assert "floor-spin" in captured.out
     # the table on stdout, progress per size on stderr, the plot
     assert "memcpy" in captured.out and "best/memcpy" in captured.out
     assert all(f"{t}" in captured.err for t in measured) and "64K" in captured.err and "1M" in captured.err
