@@ -41,7 +41,7 @@ import json, sys
 out = sys.argv[1]
 check = json.load(open(f"{out}/device_check.json"))
 hop = json.load(open(f"{out}/device_hop.json"))
-check["hop_bench"] = {"hops": hop["hops"], "memcpy": hop["memcpy"], "skipped": hop.get("skipped", {})}
+check["hop_bench"] = {"hops": hop["hops"], "memcpy": hop["memcpy"], "floor": hop.get("floor", []), "skipped": hop.get("skipped", {})}
 json.dump(check, open(f"{out}/device_check.json", "w"), indent=1)
 print(json.dumps({"device": check["device"], "equivalent": check["equivalent"],
                   "interval_ms_p50": {f"{r['workers']}w/{r['hops']}": round(r["interval_ms_p50"], 3) for r in check["runs"]},
