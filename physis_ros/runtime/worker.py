@@ -136,7 +136,8 @@ class Worker:
         self.starting: dict[str, tuple[p.StartStream, list]] = {}  # streams waiting for their blocks
         self.running = True
         self.stats = p.WorkerStats()
-        self.tasks = TaskRunner(worker_id, self.host, self.io, self.stats, max_message_bytes, self._push, self.send_ctrl)
+        self.tasks = TaskRunner(worker_id, self.host, self.io, self.stats, max_message_bytes, self._push, self.send_ctrl,
+                                self._has_task)
         self._log_handler = _ForwardToEngine(self, logging.INFO) if forward_logs else None
         if self._log_handler is not None:   # every physis.* logger, not only physis.worker
             logging.getLogger("physis").addHandler(self._log_handler)
@@ -154,6 +155,14 @@ class Worker:
             sock.connect(address)
             self.peers[address] = sock
         return sock
+
+    def _has_task(self) -> bool:
+        """Whether a task (or a link's arrival) waits for the loop: the data sockets' event flags, no poll and
+        no wait. Control messages wait for the loop's next turn."""
+        if self.data_in.get(zmq.EVENTS) & zmq.POLLIN:
+            return True
+        hops = self.tasks.hops
+        return hops is not None and bool(hops.wake.get(zmq.EVENTS) & zmq.POLLIN)
 
     def send_ctrl(self, msg: p.Message) -> None:
         try:

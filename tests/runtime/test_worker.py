@@ -1,6 +1,8 @@
 """A worker in-process (no serve loop): slots, placement checks, the bounded ready queue, lost-task
 reports, fault injection, and headers with fields of the wrong type (which once crashed a worker)."""
 
+import time
+
 import msgpack
 import pytest
 import torch
@@ -124,8 +126,8 @@ def test_fault_injection_drops_the_nth_task_silently(engine_end):
 
 def test_a_failed_send_is_reported_as_lost(worker, engine_end):
     worker.tasks.accept_task(task(chunk=2))
-    worker.tasks.run_next()  # (4, 0) here, then (4, 1) here
-    worker.tasks.run_next()  # its output goes to a peer that does not exist: the send is refused
+    worker.tasks.run_next()  # (4, 0) then (4, 1) here, back to back (the chunk is alone); its output goes to a peer
+    assert not worker.tasks.ready   # that does not exist: the send is refused
     assert worker.stats.dropped_sends == 1
     lost = [m for m in engine_end.received() if isinstance(m, p.TaskLost)]
     assert [(m.chunk, m.reason) for m in lost] == [(2, "send_failed")]
@@ -175,3 +177,102 @@ def test_every_physis_logger_is_forwarded_to_the_engine_once(engine_end):
     finally:
         for n, level in levels.items():
             logging.getLogger(n).setLevel(level)
+
+
+# ---- a chunk alone runs its local stages back to back --------------------------------------------------
+def _reference_state(chunk: int) -> dict:
+    """Stages (4, 0) and (4, 1) of ``chunk`` run one by one on a worker of its own (the stage-by-stage path)."""
+    from physis_ros.model import KVBatch
+    from physis_ros.model.stages import run_stage
+
+    end = EngineEnd()
+    w = make_worker(end)
+    try:
+        w.tasks.accept_task(task(chunk=chunk))
+        job = w.tasks.ready[0]
+        host, slots = w.host.models["tiny-wam"], w.host.placements["robot0"].slots
+        state = job.state
+        for b in (0, 1):
+            state = run_stage(host.model, b, [4], [state], KVBatch(host.tables[b], [slots[4]]), [None])[0]
+        return state
+    finally:
+        w.close()
+        end.close()
+
+
+def _catch_output(worker) -> zmq.Socket:
+    """A socket where the stream's route after (4, 1) now points: it gets what the worker sends on to (4, 2)."""
+    sink = worker.ctx.socket(zmq.PULL)
+    addr = f"tcp://127.0.0.1:{sink.bind_to_random_port('tcp://127.0.0.1')}"
+    worker.host.placements["robot0"].routes[(4, 1)] = addr
+    worker._push(addr)
+    time.sleep(0.2)   # the connection is up before the send (sends use IMMEDIATE)
+    return sink
+
+
+def test_a_chunk_alone_runs_its_local_stages_in_one_turn_with_a_trace_entry_each(worker):
+    sink = _catch_output(worker)
+    try:
+        worker.tasks.accept_task(task(chunk=5))
+        worker.tasks.run_next()
+        assert not worker.tasks.ready
+        assert worker.stats.stages == 2 and worker.stats.batches == 2 and worker.stats.tasks == 1
+        assert sink.poll(2000)
+        rec = wire.decode(sink.recv_multipart(copy=False), wire.DATA)
+        assert rec.msg.stage == (4, 2)
+        trace = [(e.step, e.block, e.worker, e.batch) for e in rec.msg.trace]
+        assert trace == [(4, 0, "w0", 1), (4, 1, "w0", 1)]
+        assert all(e.compute_ms > 0 and e.queue_ms >= 0 for e in rec.msg.trace)
+        # the second stage queued for nothing: it ran as the first ended
+        assert rec.msg.trace[1].queue_ms < 1.0
+        want = _reference_state(5)
+        assert set(rec.tensors) == set(want)
+        assert all(torch.equal(rec.tensors[k], want[k]) for k in want)   # the same forwards: bit-identical
+    finally:
+        sink.close(linger=0)
+
+
+def test_a_chunk_alone_yields_when_a_task_arrives(worker, monkeypatch):
+    from physis_ros.runtime import tasks as tasks_module
+
+    monkeypatch.setattr(tasks_module, "RUN_ALONE_LOOK_S", 0.0)   # look after every stage
+    looks = []
+    worker.tasks.has_task = lambda: looks.append(1) or True
+    worker.tasks.accept_task(task(chunk=1))
+    worker.tasks.run_next()
+    assert looks == [1] and worker.stats.stages == 1
+    assert [(j.chunk, j.stage) for j in worker.tasks.ready] == [(1, (4, 1))]   # back in the queue, next stage
+    assert len(worker.tasks.ready[0].task.trace) == 1
+
+
+def test_a_chunk_alone_yields_to_the_loop_after_its_time(worker, monkeypatch):
+    from physis_ros.runtime import tasks as tasks_module
+
+    monkeypatch.setattr(tasks_module, "RUN_ALONE_MAX_S", 0.0)   # heartbeats and control come first
+    worker.tasks.accept_task(task(chunk=1))
+    worker.tasks.run_next()
+    assert worker.stats.stages == 1 and [j.stage for j in worker.tasks.ready] == [(4, 1)]
+
+
+def test_the_worker_looks_at_its_data_socket_for_tasks(worker):
+    """``has_task`` reads the socket's event flags: true once a task waits there, without taking it."""
+    assert not worker._has_task()
+    push = worker.ctx.socket(zmq.PUSH)
+    push.connect(worker.data_addr)
+    try:
+        push.send_multipart(task(chunk=3))
+        deadline = time.monotonic() + 5
+        while not worker._has_task() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker._has_task()
+        assert worker.data_in.poll(0)   # still there for the loop
+    finally:
+        push.close(linger=0)
+
+
+def test_with_other_tasks_ready_a_turn_runs_one_stage(worker):
+    worker.tasks.accept_task(task(chunk=1))
+    worker.tasks.accept_task(task(chunk=2))
+    worker.tasks.run_next()   # chunk 1's (4, 0); chunk 2 waits, so no run alone
+    assert worker.stats.stages == 1
+    assert sorted((j.chunk, j.stage) for j in worker.tasks.ready) == [(1, (4, 1)), (2, (4, 0))]
