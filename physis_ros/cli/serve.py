@@ -27,6 +27,7 @@ import time
 
 from physis_ros.cli.common import (ArgumentParser, check_yaml_file, model_arg, nonneg_float, nonneg_int,
                                    positive_float, preflight_serve, run_main, set_threads, split_ros_args)
+from physis_ros import heap
 from physis_ros.config import ConfigError
 
 
@@ -153,9 +154,14 @@ def _serve(argv: list[str] | None = None) -> int:
                 stop.set()
         else:
             log.info("waiting for lifecycle transitions (unconfigured; autostart off)")
+        heap.settle(collect=True)   # before any chunk: what start-up made is never scanned again
         serving_since = None
+        streams_seen: frozenset = frozenset()
         while not stop.is_set():
             executor.spin_once(timeout_sec=0.05)
+            if streams_seen != node.streams.keys():   # a stream joined or left: set aside what it brought
+                streams_seen = frozenset(node.streams)
+                heap.settle(collect=False)
             if node.finalized:
                 reason["why"] = "lifecycle shutdown"
                 break

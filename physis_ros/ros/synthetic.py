@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from physis_ros import heap
 from physis_ros.observations import ScriptedExpert, SyntheticScene
 
 JOINTS = [f"joint{i}" for i in range(1, 8)]
@@ -179,6 +180,7 @@ def _main(argv: list[str] | None = None) -> int:
     executor.add_node(node)
     robots = SyntheticRobots(node, streams, args.width, args.height, args.encoding,
                              reliable=not args.best_effort)
+    heap.settle(collect=True)   # a full collection over rclpy's objects would stall the cameras
     start = time.monotonic()
     period = 1.0 / args.rate
     next_tick = start

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from physis_ros import heap
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
 from physis_ros.runtime.batching import BatchPolicy
@@ -135,6 +136,7 @@ class Worker:
         self.host = StageHost(device)
         self.starting: dict[str, tuple[p.StartStream, list]] = {}  # streams waiting for their blocks
         self.running = True
+        self.serving = False   # serve() runs: this process is the worker's own
         self.stats = p.WorkerStats()
         self.tasks = TaskRunner(worker_id, self.host, self.io, self.stats, max_message_bytes, self._push, self.send_ctrl,
                                 self._has_task)
@@ -239,6 +241,8 @@ class Worker:
         for addr in set(self.host.placements[msg.stream].routes.values()):
             if addr != self.data_addr:
                 self._push(addr)
+        if self.serving:   # a worker process: the stream's blocks and KV are never scanned by a full collection
+            heap.settle(collect=False)
         return {"blocks": self.host.blocks().get(msg.model.id, []), "kv_bytes": self.host.kv_bytes()}
 
     def start_stream_now(self, msg: p.StartStream) -> dict:
@@ -290,6 +294,8 @@ class Worker:
                                host=socket.gethostname()[:128]))
         log.info("up on %s:%s (pid %d), data at %s", socket.gethostname(), self.device, os.getpid(), self.data_addr)
         tasks = self.tasks
+        self.serving = True
+        heap.settle(collect=True)   # no stream yet: what start-up made is never scanned again
         next_beat = time.monotonic() + HEARTBEAT_S
         next_poll = busy_until = 0.0
         try:
