@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from physis_ros.runtime import protocol as p
@@ -42,7 +43,7 @@ SHM_DIR = Path("/dev/shm")
 HEADER = 64
 MAGIC = b"PHYSHOP1"
 ALIGN = 64
-_TAIL = struct.Struct("<Q")     # at offset 16: bytes consumed (a counter)
+TAIL_AT = 16                     # the header's bytes-consumed counter (a native uint64)
 NAME = re.compile(r"^physis-hop-(\d+)-([A-Za-z0-9_.-]{1,64})-([A-Za-z0-9_.-]{1,64})-(\d+)$")
 
 
@@ -88,6 +89,10 @@ class Ring:
             raise ShmError(f"{path} is not a hop ring")
         self.size = size
         self.view = torch.frombuffer(self.mm, dtype=torch.uint8)   # the whole mapping, header included
+        # The tail is read by the sender while the receiver writes it: one aligned 8-byte load and store.
+        # struct.pack_into zeroes its bytes and then writes them one by one, so a reader saw 0 or a part
+        # of the new value (tens of thousands of times in 2 s of a tight loop) and took the ring for full.
+        self._tail = np.ndarray((1,), dtype=np.uint64, buffer=self.mm, offset=TAIL_AT)
         if create:
             # Touch every page now: a page first written during a hop costs a fault and a zeroed tmpfs page,
             # which made the first lap of a ring several times slower than the copy itself.
@@ -95,11 +100,12 @@ class Ring:
 
     @property
     def tail(self) -> int:
-        return _TAIL.unpack_from(self.mm, 16)[0]
+        return int(self._tail[0])
 
     @tail.setter
     def tail(self, value: int) -> None:
-        _TAIL.pack_into(self.mm, 16, value)
+        if self._tail is not None:       # None: closed (regions freed after it are of no use to anyone)
+            self._tail[0] = value
 
     def start_of(self, position: int, total: int) -> int:
         """Where a region of ``total`` bytes asked for at ``position`` starts (at the ring's beginning if it
@@ -108,6 +114,7 @@ class Ring:
         return position if offset + total <= self.size else position + self.size - offset
 
     def close(self) -> None:
+        self._tail = None
         del self.view
         try:
             self.mm.close()
@@ -254,7 +261,7 @@ class ShmHops:
             tail = None
             while have.leases and have.leases[0].views <= 0:
                 tail = have.leases.popleft().end
-            if tail is not None and not have.ring.mm.closed:
+            if tail is not None:
                 have.ring.tail = tail
 
     def in_use(self, sender: str) -> int:

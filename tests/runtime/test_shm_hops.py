@@ -18,7 +18,7 @@ import uvloop
 
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
-from physis_ros.runtime.shm_hops import HEADER, ShmError, ShmHops, remove_rings_of
+from physis_ros.runtime.shm_hops import HEADER, Ring, ShmError, ShmHops, remove_rings_of
 
 KB = 1024
 
@@ -241,4 +241,36 @@ def test_workers_give_every_region_back_as_chunks_move_on():
             return stats()
 
     stats = uvloop.run(main())
-    assert sum(s.link_hops for s in stats) >= hops * 0.9 and all(s.ring_full == 0 for s in stats), stats
+    assert sum(s.link_hops for s in stats) >= hops * 0.9 and all(s.ring_full == 0 for s in stats), [(s.link_hops, s.ring_full, s.tasks) for s in stats]
+
+
+def test_the_sender_never_reads_a_tail_lower_than_one_already_written(tmp_path):
+    """The receiver advances the tail while the sender reads it. A tail read low (struct.pack_into zeroes the
+    bytes before writing them) made a 1 MB ring look full for a hop now and then on a busy host."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "physis-hop-1-a-b-0"
+    ring = Ring(path, 4096, create=True)
+    ring.tail = 1 << 40
+    writer = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from pathlib import Path
+from physis_ros.runtime.shm_hops import Ring
+ring = Ring(Path({str(path)!r}), 0, create=False)
+value, end = 1 << 40, time.monotonic() + 1.5
+while time.monotonic() < end:
+    for _ in range(1000):
+        value += 0x10101
+        ring.tail = value
+"""])
+    reads = lower = highest = 0
+    while writer.poll() is None:
+        value = ring.tail
+        reads += 1
+        lower += value < highest
+        highest = max(highest, value)
+    assert writer.returncode == 0
+    assert highest > 1 << 40 and reads > 1000, (reads, highest)
+    assert lower == 0, f"{lower} of {reads} reads went backwards"
+    ring.close()
