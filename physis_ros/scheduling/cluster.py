@@ -7,8 +7,10 @@ fraction of the device's time its ranks take. A device may be filled to
 
 Time-sharing (``max_batch > 1``): tasks of the same block of the same model on one
 device run batched, so their compute is charged at the measured batch-cost curve:
-with ``n`` stages of a block hosted there, each costs ``time(b, m) / m / time(b, 1)``
-of its batch-1 time, ``m = min(n, max_batch)``. That is the lockstep the workers'
+with ``n`` streams holding a block there, its tasks run as ``n // max_batch`` batches
+of ``max_batch`` and one of the rest, a task in a batch of ``m`` costing ``time(b, m) / m / time(b, 1)``
+of its batch-1 time. A stream's own stages of a block (its denoising steps) run one after
+another, so a stream alone gets no credit. That is the lockstep the workers'
 batching reaches when the device is busy, which is when capacity matters; the
 admission benchmark measures whether it holds. With earliest-deadline-first dispatch on the worker (issue 4's
 ``edf`` policy), utilisation <= 1 is the classic schedulability bound for
@@ -94,6 +96,9 @@ class Cluster:
         self.mem = np.zeros(self.n)
         self.refs: dict[str, np.ndarray] = {}   # model -> [block, device]: stages using that block there
         self.work: dict[str, np.ndarray] = {}   # model -> [block, device]: their batch-1 utilisation
+        # model -> [block, device]: ranks holding that block there, i.e. the streams whose tasks of it can batch
+        # (one stream's stages of a block are its denoising steps, which run one after another, never together)
+        self.hosts: dict[str, np.ndarray] = {}
         self.max_batch = max(1, max_batch)
         self._factor: dict[str, np.ndarray] = {}  # model -> [block, n]: per-task cost at batch n / batch 1
         self.streams: dict[str, PlacedStream] = {}
@@ -106,6 +111,7 @@ class Cluster:
         if model not in self.refs:
             self.refs[model] = np.zeros((self.profiles[model].blocks, self.n), dtype=np.int64)
             self.work[model] = np.zeros((self.profiles[model].blocks, self.n))
+            self.hosts[model] = np.zeros((self.profiles[model].blocks, self.n), dtype=np.int64)
         return self.refs[model]
 
     def batch_factor(self, model: str) -> np.ndarray:
@@ -122,21 +128,26 @@ class Cluster:
             self._factor[model] = f
         return self._factor[model]
 
-    def _block_util(self, model: str, blocks: np.ndarray, refs: np.ndarray, work: np.ndarray) -> np.ndarray:
-        """Utilisation of these blocks' hosted stages per device, batching credited."""
+    def _block_util(self, model: str, blocks: np.ndarray, hosts: np.ndarray, work: np.ndarray) -> np.ndarray:
+        """Utilisation of these blocks' hosted stages per device, batching credited: the ``n`` streams holding
+        a block batch its tasks as ``n // max_batch`` full batches and one of the rest."""
         f = self.batch_factor(model)
-        return f[blocks[:, None], np.minimum(refs, self.max_batch)] * work
+        full, rest = np.divmod(hosts, self.max_batch)
+        rows = blocks[:, None]
+        tasks = full * self.max_batch * f[rows, self.max_batch] + rest * f[rows, rest]
+        return tasks / np.maximum(hosts, 1) * work
 
     def delta_util(self, rank: VirtualRank, slo_ms: float, sign: int = 1) -> np.ndarray:
         """Per device: how its utilisation changes if ``rank`` (of a stream at ``slo_ms``) is added
         (``sign`` 1) or removed (-1) there."""
-        refs, work = self.refs_of(rank.model)[rank.block_index], self.work[rank.model][rank.block_index]
+        self.refs_of(rank.model)
+        hosts, work = self.hosts[rank.model][rank.block_index], self.work[rank.model][rank.block_index]
         hop = rank.hop_ms / slo_ms
         if self.max_batch == 1:
             return np.full(self.n, sign * (rank.work_ms / slo_ms))
-        counts, added = rank.count_array[:, None], (rank.work_array / slo_ms)[:, None]
-        before = self._block_util(rank.model, rank.block_index, refs, work)
-        after = self._block_util(rank.model, rank.block_index, refs + sign * counts, work + sign * added)
+        added = (rank.work_array / slo_ms)[:, None]
+        before = self._block_util(rank.model, rank.block_index, hosts, work)
+        after = self._block_util(rank.model, rank.block_index, hosts + sign, work + sign * added)
         return (after - before).sum(axis=0) + sign * hop
 
     def missing_weight_bytes(self, rank: VirtualRank) -> np.ndarray:
@@ -162,6 +173,7 @@ class Cluster:
         loads = int((refs[blocks, device] == 0).sum())
         self.util[device] += self.delta_util(rank, slo_ms)[device]
         refs[blocks, device] += counts
+        self.hosts[rank.model][blocks, device] += 1
         self.work[rank.model][blocks, device] += rank.work_array / slo_ms
         self.mem[device] += rank.kv_bytes + rank.buffer_bytes + loads * self.profiles[rank.model].block_weight_bytes
         return undo
@@ -169,6 +181,7 @@ class Cluster:
     def revert(self, rank: VirtualRank, undo: _Undo) -> None:
         d = undo.device
         self.refs[rank.model][rank.block_index, d] -= rank.count_array
+        self.hosts[rank.model][rank.block_index, d] -= 1
         self.work[rank.model][rank.block_index, d] -= rank.work_array / undo.slo_ms
         self.util[d] = undo.util
         self.mem[d] = undo.mem
@@ -191,6 +204,7 @@ class Cluster:
         for rank, d in zip(placed.ranks, placed.devices):
             self.util[d] = max(0.0, self.util[d] + self.delta_util(rank, placed.slo_ms, -1)[d])
             refs[rank.block_index, d] -= rank.count_array
+            self.hosts[placed.model][rank.block_index, d] -= 1
             self.work[placed.model][rank.block_index, d] -= rank.work_array / placed.slo_ms
             unloaded = int((refs[rank.block_index, d] == 0).sum())
             freed = rank.kv_bytes + rank.buffer_bytes + unloaded * prof.block_weight_bytes

@@ -194,3 +194,20 @@ def test_time_sharing_is_credited_at_the_measured_batch_curve():
             sched.remove(f"s{i}")
         assert cluster.util[0] == 0.0 and cluster.mem[0] == 0.0
     assert admitted == {1: 5, 4: 12}  # 8 ms of batch-1 work per 40 ms: 5 alone; batched: 3.2 ms each
+
+
+def test_only_other_streams_batch_with_a_stream():
+    """A stream's own stages of a block are its denoising steps, which run one after another: alone it is
+    charged its batch-1 work (served with adaptive batching, two robots kept a worker 0.34 busy where 0.21 had been admitted). n
+    streams batch as n // max_batch full batches and one of the rest (6 at max_batch 4: a 4 and a 2)."""
+    order = [(k, b) for k in (4, 3, 2, 1) for b in (0, 1)]
+    prof = dataclasses.replace(make_profile("m", steps=4, blocks=2),
+                               stage_ms={s: {1: 1.0, 2: 1.2, 4: 1.6} for s in order})
+    cluster = Cluster([make_device()], 0.0, {"m": prof}, max_batch=4)
+    rank = make_rank(prof, 0, prof.order)
+    per_task = {1: 1.0, 2: 0.6, 4: 0.4}          # of a single's time, in a batch of n (1.2 / 2, 1.6 / 4)
+    for n, tasks in ((1, [1]), (2, [2, 2]), (4, [4] * 4), (6, [4] * 4 + [2] * 2)):
+        while len(cluster.streams) < n:
+            cluster.add_stream(PlacedStream(f"s{len(cluster.streams)}", "m", 100.0, [rank], [0]))
+        expected = 8 * sum(per_task[m] for m in tasks) / 100.0     # 8 stages (4 steps x 2 blocks) per stream
+        assert cluster.util[0] == pytest.approx(expected), n
