@@ -80,6 +80,10 @@ class RobotRun:
     overhead_capture_ms: list = dataclasses.field(default_factory=list)    # from its capture (sensor included)
     sensor_ms: list = dataclasses.field(default_factory=list)              # the simulated camera's render
     delays: list = dataclasses.field(default_factory=list)      # d the hand-off assumed
+    # Takeovers at a frozen row (the robot's first executed row < d, the previous chunk executed): with a
+    # hand-off (hard, soft) such a seam is exactly 0 whatever the load (none freezes nothing); (chunk, jump)
+    frozen_takeovers: list = dataclasses.field(default_factory=list)
+    last_executed: int | None = None
     outputs: list = dataclasses.field(default_factory=list)     # (first_step, actions) for the plot
     resets: int = 0             # its stream was reset (a worker lost under load): its seams are not the hand-off's
     scenario: Scenario | None = None
@@ -143,7 +147,10 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
             captured, ready, q = run.frames.pop(out.chunk)
             expert = scenario.expert_chunk(captured, q)
             run.seams.append((seam.position_jump, seam.velocity_jump))
+            if k < rec.delay_steps and run.last_executed == out.chunk - 1:
+                run.frozen_takeovers.append((out.chunk, seam.position_jump))
             if k < len(out.output):
+                run.last_executed = out.chunk
                 run.tracking.append(rms(out.output[k:], expert[k:]))
             compute = sum(rec.stage_ms)
             run.overhead_ms.append((rec.emit - ready) * 1e3 - compute)
@@ -182,6 +189,9 @@ def summarize_run(mode: str, d: int, model: str, runs: dict[str, RobotRun], skip
         # the arm against the moving target (closed loop), over the steps after the skipped chunks' period
         "target_tracking_error": float(np.mean([r.target_tracking(skip_steps)
                                                 for r in runs.values()])),
+        # takeovers at a row the hand-off froze, and the largest seam among them (0.0: every one exact)
+        "frozen_takeovers": sum(len(r.frozen_takeovers) for r in runs.values()),
+        "frozen_takeover_jump_max": max((j for r in runs.values() for _, j in r.frozen_takeovers), default=0.0),
         "assumed_delay_steps_p50": percentile([x for r in runs.values() for x in r.delays[skip:]], 50),
         "response_overhead_ms_p50": {name: percentile(r.overhead_ms[skip:], 50) for name, r in runs.items()},
         "response_overhead_from_capture_ms_p50": {name: percentile(r.overhead_capture_ms[skip:], 50)

@@ -26,17 +26,20 @@ def test_small_handoff_run(tmp_path, capsys):
         # the server's overhead runs from the frame being ready; from its capture it adds the camera's render
         for robot, server in x["response_overhead_ms_p50"].items():
             assert 0 < server <= x["response_overhead_from_capture_ms_p50"][robot] and x["sensor_ms_p50"][robot] > 0
-    # Where a chunk takes over within the delay it assumed, it continues the committed actions bit for bit
-    # (seam 0; exact on every plan in test_engine). A chunk later than that (a load spike on this shared
-    # machine: it happened here with 5 seams per run) takes over past its frozen rows, so require exact
-    # seams for most chunks of some run, and never a worse median than without the hand-off. A run whose
-    # stream was reset (a worker that missed its heartbeat while the host was overloaded) restarts its
-    # timeline: it says so ("resets") and is not a hand-off measurement.
+    # Where a chunk takes over at a row the hand-off froze (the robot's first executed row < the delay it
+    # assumed, the previous chunk executed), it continues the committed actions bit for bit: seam exactly 0,
+    # however loaded the machine (exact on every plan in test_engine). A chunk later than its assumed delay (a
+    # load spike on this shared machine; in one CI run most chunks of every run) takes over past its frozen
+    # rows, so seam medians are timing, not a property of the hand-off. A run whose stream was reset (a
+    # worker that missed its heartbeat while the host was overloaded) restarts its timeline: it says so
+    # ("resets") and is not a hand-off measurement.
     clean = [x for x in trained if x["resets"] == 0]
-    none = {x["delay_steps"]: x["seam_jump_p50"] for x in clean if x["mode"] == "none"}
     handed = [x for x in clean if x["mode"] != "none"]
-    assert all(x["seam_jump_p50"] <= none[x["delay_steps"]] for x in handed if x["delay_steps"] in none), trained
-    assert not handed or min(x["seam_jump_p50"] for x in handed) == 0.0, trained
+    for x in handed:
+        assert x["frozen_takeover_jump_max"] == 0.0, x
+    assert not handed or sum(x["frozen_takeovers"] for x in handed) > 0, trained
+    # without a hand-off nothing is frozen: the same takeovers jump (the check above can fail)
+    assert any(x["frozen_takeover_jump_max"] > 0 for x in clean if x["mode"] == "none"), trained
     # the shipped checkpoint has learned the expert; the random init has not
     assert r["tracking_error_trained"] < 0.3 * r["tracking_error_random"]
     # closed loop: the trained policy's arm follows the moving target, the random one's does not

@@ -130,19 +130,22 @@ def test_batching_is_credited_at_the_measured_batch_curve():
     batched_admitted, rejected = admit_until_rejected(batched, model, 20.0)
     assert rejected.reason == "time-capacity"
     assert len(batched_admitted) > n_plain == 2
-    # The utilisation the server books is the cluster's own delta (Cluster.delta_util): one stream's 4 steps
-    # of each block batch together on its worker, so it books 0.4 of its batch-1 utilisation.
+    # The utilisation the server books is the cluster's own delta (Cluster.delta_util). A stream alone gets no
+    # credit: its stages of a block are its denoising steps, which run one after another. A second stream of
+    # the same model placed beside it batches with it: each of their tasks then costs curve[2] / 2 / curve[1].
     fresh = ServerAdmission(2, make_device(), make_config(0.0), max_batch=4)
     first = fresh.admit("x", model, 20.0)
     assert len(first.placed.ranks) == 1
     rank, device = first.placed.ranks[0], first.placed.devices[0]
     batch1 = rank.work_ms / 20.0
     assert batch1 == pytest.approx(0.8)
-    assert fresh.utilisation()[device] == pytest.approx(batch1 * curve[4] / 4 / curve[1])
+    assert fresh.utilisation()[device] == pytest.approx(batch1)
     # ... and what the next stream of the same model would add there, as the scheduler sees it:
     delta = fresh.cluster.delta_util(rank, 20.0)[device]
-    fresh.admit("y", model, 20.0)
-    assert sum(fresh.utilisation()) == pytest.approx(batch1 * 0.4 + delta)
+    assert batch1 + delta == pytest.approx(2 * batch1 * curve[2] / 2 / curve[1])
+    second = fresh.admit("y", model, 20.0)
+    assert second.placed.devices == [device]          # Best-Fit: 0.96 there beats 0.8 on the empty worker
+    assert fresh.utilisation()[device] == pytest.approx(batch1 + delta)
 
 
 def test_the_batch_curve_admission_books_is_the_profiles_own():
@@ -155,11 +158,14 @@ def test_the_batch_curve_admission_books_is_the_profiles_own():
     assert prof.forward_ms((1, 0), 3) == pytest.approx(0.7)          # between the measured 2 and 4
     for max_batch in (1, 2, 3):
         adm = ServerAdmission(1, make_device(), make_config(0.0), max_batch=max_batch)
-        a = adm.admit("x", model, 100.0)                              # all 32 stages on the one worker
+        # max_batch streams, all 32 stages of each on the one worker: their tasks of a block form one batch
+        for i in range(max_batch):
+            a = adm.admit(f"s{i}", model, 100.0)
+            assert a.placed.ranks[0].work_ms == pytest.approx(32 * per_forward[1])
         factor = per_forward[max_batch] / max_batch / per_forward[1]
         assert adm.cluster.batch_factor(model.id)[0, max_batch] == pytest.approx(min(1.0, factor))
-        assert a.placed.ranks[0].work_ms == pytest.approx(32 * per_forward[1])
-        assert adm.utilisation()[0] == pytest.approx(32 * per_forward[1] * min(1.0, factor) / 100.0, abs=1e-4)
+        expected = max_batch * 32 * per_forward[1] * min(1.0, factor) / 100.0
+        assert adm.utilisation()[0] == pytest.approx(expected, abs=1e-4), max_batch
 
 
 def test_memory_is_charged_per_stage_and_refused_by_name():
