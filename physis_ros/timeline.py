@@ -19,6 +19,17 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def release_pace_ms(slo_ms: float, pace_margin: float, rate_hz: float, timeline: bool = True) -> float:
+    """How often a stream with interval SLO ``slo_ms`` is released (and so admitted): ``pace_margin`` early,
+    for the chunks' latency jitter; on the control timeline, in the largest whole number of control steps
+    (at least one) within that, so consecutive chunks start exactly that many steps apart and chunk ``c``
+    is for steps ``[c * s', c * s' + H)`` (``s' = s`` with no margin)."""
+    pace = slo_ms * (1.0 - pace_margin)
+    if not timeline:
+        return pace
+    return max(1, math.floor(pace * rate_hz / 1e3 + 1e-9)) / rate_hz * 1e3
+
+
 def first_due_row(step0: float, period: float, now: float, horizon: int) -> int:
     """The first row still ahead at ``now`` (rows due at or before ``now`` are past); ``horizon`` when
     every row is past."""

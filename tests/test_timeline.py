@@ -54,3 +54,15 @@ def test_seam_compares_the_same_control_step():
 def test_rms():
     assert rms(np.ones((3, 2)), np.zeros((3, 2))) == 1.0
     assert math.isnan(rms(np.zeros((0, 2)), np.zeros((0, 2))))
+
+
+def test_timeline_streams_are_released_whole_control_steps_apart():
+    from physis_ros.timeline import release_pace_ms
+    # s = 8 steps at 50 Hz (160 ms) less a 20 % margin is 128 ms: 6 whole steps, 120 ms
+    assert release_pace_ms(160.0, 0.2, 50.0) == pytest.approx(120.0)
+    assert release_pace_ms(160.0, 0.0, 50.0) == pytest.approx(160.0)       # no margin: exactly s
+    assert release_pace_ms(100.0, 0.2, 50.0) == pytest.approx(80.0)        # already whole: unchanged
+    assert release_pace_ms(10.0, 0.2, 50.0) == pytest.approx(20.0)         # never less than one step
+    assert release_pace_ms(160.0, 0.2, 50.0, timeline=False) == pytest.approx(128.0)   # cadence free
+    # float noise never costs a step: 0.3 s at 30 Hz is 9 steps
+    assert release_pace_ms(300.0, 0.0, 30.0) == pytest.approx(300.0)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from physis_ros.bench.admission_observe import (RAW_COLUMNS, Mirror, Recorder, _cpu_delta, _cpu_snapshot, _gaps, _r,
                                                   stream_window)
+from physis_ros.timeline import release_pace_ms
 
 JOINTS = [f"joint{i}" for i in range(1, 8)]
 SECOND = "wm0"
@@ -120,7 +121,7 @@ class Run:
         goal = self.ServeStream.Goal(stream=name, topic_namespace=name, model=model, joint_names=JOINTS,
                                      slo_interval_ms=slo, control_rate_hz=rate, actions_topic=actions_topic)
         self.rec.watch(name, self.mirror.model(model).config.kind)
-        pace = slo * (1.0 - self.cfg.admission.pace_margin)
+        pace = release_pace_ms(slo, self.cfg.admission.pace_margin, rate)   # as the server paces it (ros/hub.py)
         fb: dict = {}
         t_sent, wall = time.monotonic(), time.time()
         sent = self.client.send_goal_async(goal, feedback_callback=lambda m: fb.setdefault("workers",

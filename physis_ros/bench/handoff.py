@@ -48,7 +48,7 @@ from physis_ros.runtime.engine import ChunkOutput, Engine, Observation, ServedMo
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.scheduling.settings import load_device, load_scheduling
 from physis_ros.telemetry import percentile
-from physis_ros.timeline import rms
+from physis_ros.timeline import release_pace_ms, rms
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_CHECKPOINT = ROOT / "config" / "checkpoints" / "tiny-wam-demo.safetensors"
@@ -159,10 +159,10 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
             run.delays.append(rec.delay_steps)
             run.outputs.append((rec.first_step, np.array(out.output), expert))
 
-        admitted = admission.admit(name, served, interval_ms * (1.0 - AdmissionConfig().pace_margin))
+        pace = release_pace_ms(interval_ms, AdmissionConfig().pace_margin, timeline.rate_hz)
+        admitted = admission.admit(name, served, pace)       # as the server paces a timeline stream (ros/hub.py)
         await engine.add_stream(name, observe, on_output, model=served, plan=admitted.plan, chunks=chunks,
-                                slo_interval_ms=interval_ms, timeline=timeline,
-                                release_interval_ms=interval_ms * (1.0 - AdmissionConfig().pace_margin))
+                                slo_interval_ms=interval_ms, timeline=timeline, release_interval_ms=pace)
     for name in names:
         await engine.wait_stream(name)
         runs[name].resets = sum(engine.stream_status(name)["resets"].values())

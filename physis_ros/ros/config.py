@@ -117,8 +117,9 @@ class StreamConfig:
     control_rate_hz: float = field(default=50.0, metadata=bounded(
         gt=0.0, doc="action steps per second: ActionChunk.control_period and trajectory point timing"))
     execution_horizon: int = field(default=0, metadata=bounded(
-        ge=0, doc="control steps each chunk is executed for (s; 0: half the model's horizon): chunk c covers "
-                  "steps [c*s, c*s + H), and the stream's interval is s / control_rate_hz"))
+        ge=0, doc="control steps each chunk is executed for (s; 0: half the model's horizon): the stream's "
+                  "interval is s / control_rate_hz; with cadence timeline chunk c covers steps [c*s', c*s' + H), "
+                  "s' the whole steps within that interval less admission.pace_margin (s with no margin)"))
     compressed: bool = field(default=False, metadata=described(
         "subscribe sensor_msgs/CompressedImage (jpeg/png, decoded with OpenCV) instead of Image"))
     image: ImageConfig = field(default_factory=ImageConfig)
@@ -145,6 +146,10 @@ class StreamConfig:
             "control period after publication (then nothing is late but the chunk runs behind the timeline)"))
     trajectory_start_offset_s: float = field(default=0.0, metadata=described(
         "added to the time row 0 is due (s)"))
+    trajectory_min_lead_s: float = field(default=0.002, metadata=bounded(
+        ge=0.0, le=1.0, doc="rows due less than this after the node reads the clock are dropped too, so that point 0 "
+                            "is still ahead when the JointTrajectory is published and received (both messages' "
+                            "publish and DDS delivery take 0.3-0.7 ms on a 2-core host; s)"))
     max_future_s: float = field(default=0.5, metadata=bounded(
         ge=0.0, doc="reject input stamps further ahead of the node clock (s)"))
     max_age_s: float = field(default=1.0, metadata=bounded(

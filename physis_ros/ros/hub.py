@@ -24,6 +24,7 @@ from physis_ros.ros.stream_model import check_stream_model, slo_interval_ms
 from physis_ros.ros.models import ModelCatalog
 from physis_ros.ros.streams import RosStream
 from physis_ros.ros.tasks import Ticker
+from physis_ros.timeline import release_pace_ms
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
@@ -81,7 +82,8 @@ class StreamHub:
             except ConfigError as exc:
                 raise Rejected("model-mismatch", str(exc)) from None
             slo = slo_interval_ms(stream, served.config)
-            pace = slo * (1.0 - node.config.admission.pace_margin)  # what runs is what is admitted
+            pace = release_pace_ms(slo, node.config.admission.pace_margin, stream.control_rate_hz,
+                                   stream.cadence == "timeline")    # what runs is what is admitted
             admitted = self.admission.admit(name, served, pace)
             try:
                 st = RosStream(node, name, stream, served, origin, admitted.workers)

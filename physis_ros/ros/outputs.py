@@ -54,7 +54,7 @@ def place_chunk(stream: StreamConfig, record: ChunkRecord, obs_sec: float, now: 
     the control timeline (``timeline``; the observation's stamp for a chunk without one), the
     observation's stamp (``observation``), or one control period after publication (``emit``:
     nothing is late, the chunk runs behind the robot's timeline by its latency); plus
-    ``trajectory_start_offset_s``."""
+    ``trajectory_start_offset_s``. Rows due before ``now + trajectory_min_lead_s`` are dropped."""
     period = stream.control_period
     if stream.trajectory_start == "emit":
         row0 = now + period
@@ -63,8 +63,9 @@ def place_chunk(stream: StreamConfig, record: ChunkRecord, obs_sec: float, now: 
     else:
         row0 = obs_sec
     row0 += stream.trajectory_start_offset_s
-    return Placement(record.first_step, row0, period, first_due_row(row0, period, now, horizon), horizon,
-                     record.delay_steps)
+    # a row due before the message is out is history too (trajectory_min_lead_s)
+    first = first_due_row(row0, period, now + stream.trajectory_min_lead_s, horizon)
+    return Placement(record.first_step, row0, period, first, horizon, record.delay_steps)
 
 
 def action_chunk_msg(stream_name: str, stream: StreamConfig, chunk: int, actions: np.ndarray, obs_stamp: Time,

@@ -312,7 +312,10 @@ class Engine:
             bound = bound_s + (0.0 if s.epoch_started else self.config.warmup_grace_s)
             enqueue = self.clock()
             f = InFlight(obs.stamp, enqueue, obs.tag, bound, time.monotonic() + bound)
-            handoff = s.place_on_timeline(f, enqueue)
+            # On the timeline a paced chunk starts at its scheduled release (whole steps after the one before),
+            # not when the loop got to it: a release a few ms late shifts none of its rows.
+            release = enqueue if due is None else enqueue - max(0.0, time.monotonic() - s.release_due[c])
+            handoff = s.place_on_timeline(f, release)
             s.inflight[c] = f
             order = time.perf_counter()
             task = p.Task(stream=s.name, chunk=c, stage=s.plan.first_stage, epoch=s.epoch, seed=self.config.seed,
@@ -363,9 +366,7 @@ class Engine:
         record = ChunkRecord.from_trace(s.name, msg.chunk, f.obs_stamp, f.enqueue, emit, trace, hops)
         if s.timeline is not None:
             record.first_step, record.delay_steps, record.shift = f.first_step, f.delay_steps, f.shift
-            record.step0 = s.timeline_t0 + f.first_step / s.timeline.rate_hz
-            s.delays.append(emit - f.enqueue)   # release to emit: the steps the robot runs meanwhile
-            del s.delays[:-s.timeline.delay_window]
+            record.step0 = s.timeline_done(f, emit)
         s.pending[msg.chunk] = ChunkOutput(s.name, msg.chunk, output, record, f.tag)
         s.epoch_started = True
         s.last_output_mono = time.monotonic()

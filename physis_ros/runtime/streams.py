@@ -77,8 +77,10 @@ OutputFn = Callable[[ChunkOutput], None]
 @dataclass(frozen=True)
 class Timeline:
     """A stream's control timeline: row i of chunk c is control step sigma(c) + i, where sigma(c) is the
-    step at which the chunk was released (its observation taken), counted from the stream's first
-    release at ``rate_hz``; and the hand-off between consecutive chunks (physis_ros.model.handoff)."""
+    step at which the chunk was due for release (its observation taken then), counted from the stream's
+    first release at ``rate_hz``; a stream released every whole number of steps s' (the server's
+    timeline cadence, :func:`physis_ros.timeline.release_pace_ms`) has sigma(c) = c * s'. And the
+    hand-off between consecutive chunks (physis_ros.model.handoff)."""
 
     rate_hz: float                 # control steps per second
     horizon: int                   # rows of a chunk (H)
@@ -207,6 +209,17 @@ class StreamState:
         if tl.handoff == "none":
             return None
         return p.HandoffSpec(tl.handoff, f.delay_steps, min(f.shift, 65535))
+
+    def timeline_done(self, f: InFlight, emit: float) -> float:
+        """A chunk placed on the timeline left the pipeline at ``emit``: when its row 0 was due (step0), and
+        its delay recorded for the next chunks' hand-off. The delay runs from step0, not from the release:
+        the robot counts the rows it ran meanwhile from there (the two differ by up to half a step when a
+        release falls between steps, and a delay from the release then hands a chunk over past its
+        frozen rows)."""
+        step0 = self.timeline_t0 + f.first_step / self.timeline.rate_hz
+        self.delays.append(emit - step0)
+        del self.delays[:-self.timeline.delay_window]
+        return step0
 
 
 def staggered_anchor(now: float, interval: float, others: list[tuple[float, float]], candidates: int = 32,

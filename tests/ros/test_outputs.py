@@ -57,12 +57,18 @@ def test_place_chunk_drops_rows_already_due():
     assert (p.first_row, p.late) == (0, False) and p.start == pytest.approx(100.2)
     p = at(100.2)                      # row 0 due exactly now: it is past
     assert p.first_row == 1 and p.start == pytest.approx(100.22)
+    p = at(100.199)                    # row 0 due before the message can be out (min lead 2 ms): dropped
+    assert p.first_row == 1 and p.start - 100.199 >= s.trajectory_min_lead_s
     p = at(100.255)                    # rows 0..2 due (100.2, 100.22, 100.24)
     assert p.first_row == 3 and p.start == pytest.approx(100.26) and p.start > 100.255
-    p = at(100.2 + 15 * 0.02 - 1e-6)   # only the last row ahead
+    p = at(100.2 + 15 * 0.02 - 0.0021)   # only the last row ahead (by more than the lead)
     assert (p.first_row, p.late) == (15, False)
-    p = at(100.2 + 15 * 0.02 + 1e-6)   # every row due: a late chunk
+    p = at(100.2 + 15 * 0.02 - 0.0019)   # every row due, or due before the message is out: a late chunk
     assert (p.first_row, p.late) == (16, True)
+    # whatever the moment, point 0 of what is sent is at least the lead ahead of it
+    for now in np.linspace(100.1, 100.5, 401):
+        p = at(now)
+        assert p.late or p.start >= now + s.trajectory_min_lead_s - 1e-12
 
 
 def test_place_chunk_by_trajectory_start():
@@ -72,7 +78,7 @@ def test_place_chunk_by_trajectory_start():
     assert emit.first_row == 0 and emit.start == pytest.approx(101.12)
     # no timeline (step0 nan): the observation's stamp
     assert outputs.place_chunk(stream(), record(), 100.0, 100.05, 16).row0_due == pytest.approx(100.0)
-    offset = outputs.place_chunk(stream(trajectory_start_offset_s=0.05), rec, 100.0, 100.2, 16)
+    offset = outputs.place_chunk(stream(trajectory_start_offset_s=0.05), rec, 100.0, 100.2, 16)   # 50 ms ahead
     assert offset.first_row == 0 and offset.start == pytest.approx(100.25)
 
 

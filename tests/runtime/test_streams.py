@@ -70,6 +70,25 @@ def test_place_on_timeline_counts_steps_and_assumes_a_conservative_delay():
     assert release(10.48).delay_steps == 3
 
 
+def test_delay_is_counted_from_row_0_so_a_chunk_as_late_as_before_takes_over_at_a_frozen_row():
+    """Released every 128 ms at 50 Hz, chunk 1 is released 6.4 steps in but its row 0 is step 6, due 8 ms
+    before the release. It leaves 34 ms after its release: 2.1 steps after row 0, so a robot then is at row
+    3. A delay taken from the release (1.7 steps) made the next chunk freeze 3 rows, and the robot switched
+    to it at its unfrozen row 3 although that chunk was no later than this one."""
+    from physis_ros.timeline import first_due_row
+    tl = Timeline(rate_hz=50.0, horizon=16, execution=8, handoff="hard")
+    s = state(0.128, tl)
+    chunks = [InFlight(t, t, None, 1.0, 0.0) for t in (10.0, 10.128, 10.256)]
+    for f in chunks[:2]:
+        s.place_on_timeline(f, f.enqueue)
+    step0 = s.timeline_done(chunks[1], 10.128 + 0.034)
+    assert chunks[1].first_step == 6 and step0 == pytest.approx(10.12)
+    s.place_on_timeline(chunks[2], chunks[2].enqueue)            # first step 13, row 0 due at 10.26
+    nxt, step0_next = chunks[2], 10.0 + 13 / 50.0
+    k = first_due_row(step0_next, 0.02, step0_next + (10.162 - 10.12), 16)   # just as late as chunk 1
+    assert k == 3 and k < nxt.delay_steps == 4                               # the robot switches at a frozen row
+
+
 def test_no_handoff_spec_without_a_mode_but_still_on_the_timeline():
     s = state(0.1, Timeline(50.0, 16, 8))
     f = InFlight(5.0, 5.0, None, 1.0, 0.0)
