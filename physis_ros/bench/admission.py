@@ -1,6 +1,7 @@
 """Admission in the served product, live: robots join a running ``physis-serve`` through the
 ``~/serve_stream`` action until one is rejected; then a robot of a second model joins where capacity
-remains; then one robot leaves and a new one joins. Run once with the workers batching (``adaptive``:
+remains (where none does, it is rejected with the reason and asks again once a robot has left); then one
+robot leaves and a new one joins. Run once with the workers batching (``adaptive``:
 admission credits time-sharing at the batch-cost curve) and once without (``off``: no credit).
 
     physis-bench admission [--modes adaptive,off] [--window 8] [--settle 3] --json out.json [--plot out.png]

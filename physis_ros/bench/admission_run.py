@@ -99,16 +99,13 @@ class Run:
                 if not ev["admitted"]:
                     break
                 self.measure(f"+robot{i}", ev)
-            if a.second_model and "robot0" in self.goals:
-                for slo in st["second_slo_tries"]:
-                    ev = self.join(SECOND, a.second_model, slo, a.second_control_rate_hz, "/robot0/action_chunk")
-                    if ev["admitted"]:
-                        self.measure(f"+{SECOND} ({a.second_model}, SLO {slo:g} ms)", ev)
-                        break
+            self.join_second_model()
             robots = [s for s in self.goals if s.startswith("robot")]
             if robots:
                 leaving = "robot1" if "robot1" in robots else robots[0]
                 self.measure(f"-{leaving}", self.leave(leaving))
+                # where no capacity remained for the world model, the leave frees some: it asks again first
+                self.join_second_model(" (after the leave)")
                 name = f"robot{first}"
                 ev = self.join(name, a.model, a.slo_ms, a.control_rate_hz)
                 if ev["admitted"]:
@@ -116,6 +113,18 @@ class Run:
         finally:
             self.finish()
         return self.result()
+
+    def join_second_model(self, label: str = "") -> None:
+        """The world model asks to join, at each SLO of ``second_slo_tries`` until admitted (it imagines what
+        robot0's policy commands); nothing if it is served already or robot0 is not."""
+        a = self.args
+        if not a.second_model or "robot0" not in self.goals or SECOND in self.goals:
+            return
+        for slo in self.st["second_slo_tries"]:
+            ev = self.join(SECOND, a.second_model, slo, a.second_control_rate_hz, "/robot0/action_chunk")
+            if ev["admitted"]:
+                self.measure(f"+{SECOND} ({a.second_model}, SLO {slo:g} ms){label}", ev)
+                return
 
     def join(self, name: str, model: str, slo: float, rate: float, actions_topic: str = "") -> dict:
         goal = self.ServeStream.Goal(stream=name, topic_namespace=name, model=model, joint_names=JOINTS,

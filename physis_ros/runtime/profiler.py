@@ -74,16 +74,24 @@ class StageBench:
         return (time.perf_counter() - start) * 1e3
 
 
+IDLE_MS = 30.0   # the idle gap before each timed pass (a paced worker sleeps between chunks)
+
+
 def measure_profile(config: ModelConfig, device: str = "cpu", batch_sizes: tuple[int, ...] = (1, 2, 4),
-                    repeats: int = 15, progress=None, corun: int = 0) -> CostProfile:
+                    repeats: int = 15, progress=None, corun: int = 0, idle_ms: float = IDLE_MS) -> CostProfile:
     """``corun``: also measure the slowdown with that many processes running stages at once (CPU)."""
     bench = StageBench(config, device, max(batch_sizes))
     # Each round walks the whole pipeline order, as a worker does, so a stage finds its block's weights
     # as cold as it will in service (timing one stage over and over keeps them in cache: 15-25 % fast
-    # at batch 1 on the dev VM). Sizes alternate within the round so drift hits them alike.
+    # at batch 1 on the dev VM). Each pass follows an idle gap, as a paced worker's chunk follows a
+    # sleep: back-to-back passes measured a chunk at 13.1 ms where the same workers served it in 16-20
+    # ms (physis-bench admission, 2-core VM), and admission then over-filled the workers. Sizes
+    # alternate within the round so drift hits them alike.
     times: dict[tuple[Stage, int], list[float]] = {(s, n): [] for s in bench.order for n in batch_sizes}
     for r in range(repeats + 2):
         for n in batch_sizes:
+            if idle_ms > 0:
+                time.sleep(idle_ms / 1e3)
             for stage in bench.order:
                 ms = bench.run(stage, n)
                 if r >= 2:  # warm-up rounds excluded
