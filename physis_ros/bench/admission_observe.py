@@ -55,6 +55,11 @@ class Mirror:
     def remove(self, name: str) -> None:
         self.admission.remove(name)
 
+    def follow(self, factors: dict[int, float]) -> None:
+        """The server's measured load factors (its /diagnostics), so the replay checks what the server did."""
+        if self.admission.calibration is not None:
+            self.admission.calibration.set_factors(factors)
+
     def utilisation(self) -> list[float]:
         return self.admission.utilisation()
 
@@ -136,6 +141,16 @@ class Recorder:
             try:
                 out[w] = int(samples[-1][1].get("pid", 0))
             except ValueError:
+                pass
+        return out
+
+    def load_factors(self) -> dict[int, float]:
+        """Per worker index: the load factor the server's admission last published on /diagnostics."""
+        out = {}
+        for w, samples in self.diag.items():
+            try:
+                out[int(w[1:])] = float(samples[-1][1]["admission_load_factor"])
+            except (KeyError, ValueError):
                 pass
         return out
 

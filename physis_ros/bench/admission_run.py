@@ -145,6 +145,7 @@ class Run:
         ev = {"index": len(self.events), "t_s": round(t_sent - self.t0, 3), "wall": wall, "kind": "join",
               "stream": name, "model": model, "slo_ms": slo, "pace_ms": round(pace, 3),
               "decision_s": round(decision_s, 3)}
+        self.mirror.follow(self.rec.load_factors())
         ok, reason, placement = self.mirror.admit(name, model, pace)
         if "workers" in fb:
             self.goals[name] = {"handle": handle, "result": result}
@@ -161,6 +162,7 @@ class Run:
             if ok:  # the replay would have admitted it: keep it in step with the server
                 self.mirror.remove(name)
         ev["predicted_utilisation"] = self.mirror.utilisation()
+        ev["load_factors"] = self.mirror.admission.load_factors()
         ev["list_streams"] = self.list_streams()
         self.events.append(ev)
         if ev.get("reason") == "not-serving":   # the server cannot serve anyone: nothing to measure

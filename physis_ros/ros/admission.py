@@ -5,7 +5,8 @@ Each worker is one device of the scheduler's cluster. A request is checked first
 placement can fix (a model that does not exist or does not fit the robot, a name or namespace in
 use, bad joint names), then placed by Best-Fit + LDS as virtual ranks
 (:class:`~physis_ros.scheduling.placement.JointScheduler`) on the model's cost profile, with
-time-sharing credited at the measured batch-cost curve when the workers batch. An admitted
+time-sharing credited at the measured batch-cost curve when the workers batch, and checked against
+each worker's measured load (:mod:`physis_ros.ros.calibration`). An admitted
 stream gets its own plan (its ranks' stages on their workers) and never moves; removing it frees
 its time and memory for the next. Rejections name the reason (:data:`REASONS`).
 """
@@ -17,6 +18,9 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from physis_ros.ros.calibration import LoadCalibration
 from physis_ros.runtime.plans import Plan
 from physis_ros.runtime.streams import ServedModel
 from physis_ros.scheduling.admission import REASONS as PLACEMENT_REASONS
@@ -92,11 +96,12 @@ class ServerAdmission:
     """The joint scheduler over this server's workers (one device each)."""
 
     def __init__(self, workers: int, device: DeviceSpec, config: SchedulingConfig, max_batch: int = 1,
-                 host: HostBudget | None = None):
+                 host: HostBudget | None = None, calibration: LoadCalibration | None = None):
         self.cluster = Cluster([device] * workers, config.headroom, {}, max_batch=max_batch)
         self.scheduler = JointScheduler(self.cluster, config)
         self.admitted: dict[str, Admitted] = {}
         self.host = host
+        self.calibration = calibration   # measured load per worker (None: trust the profiles alone)
 
     def admit(self, stream: str, model: ServedModel, slo_ms: float) -> Admitted:
         """Place ``stream`` (or raise :class:`Rejected` naming why); nothing running moves."""
@@ -107,11 +112,15 @@ class ServerAdmission:
         if model.id not in self.cluster.profiles:
             # The cluster tells weight sets apart by the profile's model name: make it the model's id.
             self.cluster.profiles[model.id] = dataclasses.replace(model.profile, model=model.id)
+        # A worker measured busier than its profiles say takes that much less booking (Best-Fit sees it).
+        factors = np.array(self.load_factors())
+        self.cluster.set_load_factors(factors)
         decision = self.scheduler.admit(StreamRequest(stream, model.id, slo_ms))
         if not decision.admitted:
             raise Rejected(decision.reason, decision.detail)
         if self.host is not None:
-            used = self.host.used(float(self.cluster.util.sum()), len(self.admitted) + 1)
+            # the workers' load as they run now: each booking scaled by its worker's measured factor
+            used = self.host.used(float((self.cluster.util * factors).sum()), len(self.admitted) + 1)
             if used > self.host.capacity + 1e-9:
                 self.scheduler.remove(stream)   # nothing else moved: undo this placement only
                 raise Rejected("host-cpu", f"{used:.2f} of the host's {self.host.cores} cores would be in use "
@@ -128,6 +137,10 @@ class ServerAdmission:
 
     def utilisation(self) -> list[float]:
         return [round(float(u), 4) for u in self.cluster.util]
+
+    def load_factors(self) -> list[float]:
+        """Per worker: measured busy / booked (1.0: as profiled, or not measured yet)."""
+        return [1.0] * self.cluster.n if self.calibration is None else self.calibration.factors(self.cluster.n)
 
 
 def worker_headroom(headroom: float, device: str, workers: int, reserve_cores: float, cores: int | None) -> float:
@@ -153,5 +166,7 @@ def server_admission(cfg: ServeConfig, cores: int | None = None) -> tuple[Server
     if device == "cpu":
         host = HostBudget(cores or os.cpu_count() or 1, cfg.admission.host_reserve_cores,
                           cfg.admission.host_cores_per_stream, cfg.admission.headroom)
-    return ServerAdmission(cfg.engine.workers, load_device(device), scheduling, max_batch, host), device
+    # Deterministic serving (bag checks) decides from the profiles alone: its decisions must not depend on timing.
+    calibration = None if cfg.deterministic or not cfg.admission.calibrate else LoadCalibration()
+    return ServerAdmission(cfg.engine.workers, load_device(device), scheduling, max_batch, host, calibration), device
 

@@ -201,6 +201,10 @@ class AdmissionConfig:
         ge=0.0, le=0.5, doc="streams are released (and admitted) every SLO x (1 - pace_margin): the margin absorbs "
                             "release and compute jitter, so intervals stay within the SLO (physis-bench "
                             "admission on a 2-core host: 0.1 let 4 of 8 phases miss, 0.2 held all)"))
+    calibrate: bool = field(default=True, metadata=described(
+        "also check a placement against each worker's measured load: its compute counter over its booked "
+        "utilisation, when it runs busier than its profiles say (never looser than the profiles; off in "
+        "deterministic serving)"))
     host_reserve_cores: float = field(default=0.5, metadata=bounded(
         ge=0.0, le=1024.0, doc="CPU workers: cores left to the node and the host's other work; each worker may use "
                                "at most (cores - this) / workers of a core"))

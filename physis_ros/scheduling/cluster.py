@@ -89,7 +89,9 @@ class Cluster:
         self.specs = list(specs)
         self.n = len(self.specs)
         self.headroom = headroom
-        self.util_cap = 1.0 - headroom
+        # Per device: the utilisation (in its profiles' terms) it may be booked to: 1 - headroom, less where
+        # the device was measured running busier than its profiles say (set_load_factors).
+        self.util_cap = np.full(self.n, 1.0 - headroom)
         self.profiles = profiles
         self.mem_cap = np.array([s.usable_bytes for s in self.specs], dtype=np.float64)
         self.util = np.zeros(self.n)
@@ -113,6 +115,11 @@ class Cluster:
             self.work[model] = np.zeros((self.profiles[model].blocks, self.n))
             self.hosts[model] = np.zeros((self.profiles[model].blocks, self.n), dtype=np.int64)
         return self.refs[model]
+
+    def set_load_factors(self, factors: Sequence[float]) -> None:
+        """Each device's measured load over its booking (>= 1): its cap shrinks by that factor, so what it is
+        booked to costs at most 1 - headroom of its time as it runs now."""
+        self.util_cap = (1.0 - self.headroom) / np.maximum(1.0, np.asarray(factors, dtype=np.float64))
 
     def batch_factor(self, model: str) -> np.ndarray:
         """[block, n] for n = 0..max_batch: what a task costs in a batch of n, as a fraction of its batch-1

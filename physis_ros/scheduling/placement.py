@@ -141,7 +141,7 @@ class JointScheduler(Scheduler):
         out: list[tuple[int, int]] = []
         busy = _nz(ok & ~empty)
         if busy.size:
-            time_left = np.round(c.util_cap - util_after[busy], 9)
+            time_left = np.round(c.util_cap[busy] - util_after[busy], 9)
             shared = -(len(rank.block_list) * c.profiles[rank.model].block_weight_bytes - missing[busy])
             mem_left = (c.mem_cap[busy] - mem_after[busy]) / c.mem_cap[busy]
             out += [(int(d), q_full) for d in busy[np.lexsort((busy, mem_left, shared, time_left))]]
@@ -180,7 +180,8 @@ class JointScheduler(Scheduler):
         if total + EPS >= need:
             return None
         return (f"the stream needs {need:.2f} ms of device time per {seq.slo_ms:g} ms interval; all devices "
-                f"together have {total:.2f} ms left (each device capped at 1 - headroom = {c.util_cap:g})")
+                f"together have {total:.2f} ms left (each device capped at 1 - headroom = {1 - c.headroom:g}"
+                f"{_measured(c)})")
 
     def _fresh_lower_bound(self, seq: StageSeq) -> int:
         """Empty devices any placement must open (a bound, so the search may stop early)."""
@@ -190,7 +191,7 @@ class JointScheduler(Scheduler):
         if lds.split:
             # f empty devices hold at most f rank budgets; the other ranks (at most max_ranks - f) go
             # to the largest gaps: the least f with enough room is a lower bound.
-            gaps = np.clip((c.util_cap - c.util[~empty]) * seq.slo_ms - seq.profile.hop_ms, 0, seq.budget)
+            gaps = np.clip((c.util_cap[~empty] - c.util[~empty]) * seq.slo_ms - seq.profile.hop_ms, 0, seq.budget)
             gaps = np.sort(gaps[gaps >= lds.min_piece * seq.budget])[::-1]
             top = np.concatenate(([0.0], np.cumsum(gaps)))
             max_ranks = len(seq.fewest) + lds.max_extra_ranks
@@ -266,7 +267,7 @@ class JointScheduler(Scheduler):
         for r in ranks:
             need = r.alone_bytes(c.profiles[req.model])
             d = next((d for d in free if d not in chosen and need <= c.mem_cap[d]
-                      and r.work_ms / req.slo_ms <= c.util_cap + EPS), None)
+                      and r.work_ms / req.slo_ms <= c.util_cap[d] + EPS), None)
             if d is None:
                 return None
             chosen.append(d)
@@ -294,7 +295,7 @@ class JointScheduler(Scheduler):
                     return "time-capacity", (
                         f"rank {r.describe()} needs {r.work_ms / slo:.3f} of a device's time "
                         f"({r.work_ms:.2f} ms per {slo:g} ms interval); the most any device has left "
-                        f"is {max(most, 0.0):.3f} (cap {c.util_cap:g} = 1 - headroom)")
+                        f"is {max(most, 0.0):.3f} (cap {1 - c.headroom:g} = 1 - headroom{_measured(c)})")
                 short = float((mem_after - c.mem_cap)[time_ok].min())
                 return "memory", (
                     f"rank {r.describe()}: the {int(time_ok.sum())} devices with time left are short of "
@@ -338,3 +339,10 @@ class JointScheduler(Scheduler):
         self.cluster.add_stream(placed)
         return Decision(req, True, None, f"{method}: {len(ranks)} ranks on devices {devices}", placed,
                         (time.perf_counter() - t0) * 1e3, nodes, disc)
+
+
+def _measured(c: Cluster) -> str:
+    """Where devices were measured busier than their profiles: their caps, for a rejection's detail."""
+    nominal = 1.0 - c.headroom
+    lower = [f"d{d} {cap:.2f}" for d, cap in enumerate(c.util_cap) if cap < nominal - 1e-9]
+    return f"; measured busier than profiled, caps {', '.join(lower)}" if lower else ""

@@ -254,6 +254,8 @@ def test_diagnostics_report_streams_workers_and_engine(live):
     host = socket.gethostname()
     assert engine["_hardware_id"] == host
     assert diag_values(last, "worker w0")["_hardware_id"] == f"{host}:cpu"
+    # admission's measured load factor per worker (busy / booked, never below the profiles' 1.0)
+    assert all(float(diag_values(last, f"worker {w}")["admission_load_factor"]) >= 1.0 for w in ("w0", "w1"))
     assert set(r0["_hardware_id"].split(",")) <= {f"{host}:cpu"} and r0["_hardware_id"]
 
 

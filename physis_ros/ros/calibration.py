@@ -1,0 +1,74 @@
+"""How much busier each worker is than admission booked, measured from the worker's own compute counter.
+
+A cost profile is measured once (``physis-profile``, or when a model is first served); the host it runs
+on is not always the host it was measured on, and a shared machine drifts: on the 2-core dev VM the same
+tiny-wam chunk was profiled at 13-18 ms and served at 16-22 ms within one hour, and admission, trusting
+the profile, filled a worker to a measured 0.87 where it had booked 0.66. So admission also checks what
+it adds against the measured load: per worker, ``factor = measured busy / booked utilisation`` over the
+last ``window_s`` seconds in which its booking did not change (after ``settle_s`` for a newcomer's warm-up),
+and a placement must fit the worker's cap and the host's cores with each worker's booking scaled by its
+factor. The factor is never below 1 (the profile is the floor: measured compute leaves out the hops and
+per-call work the booking holds) and is kept across joins and leaves (it describes the machine, not
+the load) until a new window replaces it. Deterministic serving does not calibrate: its decisions must
+not depend on timing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+MAX_FACTOR = 3.0
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    window_s: float = 6.0      # measure over this long a stretch of unchanged booking
+    settle_s: float = 2.0      # ... that starts this long after the booking changed (a newcomer's warm-up)
+    min_booked: float = 0.05   # below this a worker's ratio is noise: keep the last factor
+
+
+class LoadCalibration:
+    """Per worker index: samples of (time, cumulative compute ms) since its booking last changed."""
+
+    def __init__(self, settings: CalibrationSettings = CalibrationSettings()):
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._samples: dict[int, deque[tuple[float, float]]] = {}
+        self._booked: dict[int, float] = {}
+        self._changed: dict[int, float] = {}
+        self._factor: dict[int, float] = {}
+
+    def observe(self, worker: int, t: float, compute_ms: float, booked: float) -> None:
+        """A reading of worker ``worker``'s cumulative compute counter at ``t`` (s) while admission books
+        ``booked`` of its time."""
+        s = self.settings
+        with self._lock:
+            samples = self._samples.setdefault(worker, deque())
+            restarted = samples and compute_ms < samples[-1][1]         # a restarted worker counts from 0
+            if restarted or abs(self._booked.get(worker, -1.0) - booked) > 1e-9:
+                samples.clear()
+                self._booked[worker], self._changed[worker] = booked, t
+            if t - self._changed[worker] < s.settle_s:
+                return
+            samples.append((t, compute_ms))
+            while len(samples) > 2 and t - samples[1][0] >= s.window_s:
+                samples.popleft()
+            (t0, c0), (t1, c1) = samples[0], samples[-1]
+            if t1 - t0 >= s.window_s and booked >= s.min_booked:
+                busy = (c1 - c0) / 1e3 / (t1 - t0)
+                self._factor[worker] = min(MAX_FACTOR, max(1.0, busy / booked))
+
+    def factor(self, worker: int) -> float:
+        with self._lock:
+            return self._factor.get(worker, 1.0)
+
+    def factors(self, workers: int) -> list[float]:
+        with self._lock:
+            return [self._factor.get(w, 1.0) for w in range(workers)]
+
+    def set_factors(self, factors: dict[int, float]) -> None:
+        """Take factors measured elsewhere (a benchmark replaying the server's decisions)."""
+        with self._lock:
+            self._factor.update({w: min(MAX_FACTOR, max(1.0, f)) for w, f in factors.items()})
