@@ -89,6 +89,8 @@ class Timeline:
     extra_delay: int = 0           # steps added to the measured inference delay (benchmarks)
     delay_window: int = 20         # chunks the delay estimate looks back over (older spikes are forgotten)
     delay_quantile: float = 90.0   # conservative: a high percentile of the window's delays
+    lead_s: float = 0.0            # after its emit, how soon a chunk's next row may be due to be sent (the
+                                   # node's trajectory_min_lead_s): counted in the delay
 
     @property
     def max_delay(self) -> int:
@@ -217,7 +219,7 @@ class StreamState:
         release falls between steps, and a delay from the release then hands a chunk over past its
         frozen rows)."""
         step0 = self.timeline_t0 + f.first_step / self.timeline.rate_hz
-        self.delays.append(emit - step0)
+        self.delays.append(emit + self.timeline.lead_s - step0)
         del self.delays[:-self.timeline.delay_window]
         return step0
 

@@ -89,6 +89,18 @@ def test_delay_is_counted_from_row_0_so_a_chunk_as_late_as_before_takes_over_at_
     assert k == 3 and k < nxt.delay_steps == 4                               # the robot switches at a frozen row
 
 
+def test_the_senders_lead_counts_in_the_delay():
+    """The node drops rows due within trajectory_min_lead_s of the clock read that places a chunk: that much
+    later is when the robot takes it over, so the delay the next chunk freezes rows for counts it."""
+    tl = Timeline(rate_hz=50.0, horizon=16, execution=8, handoff="hard", lead_s=0.004)
+    s = state(0.12, tl)
+    first, second = InFlight(10.0, 10.0, None, 1.0, 0.0), InFlight(10.12, 10.12, None, 1.0, 0.0)
+    s.place_on_timeline(first, 10.0)
+    s.timeline_done(first, 10.0 + 0.038)        # 1.9 steps after row 0; with the lead 2.1
+    s.place_on_timeline(second, 10.12)
+    assert second.delay_steps == 4              # ceil(2.1) + the switch row (1.9 alone: 3)
+
+
 def test_no_handoff_spec_without_a_mode_but_still_on_the_timeline():
     s = state(0.1, Timeline(50.0, 16, 8))
     f = InFlight(5.0, 5.0, None, 1.0, 0.0)
