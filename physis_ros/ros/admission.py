@@ -138,6 +138,11 @@ class ServerAdmission:
     def utilisation(self) -> list[float]:
         return [round(float(u), 4) for u in self.cluster.util]
 
+    def observe_load(self, worker: int, t: float, compute_ms: float) -> None:
+        """Worker ``worker``'s cumulative compute counter read at ``t`` (s), for the load calibration."""
+        if self.calibration is not None and 0 <= worker < self.cluster.n:
+            self.calibration.observe(worker, t, compute_ms, float(self.cluster.util[worker]))
+
     def load_factors(self) -> list[float]:
         """Per worker: measured busy / booked (1.0: as profiled, or not measured yet)."""
         return [1.0] * self.cluster.n if self.calibration is None else self.calibration.factors(self.cluster.n)

@@ -44,27 +44,24 @@ def engine_snapshot(node: PhysisServer) -> dict[str, Any]:
             "resets": {name: dict(s.resets) for name, s in h.streams.items()}}
 
 
-def calibrate(node: PhysisServer, snap: dict[str, Any], mono: float) -> None:
-    """Feed admission's load calibration each worker's compute counter beside what it books there."""
-    adm = node.hub.admission
-    if adm.calibration is None:
-        return
-    for wname, w in snap["workers"].items():
-        index = int(wname[1:]) if wname[1:].isdigit() else -1
-        if w["state"] == "up" and 0 <= index < adm.cluster.n and "compute_ms" in w["stats"]:
-            adm.calibration.observe(index, mono, float(w["stats"]["compute_ms"]), float(adm.cluster.util[index]))
+def _index(worker: str) -> int:
+    """w3 -> 3 (the worker's device index in admission); -1 for any other name."""
+    return int(worker[1:]) if worker[1:].isdigit() else -1
 
 
 def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
     cfg, ecfg = node.config, node.config.engine
     snap = engine_snapshot(node)
     mono = time.monotonic()
-    calibrate(node, snap, mono)
-    factors = node.hub.admission.load_factors()
+    admission = node.hub.admission
+    for wname, w in snap["workers"].items():    # admission's load calibration: each worker's compute counter
+        if w["state"] == "up" and "compute_ms" in w["stats"]:
+            admission.observe_load(_index(wname), mono, float(w["stats"]["compute_ms"]))
+    factors = admission.load_factors()
     worker_hw, down, out = {}, [], []
     for wname, w in snap["workers"].items():
-        if wname[1:].isdigit() and int(wname[1:]) < len(factors):
-            w["stats"]["admission_load_factor"] = round(factors[int(wname[1:])], 3)
+        if 0 <= _index(wname) < len(factors):
+            w["stats"]["admission_load_factor"] = round(factors[_index(wname)], 3)
         worker_hw[wname] = diag.hardware_id(w["host"] or node.hostname, str(w["device"]))
         stale = w["state"] == "up" and w["last_seen"] and mono - w["last_seen"] > ecfg.heartbeat_timeout_s
         if not w["alive"] or stale:

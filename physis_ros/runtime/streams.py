@@ -89,8 +89,8 @@ class Timeline:
     extra_delay: int = 0           # steps added to the measured inference delay (benchmarks)
     delay_window: int = 20         # chunks the delay estimate looks back over (older spikes are forgotten)
     delay_quantile: float = 90.0   # conservative: a high percentile of the window's delays
-    lead_s: float = 0.0            # after its emit, how soon a chunk's next row may be due to be sent (the
-                                   # node's trajectory_min_lead_s): counted in the delay
+    lead_s: float = 0.0            # rows due sooner than this after a chunk's emit are not sent (the node's
+                                   # trajectory_min_lead_s): the delay counts it
 
     @property
     def max_delay(self) -> int:
