@@ -57,8 +57,10 @@ class Mirror:
 
     def follow(self, factors: dict[int, float]) -> None:
         """The server's measured load factors (its /diagnostics), so the replay checks what the server did."""
-        if self.admission.calibration is not None:
-            self.admission.calibration.set_factors(factors)
+        self.admission.follow(factors)
+
+    def load_factors(self) -> list[float]:
+        return self.admission.load_factors()
 
     def utilisation(self) -> list[float]:
         return self.admission.utilisation()

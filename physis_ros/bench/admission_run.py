@@ -162,7 +162,7 @@ class Run:
             if ok:  # the replay would have admitted it: keep it in step with the server
                 self.mirror.remove(name)
         ev["predicted_utilisation"] = self.mirror.utilisation()
-        ev["load_factors"] = self.mirror.admission.load_factors()
+        ev["load_factors"] = self.mirror.load_factors()
         ev["list_streams"] = self.list_streams()
         self.events.append(ev)
         if ev.get("reason") == "not-serving":   # the server cannot serve anyone: nothing to measure

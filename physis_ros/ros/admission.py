@@ -143,9 +143,17 @@ class ServerAdmission:
         if self.calibration is not None and 0 <= worker < self.cluster.n:
             self.calibration.observe(worker, t, compute_ms, float(self.cluster.util[worker]))
 
+    def load_factor(self, worker: int) -> float:
+        """Worker ``worker``'s measured busy / booked (1.0: as profiled, or not measured yet)."""
+        return 1.0 if self.calibration is None else self.calibration.factor(worker)
+
     def load_factors(self) -> list[float]:
-        """Per worker: measured busy / booked (1.0: as profiled, or not measured yet)."""
-        return [1.0] * self.cluster.n if self.calibration is None else self.calibration.factors(self.cluster.n)
+        return [self.load_factor(w) for w in range(self.cluster.n)]
+
+    def follow(self, factors: dict[int, float]) -> None:
+        """Take load factors measured elsewhere (a benchmark replaying a server's decisions)."""
+        if self.calibration is not None:
+            self.calibration.set_factors(factors)
 
 
 def worker_headroom(headroom: float, device: str, workers: int, reserve_cores: float, cores: int | None) -> float:

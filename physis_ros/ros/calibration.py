@@ -64,10 +64,6 @@ class LoadCalibration:
         with self._lock:
             return self._factor.get(worker, 1.0)
 
-    def factors(self, workers: int) -> list[float]:
-        with self._lock:
-            return [self._factor.get(w, 1.0) for w in range(workers)]
-
     def set_factors(self, factors: dict[int, float]) -> None:
         """Take factors measured elsewhere (a benchmark replaying the server's decisions)."""
         with self._lock:

@@ -54,14 +54,13 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
     snap = engine_snapshot(node)
     mono = time.monotonic()
     admission = node.hub.admission
-    for wname, w in snap["workers"].items():    # admission's load calibration: each worker's compute counter
-        if w["state"] == "up" and "compute_ms" in w["stats"]:
-            admission.observe_load(_index(wname), mono, float(w["stats"]["compute_ms"]))
-    factors = admission.load_factors()
     worker_hw, down, out = {}, [], []
     for wname, w in snap["workers"].items():
-        if 0 <= _index(wname) < len(factors):
-            w["stats"]["admission_load_factor"] = round(factors[_index(wname)], 3)
+        index = _index(wname)
+        if index >= 0:   # admission's load calibration: the worker's compute counter in, its factor out
+            if w["state"] == "up" and "compute_ms" in w["stats"]:
+                admission.observe_load(index, mono, float(w["stats"]["compute_ms"]))
+            w["stats"]["admission_load_factor"] = round(admission.load_factor(index), 3)
         worker_hw[wname] = diag.hardware_id(w["host"] or node.hostname, str(w["device"]))
         stale = w["state"] == "up" and w["last_seen"] and mono - w["last_seen"] > ecfg.heartbeat_timeout_s
         if not w["alive"] or stale:

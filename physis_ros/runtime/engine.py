@@ -312,10 +312,7 @@ class Engine:
             bound = bound_s + (0.0 if s.epoch_started else self.config.warmup_grace_s)
             enqueue = self.clock()
             f = InFlight(obs.stamp, enqueue, obs.tag, bound, time.monotonic() + bound)
-            # On the timeline a paced chunk starts at its scheduled release (whole steps after the one before),
-            # not when the loop got to it: a release a few ms late shifts none of its rows.
-            release = enqueue if due is None else enqueue - max(0.0, time.monotonic() - s.release_due[c])
-            handoff = s.place_on_timeline(f, release)
+            handoff = s.place_on_timeline(f, s.scheduled(c, enqueue))
             s.inflight[c] = f
             order = time.perf_counter()
             task = p.Task(stream=s.name, chunk=c, stage=s.plan.first_stage, epoch=s.epoch, seed=self.config.seed,

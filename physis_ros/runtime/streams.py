@@ -190,6 +190,14 @@ class StreamState:
             return slo_s
         return min(slo_s, self.last_emit + slo_s - now)
 
+    def scheduled(self, chunk: int, now: float) -> float:
+        """When chunk ``chunk``, released at ``now`` (engine clock), was due on its stream's pace: on the
+        timeline a paced chunk starts at its slot (whole steps after the one before), not when the loop got
+        to it, so a release a few ms late shifts none of its rows. ``now`` for an unpaced stream, or a
+        release so late it left the schedule (:meth:`released`)."""
+        due = self.release_due.get(chunk)
+        return now if due is None else now - max(0.0, time.monotonic() - due)
+
     def place_on_timeline(self, f: InFlight, release: float) -> p.HandoffSpec | None:
         """Place a chunk released now on the control timeline (its first step, the shift since the last
         one, the delay the hand-off assumes: a high percentile of the recent delays, in steps, plus any
