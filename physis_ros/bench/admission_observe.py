@@ -37,11 +37,11 @@ class Mirror:
 
         return self.served[load_model_config(ref).name]
 
-    def admit(self, name: str, model: str, pace_ms: float) -> tuple[bool, str, dict | None]:
+    def admit(self, name: str, model: str, pace_ms: float, slo_ms: float) -> tuple[bool, str, dict | None]:
         from physis_ros.ros.admission import Rejected
 
         try:
-            a = self.admission.admit(name, self.model(model), pace_ms)
+            a = self.admission.admit(name, self.model(model), pace_ms, slo_ms)
         except Rejected as exc:
             return False, exc.reason, None
         compute, hop = defaultdict(float), defaultdict(float)

@@ -146,7 +146,7 @@ class Run:
               "stream": name, "model": model, "slo_ms": slo, "pace_ms": round(pace, 3),
               "decision_s": round(decision_s, 3)}
         self.mirror.follow(self.rec.load_factors())
-        ok, reason, placement = self.mirror.admit(name, model, pace)
+        ok, reason, placement = self.mirror.admit(name, model, pace, slo)
         if "workers" in fb:
             self.goals[name] = {"handle": handle, "result": result}
             self.meta[name] = {"model": model, "slo_ms": slo, "pace_ms": pace, "placement": placement}

@@ -96,15 +96,20 @@ class ServerAdmission:
     """The joint scheduler over this server's workers (one device each)."""
 
     def __init__(self, workers: int, device: DeviceSpec, config: SchedulingConfig, max_batch: int = 1,
-                 host: HostBudget | None = None, calibration: LoadCalibration | None = None):
-        self.cluster = Cluster([device] * workers, config.headroom, {}, max_batch=max_batch)
+                 host: HostBudget | None = None, calibration: LoadCalibration | None = None,
+                 deadline_order: bool = False):
+        self.cluster = Cluster([device] * workers, config.headroom, {}, max_batch=max_batch,
+                               deadline_order=deadline_order)
         self.scheduler = JointScheduler(self.cluster, config)
         self.admitted: dict[str, Admitted] = {}
         self.host = host
         self.calibration = calibration   # measured load per worker (None: trust the profiles alone)
 
-    def admit(self, stream: str, model: ServedModel, slo_ms: float) -> Admitted:
-        """Place ``stream`` (or raise :class:`Rejected` naming why); nothing running moves."""
+    def admit(self, stream: str, model: ServedModel, pace_ms: float, slo_ms: float | None = None) -> Admitted:
+        """Place ``stream``, released every ``pace_ms`` (its booked interval), or raise :class:`Rejected`
+        naming why; nothing running moves. With ``slo_ms`` (its published-interval SLO) its chunks'
+        latency may vary by ``slo_ms - pace_ms``, and no placement may make that or any other budgeted
+        stream's worst-case jitter exceed its budget."""
         if stream in self.admitted:
             raise Rejected("name-in-use", f"stream '{stream}' is already served")
         if model.profile is None:
@@ -115,7 +120,8 @@ class ServerAdmission:
         # A worker measured busier than its profiles say takes that much less booking (Best-Fit sees it).
         factors = np.array(self.load_factors())
         self.cluster.set_load_factors(factors)
-        decision = self.scheduler.admit(StreamRequest(stream, model.id, slo_ms))
+        budget = None if slo_ms is None else max(0.0, slo_ms - pace_ms)
+        decision = self.scheduler.admit(StreamRequest(stream, model.id, pace_ms, jitter_budget_ms=budget))
         if not decision.admitted:
             raise Rejected(decision.reason, decision.detail)
         if self.host is not None:
@@ -181,5 +187,6 @@ def server_admission(cfg: ServeConfig, cores: int | None = None) -> tuple[Server
                           cfg.admission.host_cores_per_stream, cfg.admission.headroom)
     # Deterministic serving (bag checks) decides from the profiles alone: its decisions must not depend on timing.
     calibration = None if cfg.deterministic or not cfg.admission.calibrate else LoadCalibration()
-    return ServerAdmission(cfg.engine.workers, load_device(device), scheduling, max_batch, host, calibration), device
+    return ServerAdmission(cfg.engine.workers, load_device(device), scheduling, max_batch, host, calibration,
+                           deadline_order=cfg.engine.policy == "edf"), device
 

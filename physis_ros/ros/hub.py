@@ -84,7 +84,7 @@ class StreamHub:
             slo = slo_interval_ms(stream, served.config)
             pace = release_pace_ms(slo, node.config.admission.pace_margin, stream.control_rate_hz,
                                    stream.cadence == "timeline")    # what runs is what is admitted
-            admitted = self.admission.admit(name, served, pace)
+            admitted = self.admission.admit(name, served, pace, slo)
             try:
                 st = RosStream(node, name, stream, served, origin, admitted.workers)
                 node.streams[name] = st

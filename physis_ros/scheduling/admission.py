@@ -26,6 +26,7 @@ class StreamRequest:
     model: str
     slo_ms: float                        # output interval
     latency_slo_ms: float | None = None  # response latency (optional)
+    jitter_budget_ms: float | None = None  # how much its chunk latency may vary (interval SLO - release pace)
 
 
 @dataclass
@@ -56,6 +57,8 @@ REASONS = {
     "latency-unreachable": "compute plus hops exceed the response-latency SLO, even alone",
     "time-capacity": "no device has enough time capacity left for a rank",
     "memory": "the devices with time capacity left lack memory for a rank",
+    "latency-jitter": "the chunks that would share a device could delay some stream's chunk by more than its "
+                      "interval SLO leaves over the interval it is released at",
     "no-group": "every equal-split group is taken",
 }
 
@@ -88,6 +91,8 @@ class Scheduler:
                            f"(have: {', '.join(sorted(self.cluster.profiles))})")
         if req.slo_ms <= 0:
             raise ValueError(f"SLO of stream '{req.stream}' must be > 0 ms, got {req.slo_ms}")
+        if req.jitter_budget_ms is not None and req.jitter_budget_ms < 0:
+            raise ValueError(f"jitter budget of stream '{req.stream}' must be >= 0 ms, got {req.jitter_budget_ms}")
 
     def remove(self, stream: str) -> PlacedStream:
         return self.cluster.remove_stream(stream)

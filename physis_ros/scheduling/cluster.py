@@ -22,6 +22,19 @@ block b of model M placed on a device loads the block, later ones (other
 steps of the same stream, or other streams) share it, and the weights leave
 when the last stage using them does. Every placed stage holds its own KV slot.
 
+Latency jitter. A stream released every ``pace`` ms meets an interval SLO of ``slo`` ms only if
+its chunks' latencies vary by at most ``slo - pace`` (its jitter budget), and what varies them is
+the other chunks a device runs at the same time. A chunk of stream ``i`` on device ``w`` is
+fastest alone (its batch-1 work there) and slowest when it lands in one busy period with a chunk
+of every stream that runs with or ahead of it there, batches charged at the batch-cost curve: the
+difference, times the device's measured load factor, summed over ``i``'s devices, is its
+worst-case jitter (:meth:`Cluster.jitter_ms`). Which streams run ahead depends on the workers'
+dispatch: ``oldest`` finishes a chunk it started before a newer one, so every co-located
+stream counts; ``edf`` (``deadline_order``) runs the earliest deadline first, so only streams with
+a budget no larger than ``i``'s count in full, and each later one delays ``i`` by at most the one
+stage task one of them may be running (tasks are not preempted). Streams without a budget (the simulator's)
+are not checked and count in full.
+
 State lives in numpy arrays so that scoring all devices for one rank is a few
 vector operations, which keeps a placement decision fast at 1024 devices.
 """
@@ -47,6 +60,7 @@ class PlacedStream:
     devices: list[int]                    # device of each rank
     method: str = ""                      # how it was placed: best-fit, lds, equal-fallback, equal
     latency_slo_ms: float | None = None
+    jitter_budget_ms: float | None = None  # how much its chunks' latency may vary (None: not checked)
 
     def work_by_device(self) -> dict[int, float]:
         out: dict[int, float] = {}
@@ -83,7 +97,7 @@ class Cluster:
     """Devices and the streams placed on them. Placement policy lives elsewhere."""
 
     def __init__(self, specs: Sequence[DeviceSpec], headroom: float, profiles: dict[str, CostProfile],
-                 max_batch: int = 1):
+                 max_batch: int = 1, deadline_order: bool = False):
         if not specs:
             raise ValueError("a cluster needs at least one device")
         self.specs = list(specs)
@@ -92,6 +106,8 @@ class Cluster:
         # Per device: the utilisation (in its profiles' terms) it may be booked to: 1 - headroom, less where
         # the device was measured running busier than its profiles say (set_load_factors).
         self.util_cap = np.full(self.n, 1.0 - headroom)
+        self.load = np.ones(self.n)             # per device: measured busy / booked (set_load_factors)
+        self.deadline_order = deadline_order    # the devices dispatch earliest deadline first (edf)
         self.profiles = profiles
         self.mem_cap = np.array([s.usable_bytes for s in self.specs], dtype=np.float64)
         self.util = np.zeros(self.n)
@@ -119,7 +135,8 @@ class Cluster:
     def set_load_factors(self, factors: Sequence[float]) -> None:
         """Each device's measured load over its booking (>= 1): its cap shrinks by that factor, so what it is
         booked to costs at most 1 - headroom of its time as it runs now."""
-        self.util_cap = (1.0 - self.headroom) / np.maximum(1.0, np.asarray(factors, dtype=np.float64))
+        self.load = np.maximum(1.0, np.asarray(factors, dtype=np.float64))
+        self.util_cap = (1.0 - self.headroom) / self.load
 
     def batch_factor(self, model: str) -> np.ndarray:
         """[block, n] for n = 0..max_batch: what a task costs in a batch of n, as a fraction of its batch-1
@@ -170,6 +187,71 @@ class Cluster:
         for model, refs in self.refs.items():
             out += (refs > 0).sum(axis=0) * float(self.profiles[model].block_weight_bytes)
         return out
+
+    # -------------------------------------------------------------- latency jitter
+
+    def _task_share(self, model: str) -> np.ndarray:
+        """[block, device]: what one task of the block costs there, as a fraction of its batch-1 cost, with
+        the streams holding the block there batched (the per-task cost :meth:`_block_util` charges)."""
+        hosts = self.hosts[model]
+        if self.max_batch == 1:
+            return np.ones(hosts.shape)
+        f = self.batch_factor(model)
+        full, rest = np.divmod(hosts, self.max_batch)
+        rows = np.arange(hosts.shape[0])[:, None]
+        return (full * self.max_batch * f[rows, self.max_batch] + rest * f[rows, rest]) / np.maximum(hosts, 1)
+
+    def _chunk_ms(self, placed: PlacedStream, device: int) -> tuple[float, float, float]:
+        """One chunk of ``placed`` on ``device``: (its work there batched as the device now batches, its
+        batch-1 work there, its longest stage task there), in ms."""
+        share = self._task_share(placed.model)
+        batched = alone = stage = 0.0
+        for r, d in zip(placed.ranks, placed.devices):
+            if d == device:
+                batched += float((share[r.block_index, d] * r.work_array).sum()) + r.hop_ms
+                alone += r.work_ms
+                stage = max(stage, r.compute_ms / len(r.stages))
+        return batched, alone, stage
+
+    def _delays(self, i: PlacedStream, q: PlacedStream) -> bool:
+        """Whether a chunk of ``q`` running beside one of ``i`` may delay it by all of its work."""
+        if not self.deadline_order or q.jitter_budget_ms is None or i.jitter_budget_ms is None:
+            return True
+        return q.jitter_budget_ms <= i.jitter_budget_ms + 1e-9
+
+    def jitter_ms(self, placed: PlacedStream, also: Sequence[PlacedStream] = ()) -> float:
+        """Worst-case variation of ``placed``'s chunk latency (ms): on each of its devices, the busy period
+        of one chunk of every stream that may run with or ahead of it there (``also``: streams placed
+        but not yet added, a search's candidate), less its own chunk alone, times the device's load."""
+        total = 0.0
+        for w in set(placed.devices):
+            batched, alone, _ = self._chunk_ms(placed, w)
+            busy, blocking = batched - alone, 0.0
+            for q in (*self.streams.values(), *also):
+                if q is placed or q.stream == placed.stream or w not in q.devices:
+                    continue
+                q_batched, _, q_stage = self._chunk_ms(q, w)
+                if self._delays(placed, q):
+                    busy += q_batched
+                else:                      # one later-deadline task may be running: no preemption
+                    blocking = max(blocking, q_stage)
+            total += self.load[w] * max(0.0, busy + blocking)
+        return total
+
+    def jitter_breaches(self, new: PlacedStream) -> list[tuple[str, float, float]]:
+        """(stream, worst-case jitter ms, budget ms) for every stream whose budget ``new`` (placed, its
+        ranks applied, not added) would break: itself and the budgeted streams sharing a device with it."""
+        out = []
+        for s in (new, *(q for q in self.streams.values() if set(q.devices) & set(new.devices))):
+            if s.jitter_budget_ms is not None:
+                j = self.jitter_ms(s, () if s is new else (new,))
+                if j > s.jitter_budget_ms + 1e-9:
+                    out.append((s.stream, j, s.jitter_budget_ms))
+        return out
+
+    def checks_jitter(self, budget_ms: float | None) -> bool:
+        """Whether placing a stream with this budget needs the jitter check (someone has a budget)."""
+        return budget_ms is not None or any(q.jitter_budget_ms is not None for q in self.streams.values())
 
     # -------------------------------------------------------------- mutation (with undo for the search)
 

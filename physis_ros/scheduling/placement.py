@@ -60,6 +60,7 @@ class JointScheduler(Scheduler):
     def __init__(self, cluster: Cluster, config: SchedulingConfig):
         super().__init__(cluster, config)
         self._seqs: dict[tuple[str, float], StageSeq] = {}
+        self._jitter_miss: tuple[str, float, float] | None = None   # (stream, jitter, budget) of this decision
         self._equal: dict[tuple[str, float], list[VirtualRank]] = {}
 
     def seq(self, model: str, slo_ms: float) -> StageSeq:
@@ -205,12 +206,24 @@ class JointScheduler(Scheduler):
 
     # ------------------------------------------------------------------ search
 
-    def _lds(self, seq: StageSeq, latency_slo_ms: float | None
-             ) -> tuple[list[tuple[int, int, int]] | None, int, int]:
+    def _jitter_holds(self, seq: StageSeq, req: StreamRequest, path: list[tuple[int, int, int]]) -> bool:
+        """Whether the complete placement ``path`` (its ranks applied) keeps every stream's latency jitter
+        within its budget; the worst breach is kept for the rejection's detail."""
+        new = PlacedStream(req.stream, req.model, req.slo_ms, [seq.rank(p, q) for _, p, q in path],
+                           [d for d, _, _ in path], jitter_budget_ms=req.jitter_budget_ms)
+        breaches = self.cluster.jitter_breaches(new)
+        for b in breaches:
+            if self._jitter_miss is None or b[1] - b[2] < self._jitter_miss[1] - self._jitter_miss[2]:
+                self._jitter_miss = b   # the closest miss: what the rejection names
+        return not breaches
+
+    def _lds(self, seq: StageSeq, req: StreamRequest) -> tuple[list[tuple[int, int, int]] | None, int, int]:
         """Best placement found by LDS: ([(device, start, end)] or None, discrepancies, nodes)."""
         lds = self.config.lds
         c = self.cluster
         slo = seq.slo_ms
+        latency_slo_ms = req.latency_slo_ms
+        jitter = c.checks_jitter(req.jitter_budget_ms)
         empty0 = c.empty()
         max_ranks = len(seq.fewest) + (lds.max_extra_ranks if lds.split else 0)
         max_fresh = len(seq.fewest)      # never open more devices than the equal split's group
@@ -228,6 +241,8 @@ class JointScheduler(Scheduler):
                 fresh = len({d for d, _, _ in path if empty0[d]})
                 latency = seq.cum[-1] + len(path) * seq.profile.hop_ms
                 if fresh > max_fresh or (latency_slo_ms is not None and latency > latency_slo_ms + EPS):
+                    return False
+                if jitter and not self._jitter_holds(seq, req, path):
                     return False
                 score = (fresh, len(path))
                 if best[0] is None or score < best[2]:
@@ -300,6 +315,12 @@ class JointScheduler(Scheduler):
                 return "memory", (
                     f"rank {r.describe()}: the {int(time_ok.sum())} devices with time left are short of "
                     f"memory by at least {short / 1e9:.2f} GB (weights not yet loaded + KV + buffers)")
+            if self._jitter_miss is not None:
+                stream, j, budget = self._jitter_miss
+                return "latency-jitter", (
+                    f"every placement found would let stream '{stream}''s chunk latency vary by up to {j:.1f} ms "
+                    f"(the chunks sharing its devices, at their measured load), beyond the {budget:.1f} ms its "
+                    f"interval SLO leaves over its release interval")
             return "time-capacity", (f"no placement within the search budget opens at most "
                                      f"{len(seq.fewest)} empty devices (the equal split's group)")
         finally:
@@ -323,7 +344,8 @@ class JointScheduler(Scheduler):
         short = self._time_shortfall(seq)
         if short is not None:
             return self._reject(req, "time-capacity", short, t0)
-        pieces, disc, nodes = self._lds(seq, req.latency_slo_ms)
+        self._jitter_miss = None
+        pieces, disc, nodes = self._lds(seq, req)
         if pieces is not None:
             ranks = [make_rank(seq.profile, i, seq.order[p:q]) for i, (_, p, q) in enumerate(pieces)]
             devices = [d for d, _, _ in pieces]
@@ -334,7 +356,8 @@ class JointScheduler(Scheduler):
                 reason, detail = self._diagnose(seq)
                 return self._reject(req, reason, detail, t0, nodes)
             ranks, method = self._equal[(req.model, req.slo_ms)], "equal-fallback"
-        placed = PlacedStream(req.stream, req.model, req.slo_ms, list(ranks), devices, method, req.latency_slo_ms)
+        placed = PlacedStream(req.stream, req.model, req.slo_ms, list(ranks), devices, method, req.latency_slo_ms,
+                              req.jitter_budget_ms)
         assert placed.interval_alone_ms <= seq.budget + 1e-6, (placed.interval_alone_ms, seq.budget)
         self.cluster.add_stream(placed)
         return Decision(req, True, None, f"{method}: {len(ranks)} ranks on devices {devices}", placed,

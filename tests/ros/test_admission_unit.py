@@ -208,6 +208,37 @@ def test_models_of_different_ids_do_not_share_weights_in_the_books():
     assert adm.cluster.mem[0] == pytest.approx(2 * 8 * 0.5 * GB)
 
 
+def test_a_world_model_whose_chunks_would_delay_a_policys_is_placed_on_another_worker():
+    """Bug found by physis-bench admission: Best-Fit put tiny-acwm on the worker running the tiny-wam robots;
+    its chunks (which never batch with theirs) delayed theirs past the 20 ms their 100 ms SLO leaves over
+    their 80 ms release pace, and their p99 interval broke the SLO. Admitted with its SLO, a stream carries
+    that budget, and no placement may let the chunks it shares a worker with exceed it."""
+    acwm = make_profile("tiny-acwm", steps=ACWM.steps, blocks=ACWM.blocks, stage_ms=25.0 / 32)   # 25 ms chunks
+    wam = served(wam_profile(stage_ms=0.5))                                                   # 16 ms chunks
+    adm = ServerAdmission(2, make_device(), make_config(0.0))
+    adm.admit("r0", wam, 80.0, 100.0)
+    assert adm.admitted["r0"].placed.jitter_budget_ms == pytest.approx(20.0)
+    assert adm.admit("wm", served(acwm, ACWM), 200.0, 300.0).workers == ["w1"]   # not beside r0 (25 > 20 ms)
+    with pytest.raises(Rejected) as exc:                        # r0 or wm would wait for a 16 ms chunk: r1 is
+        adm.admit("r1", wam, 80.0, 95.0)                        # refused for its own 15 ms budget
+    assert exc.value.reason == "latency-jitter" and "'r1'" in exc.value.detail
+    assert set(adm.admitted) == {"r0", "wm"}
+    assert adm.admit("r1", wam, 80.0, 100.0).workers == ["w0"]  # 16 <= 20 ms beside r0
+    # without an SLO (the old call) no budget is checked: Best-Fit packs the world model beside the robots
+    packed = ServerAdmission(2, make_device(), make_config(0.0))
+    packed.admit("r0", wam, 80.0)
+    assert packed.admit("wm", served(acwm, ACWM), 200.0).workers == ["w0"]
+
+
+def test_the_engines_dispatch_policy_decides_whose_chunks_count_as_delay():
+    from physis_ros.ros.admission import server_admission
+    from physis_ros.ros.config import serve_config
+
+    for policy, deadline_order in (("oldest", False), ("edf", True)):
+        cfg = serve_config({"engine": {"workers": 2, "policy": policy}})
+        assert server_admission(cfg, cores=2)[0].cluster.deadline_order is deadline_order
+
+
 # ---- the hub's checks (what no placement can fix) -------------------------------------------------------
 def hub_with(streams: dict[str, str] | None = None, **engine):
     """A StreamHub over a stand-in node whose ``streams`` are {name: namespace}."""

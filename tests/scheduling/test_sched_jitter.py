@@ -1,0 +1,113 @@
+"""Latency-jitter admission: a stream released every ``pace`` ms keeps an interval SLO of ``slo`` ms only
+if the chunks sharing its devices cannot delay its chunk by more than ``slo - pace``
+(:meth:`Cluster.jitter_ms`), with the workers' dispatch order (``oldest`` or ``edf``) deciding which do."""
+
+import dataclasses
+
+import pytest
+
+from physis_ros.scheduling.admission import REASONS, StreamRequest
+from physis_ros.scheduling.cluster import Cluster
+from physis_ros.scheduling.placement import JointScheduler
+
+from sched_helpers import make_config, make_device, make_profile
+
+# policy "p": one chunk of 4 stages of 2.5 ms = 10 ms; world model "w": 4 stages of 4 ms = 16 ms
+POLICY = make_profile("p", blocks=4, stage_ms=2.5)
+WORLD = make_profile("w", blocks=4, stage_ms=4.0)
+
+
+def scheduler(devices: int = 2, deadline_order: bool = False, max_batch: int = 1, profiles=None) -> JointScheduler:
+    cluster = Cluster([make_device()] * devices, 0.1, profiles or {"p": POLICY, "w": WORLD}, max_batch=max_batch,
+                      deadline_order=deadline_order)
+    return JointScheduler(cluster, dataclasses.replace(make_config(0.1), equal_fallback=False))
+
+
+def robot(name: str, budget: float | None = 12.0) -> StreamRequest:
+    return StreamRequest(name, "p", slo_ms=80.0, jitter_budget_ms=budget)      # released every 80 ms, SLO 92
+
+
+def world(name: str = "wm", budget: float | None = 60.0) -> StreamRequest:
+    return StreamRequest(name, "w", slo_ms=200.0, jitter_budget_ms=budget)
+
+
+def test_without_budgets_best_fit_packs_a_world_model_beside_a_policy():
+    sched = scheduler()
+    assert sched.admit(robot("r0", None)).placed.devices == [0]
+    assert sched.admit(world(budget=None)).placed.devices == [0]    # the busy device first: Best-Fit
+
+
+def test_oldest_first_a_world_models_chunk_would_delay_the_policys_so_it_goes_elsewhere():
+    sched = scheduler()
+    sched.admit(robot("r0"))
+    d = sched.admit(world())
+    assert d.admitted and d.placed.devices == [1]       # on device 0 it could delay r0's chunk 16 ms > 12
+    c = sched.cluster
+    assert c.jitter_ms(c.streams["r0"]) == 0.0 and c.jitter_ms(c.streams["wm"]) == 0.0
+    # a second robot beside r0 delays it by one chunk (10 ms <= 12): Best-Fit packs it there
+    assert sched.admit(robot("r1")).placed.devices == [0]
+    assert c.jitter_ms(c.streams["r0"]) == pytest.approx(10.0) and c.jitter_ms(c.streams["r1"]) == pytest.approx(10.0)
+
+
+def test_a_rejection_for_jitter_names_the_stream_and_disturbs_nothing():
+    sched = scheduler(devices=1)
+    sched.admit(robot("r0"))
+    before = (sched.cluster.util.copy(), sched.cluster.mem.copy(), dict(sched.cluster.streams))
+    d = sched.admit(world())
+    assert (d.admitted, d.reason) == (False, "latency-jitter") and "latency-jitter" in REASONS
+    assert "'r0'" in d.detail and "16.0 ms" in d.detail and "12.0 ms" in d.detail
+    assert (sched.cluster.util == before[0]).all() and (sched.cluster.mem == before[1]).all()
+    assert sched.cluster.streams == before[2]
+    # a newcomer's own budget counts too: a robot that tolerates no jitter cannot join r0's device
+    d = sched.admit(robot("strict", budget=5.0))
+    assert (d.admitted, d.reason) == (False, "latency-jitter") and "'strict'" in d.detail
+
+
+def test_earliest_deadline_first_a_looser_stream_delays_a_tighter_one_by_one_stage_only():
+    sched = scheduler(devices=1, deadline_order=True)
+    sched.admit(robot("r0"))
+    d = sched.admit(world())                 # edf: r0's chunks run ahead of wm's; wm's task in hand: 4 ms
+    assert d.admitted and d.placed.devices == [0]
+    c = sched.cluster
+    assert c.jitter_ms(c.streams["r0"]) == pytest.approx(4.0)
+    assert c.jitter_ms(c.streams["wm"]) == pytest.approx(10.0)   # r0's chunks (tighter) all run ahead of it
+    # a looser world model that tolerates less than a robot chunk and a task of wm is refused, for itself
+    d = sched.admit(world("wm-strict", budget=13.0))
+    assert d.reason == "latency-jitter" and "'wm-strict'" in d.detail and "14.0 ms" in d.detail
+    # one tighter than r0 would run ahead of it: r0 then waits for its whole chunk and one task of wm
+    d = sched.admit(world("wm-urgent", budget=11.0))
+    assert d.reason == "latency-jitter" and "'r0'" in d.detail and "20.0 ms" in d.detail
+    # two looser streams block r0 by one task at most, not one each
+    sched.admit(world("wm2"))
+    assert c.jitter_ms(c.streams["r0"]) == pytest.approx(4.0)
+
+
+def test_the_measured_load_factor_scales_the_delay():
+    sched = scheduler(devices=1)
+    sched.admit(robot("r0"))
+    sched.cluster.set_load_factors([1.3])            # device measured 30 % busier than booked: 13 ms > 12
+    d = sched.admit(robot("r1"))
+    assert d.reason == "latency-jitter" and "13.0 ms" in d.detail
+    sched.cluster.set_load_factors([1.1])            # 11 ms <= 12
+    assert sched.admit(robot("r1")).admitted
+
+
+def test_batched_streams_delay_each_other_by_the_batch_curve():
+    # a forward of n tasks costs 2.5, 3.5, 4.5 ms at n = 1, 2, 3: three batched robots' chunk takes 18 ms
+    curve = make_profile("p", blocks=4, stage_ms=2.5)
+    curve = dataclasses.replace(curve, stage_ms={s: {1: 2.5, 2: 3.5, 3: 4.5} for s in curve.stage_ms})
+    sched = scheduler(devices=1, max_batch=3, profiles={"p": curve})
+    for name in ("r0", "r1"):
+        sched.admit(robot(name))
+    c = sched.cluster
+    assert c.jitter_ms(c.streams["r0"]) == pytest.approx(14.0 - 10.0)   # alone 10 ms, batched with r1 14 ms
+    assert sched.admit(robot("r2")).admitted                            # 18 - 10 = 8 <= 12
+    assert c.jitter_ms(c.streams["r0"]) == pytest.approx(8.0)
+    assert sched.admit(robot("tight", budget=7.0)).reason == "latency-jitter"
+
+
+def test_streams_without_budgets_are_not_checked():
+    sched = scheduler(devices=1)
+    for i in range(3):
+        assert sched.admit(robot(f"r{i}", None)).admitted   # 20 ms of other chunks: no budget, no check
+    assert not sched.cluster.checks_jitter(None)
