@@ -103,7 +103,8 @@ def denoise_update(model: ServableModel, x: torch.Tensor, v: torch.Tensor, k: to
             rows.append(x_next[i])
             continue
         slot, step = kv.slots[i], int(k[i])
-        new, clean = guide(x[i], v[i], float(ts[step]), float(ts[step - 1]), kv.table.actions.get(slot), h)
+        new, clean = guide(x[i], v[i], float(ts[step]), float(ts[step - 1]), kv.table.actions.get(slot), h,
+                           len(ts) - 1)
         kv.table.actions[slot] = clean
         rows.append(new)
     return torch.stack(rows)
