@@ -97,13 +97,14 @@ class ServerAdmission:
 
     def __init__(self, workers: int, device: DeviceSpec, config: SchedulingConfig, max_batch: int = 1,
                  host: HostBudget | None = None, calibration: LoadCalibration | None = None,
-                 deadline_order: bool = False):
+                 deadline_order: bool = False, bound_jitter: bool = True):
         self.cluster = Cluster([device] * workers, config.headroom, {}, max_batch=max_batch,
                                deadline_order=deadline_order)
         self.scheduler = JointScheduler(self.cluster, config)
         self.admitted: dict[str, Admitted] = {}
         self.host = host
         self.calibration = calibration   # measured load per worker (None: trust the profiles alone)
+        self.bound_jitter = bound_jitter  # admit streams with their latency-jitter budget (slo - pace)
 
     def admit(self, stream: str, model: ServedModel, pace_ms: float, slo_ms: float | None = None) -> Admitted:
         """Place ``stream``, released every ``pace_ms`` (its booked interval), or raise :class:`Rejected`
@@ -120,7 +121,7 @@ class ServerAdmission:
         # A worker measured busier than its profiles say takes that much less booking (Best-Fit sees it).
         factors = np.array(self.load_factors())
         self.cluster.set_load_factors(factors)
-        budget = None if slo_ms is None else max(0.0, slo_ms - pace_ms)
+        budget = None if slo_ms is None or not self.bound_jitter else max(0.0, slo_ms - pace_ms)
         decision = self.scheduler.admit(StreamRequest(stream, model.id, pace_ms, jitter_budget_ms=budget))
         if not decision.admitted:
             raise Rejected(decision.reason, decision.detail)
@@ -188,5 +189,5 @@ def server_admission(cfg: ServeConfig, cores: int | None = None) -> tuple[Server
     # Deterministic serving (bag checks) decides from the profiles alone: its decisions must not depend on timing.
     calibration = None if cfg.deterministic or not cfg.admission.calibrate else LoadCalibration()
     return ServerAdmission(cfg.engine.workers, load_device(device), scheduling, max_batch, host, calibration,
-                           deadline_order=cfg.engine.policy == "edf"), device
+                           deadline_order=cfg.engine.policy == "edf", bound_jitter=cfg.admission.bound_jitter), device
 

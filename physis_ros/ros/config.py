@@ -205,6 +205,10 @@ class AdmissionConfig:
         "also check a placement against each worker's measured load: its compute counter over its booked "
         "utilisation, when it runs busier than its profiles say (never looser than the profiles; off in "
         "deterministic serving)"))
+    bound_jitter: bool = field(default=True, metadata=described(
+        "also refuse placements that could delay a stream's chunk by more than its SLO leaves over its release "
+        "interval (latency-jitter): the chunks sharing its workers, per engine.policy (false: book time "
+        "only, e.g. for robots that buffer chunks)"))
     host_reserve_cores: float = field(default=0.75, metadata=bounded(
         ge=0.0, le=1024.0, doc="CPU workers: cores left to the node and the host's other work; each worker may use "
                                "at most (cores - this) / workers of a core (physis-bench admission, 2-core host: "

@@ -49,10 +49,14 @@ def test_quick_admission_run_writes_every_phase(tmp_path):
     assert leave["predicted_utilisation"] == leave["server_utilisation"]
     assert any(e["stream"] == "wm0" for e in joins)   # the second model asked where capacity remained
     newcomer = joins[-1]
-    assert newcomer["stream"] == "robot2" and newcomer["admitted"]   # the leave freed a robot's worth
+    # the leave freed a robot's worth: the newcomer gets it, unless the world model, asking again after the
+    # leave, took it first and the newcomer's chunks would now wait for its (latency-jitter)
+    wm_after = [e for e in joins if e["stream"] == "wm0" and e["admitted"] and e["index"] > leave["index"]]
+    assert newcomer["stream"] == "robot2", joins
+    assert newcomer["admitted"] or (wm_after and newcomer["reason"] == "latency-jitter"), newcomer
     labels = [p["label"] for p in run["phases"]]
     assert labels[:len(robots)] == [f"+{n}" for n in robots] and f"-{leave['stream']}" in labels
-    assert labels[-1].startswith("+robot2")
+    assert labels[-1].startswith("+robot2" if newcomer["admitted"] else "+wm0")
     for phase in run["phases"]:
         assert 0 < phase["window"]["s"] < 5 and phase["load_avg_1m"] >= 0
         w = phase["workers"]["w0"]
