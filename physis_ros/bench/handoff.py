@@ -160,7 +160,7 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
             run.outputs.append((rec.first_step, np.array(out.output), expert))
 
         pace = release_pace_ms(interval_ms, AdmissionConfig().pace_margin, timeline.rate_hz)
-        admitted = admission.admit(name, served, pace, interval_ms)       # as the server paces a timeline stream (ros/hub.py)
+        admitted = admission.admit(name, served, pace, interval_ms)   # as the server paces a timeline stream (hub.py)
         await engine.add_stream(name, observe, on_output, model=served, plan=admitted.plan, chunks=chunks,
                                 slo_interval_ms=interval_ms, timeline=timeline, release_interval_ms=pace)
     for name in names:

@@ -19,9 +19,9 @@ chunk ``c`` towards it at the same noise level. With flow matching (``x_t = t ep
 steps and compounds (each step moves ``x`` to its guided estimate's noise level, so a row pulled by
 ``w`` at every step ends up pulled by up to ``1 - (1 - w)^K``): a soft row is pulled by
 ``1 - (1 - W_i)^(1/K)`` per step, so that the chunk as a whole leans towards the previous one by
-``W_i`` at most, as the schedule says (frozen rows, ``W_i = 1``, stay exactly 1). At the last step the chunk IS its clean
-estimate, so with ``hard`` (and ``soft``, whose first ``d`` weights are 1) chunk ``c``'s first ``d``
-actions equal chunk ``c-1``'s committed ones exactly. The sequential reference applies the same
+``W_i`` at most, as the schedule says (frozen rows, ``W_i = 1``, stay exactly 1). At the last step
+the chunk IS its clean estimate, so with ``hard`` (and ``soft``, whose first ``d`` weights are 1)
+chunk ``c``'s first ``d`` actions equal chunk ``c-1``'s committed ones exactly. The sequential reference applies the same
 function, so every execution plan still equals it.
 """
 

@@ -152,14 +152,18 @@ class Cluster:
             self._factor[model] = f
         return self._factor[model]
 
-    def _block_util(self, model: str, blocks: np.ndarray, hosts: np.ndarray, work: np.ndarray) -> np.ndarray:
-        """Utilisation of these blocks' hosted stages per device, batching credited: the ``n`` streams holding
-        a block batch its tasks as ``n // max_batch`` full batches and one of the rest."""
+    def _per_task(self, model: str, blocks: np.ndarray, hosts: np.ndarray) -> np.ndarray:
+        """What one task of each of these blocks costs per device, as a fraction of its batch-1 cost, when the
+        ``hosts`` streams holding it there batch its tasks as ``n // max_batch`` full batches and one of the rest."""
         f = self.batch_factor(model)
         full, rest = np.divmod(hosts, self.max_batch)
         rows = blocks[:, None]
         tasks = full * self.max_batch * f[rows, self.max_batch] + rest * f[rows, rest]
-        return tasks / np.maximum(hosts, 1) * work
+        return tasks / np.maximum(hosts, 1)
+
+    def _block_util(self, model: str, blocks: np.ndarray, hosts: np.ndarray, work: np.ndarray) -> np.ndarray:
+        """Utilisation of these blocks' hosted stages per device, batching credited."""
+        return self._per_task(model, blocks, hosts) * work
 
     def delta_util(self, rank: VirtualRank, slo_ms: float, sign: int = 1) -> np.ndarray:
         """Per device: how its utilisation changes if ``rank`` (of a stream at ``slo_ms``) is added
@@ -190,21 +194,11 @@ class Cluster:
 
     # -------------------------------------------------------------- latency jitter
 
-    def _task_share(self, model: str) -> np.ndarray:
-        """[block, device]: what one task of the block costs there, as a fraction of its batch-1 cost, with
-        the streams holding the block there batched (the per-task cost :meth:`_block_util` charges)."""
-        hosts = self.hosts[model]
-        if self.max_batch == 1:
-            return np.ones(hosts.shape)
-        f = self.batch_factor(model)
-        full, rest = np.divmod(hosts, self.max_batch)
-        rows = np.arange(hosts.shape[0])[:, None]
-        return (full * self.max_batch * f[rows, self.max_batch] + rest * f[rows, rest]) / np.maximum(hosts, 1)
-
     def _chunk_ms(self, placed: PlacedStream, device: int) -> tuple[float, float, float]:
         """One chunk of ``placed`` on ``device``: (its work there batched as the device now batches, its
         batch-1 work there, its longest stage task there), in ms."""
-        share = self._task_share(placed.model)
+        hosts = self.hosts[placed.model]
+        share = self._per_task(placed.model, np.arange(hosts.shape[0]), np.maximum(hosts, 1))
         batched = alone = stage = 0.0
         for r, d in zip(placed.ranks, placed.devices):
             if d == device:
