@@ -103,6 +103,8 @@ class ServerAdmission:
         self.scheduler = JointScheduler(self.cluster, config)
         self.admitted: dict[str, Admitted] = {}
         self.host = host
+        if host is not None:   # CPU workers: they share the host's cores, less what the node keeps
+            self.cluster.shared_cores = max(1e-3, host.cores - host.reserve)
         self.calibration = calibration   # measured load per worker (None: trust the profiles alone)
         self.bound_jitter = bound_jitter  # admit streams with their latency-jitter budget (slo - pace)
 

@@ -32,7 +32,10 @@ worst-case jitter (:meth:`Cluster.jitter_ms`). Which streams run ahead depends o
 dispatch: ``oldest`` finishes a chunk it started before a newer one, so every co-located
 stream counts; ``edf`` (``deadline_order``) runs the earliest deadline first, so only streams with
 a budget no larger than ``i``'s count in full, and each later one delays ``i`` by at most the one
-stage task one of them may be running (tasks are not preempted). Streams without a budget (the simulator's)
+stage task one of them may be running (tasks are not preempted). CPU workers on one host also share its
+cores (``shared_cores``): with more of them busy than there are cores, a device runs at
+``cores / busy devices`` of a core while another is busy, and a busy period stretches by that much for
+as long as the longest busy period elsewhere overlaps it. Streams without a budget (the simulator's)
 are not checked and count in full.
 
 State lives in numpy arrays so that scoring all devices for one rank is a few
@@ -108,6 +111,9 @@ class Cluster:
         self.util_cap = np.full(self.n, 1.0 - headroom)
         self.load = np.ones(self.n)             # per device: measured busy / booked (set_load_factors)
         self.deadline_order = deadline_order    # the devices dispatch earliest deadline first (edf)
+        # Cores the devices share (CPU workers on one host, less what the host keeps for itself); None: each
+        # device is its own (GPUs). More busy devices than that slow each other down (:meth:`_contention_ms`).
+        self.shared_cores: float | None = None
         self.profiles = profiles
         self.mem_cap = np.array([s.usable_bytes for s in self.specs], dtype=np.float64)
         self.util = np.zeros(self.n)
@@ -217,26 +223,50 @@ class Cluster:
         """Worst-case variation of ``placed``'s chunk latency (ms): on each of its devices, the busy period
         of one chunk of every stream that may run with or ahead of it there (``also``: streams placed
         but not yet added, a search's candidate), less its own chunk alone, times the device's load."""
+        streams = [q for q in (*self.streams.values(), *also) if q is not placed and q.stream != placed.stream]
+        busy_on = self._busy_periods([*streams, placed]) if self.shared_cores is not None else None
         total = 0.0
         for w in set(placed.devices):
             batched, alone, _ = self._chunk_ms(placed, w)
             busy, blocking = batched - alone, 0.0
-            for q in (*self.streams.values(), *also):
-                if q is placed or q.stream == placed.stream or w not in q.devices:
+            for q in streams:
+                if w not in q.devices:
                     continue
                 q_batched, _, q_stage = self._chunk_ms(q, w)
                 if self._delays(placed, q):
                     busy += q_batched
                 else:                      # one later-deadline task may be running: no preemption
                     blocking = max(blocking, q_stage)
+            if busy_on is not None:
+                busy += self._contention_ms(w, alone + busy + blocking, busy_on)
             total += self.load[w] * max(0.0, busy + blocking)
         return total
+
+    def _busy_periods(self, streams: Sequence[PlacedStream]) -> dict[int, float]:
+        """Per device with work: one chunk of every stream there, batched as it batches (ms)."""
+        out: dict[int, float] = {}
+        for q in streams:
+            for w in set(q.devices):
+                out[w] = out.get(w, 0.0) + self._chunk_ms(q, w)[0]
+        return out
+
+    def _contention_ms(self, w: int, period_ms: float, busy_on: dict[int, float]) -> float:
+        """Devices that share ``shared_cores`` cores (CPU workers on one host): while the others run, device
+        ``w`` gets ``shared_cores / busy devices`` of a core, so a busy period of ``period_ms`` there
+        stretches by that much for as long as another device's busy period overlaps it."""
+        busy = len(busy_on.keys() | {w})
+        if busy <= self.shared_cores:
+            return 0.0
+        overlap = min(period_ms, max((ms for d, ms in busy_on.items() if d != w), default=0.0))
+        return overlap * (busy / self.shared_cores - 1.0)
 
     def jitter_breaches(self, new: PlacedStream) -> list[tuple[str, float, float]]:
         """(stream, worst-case jitter ms, budget ms) for every stream whose budget ``new`` (placed, its
         ranks applied, not added) would break: itself and the budgeted streams sharing a device with it."""
         out = []
-        for s in (new, *(q for q in self.streams.values() if set(q.devices) & set(new.devices))):
+        touched = self.streams.values() if self.shared_cores is not None else (
+            q for q in self.streams.values() if set(q.devices) & set(new.devices))   # sharing cores: everyone
+        for s in (new, *touched):
             if s.jitter_budget_ms is not None:
                 j = self.jitter_ms(s, () if s is new else (new,))
                 if j > s.jitter_budget_ms + 1e-9:

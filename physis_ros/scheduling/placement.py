@@ -206,11 +206,10 @@ class JointScheduler(Scheduler):
 
     # ------------------------------------------------------------------ search
 
-    def _jitter_holds(self, seq: StageSeq, req: StreamRequest, path: list[tuple[int, int, int]]) -> bool:
-        """Whether the complete placement ``path`` (its ranks applied) keeps every stream's latency jitter
-        within its budget; the worst breach is kept for the rejection's detail."""
-        new = PlacedStream(req.stream, req.model, req.slo_ms, [seq.rank(p, q) for _, p, q in path],
-                           [d for d, _, _ in path], jitter_budget_ms=req.jitter_budget_ms)
+    def _jitter_holds(self, req: StreamRequest, ranks: list[VirtualRank], devices: list[int]) -> bool:
+        """Whether the complete placement of ``ranks`` on ``devices`` (applied) keeps every stream's latency
+        jitter within its budget; the closest breach is kept for the rejection's detail."""
+        new = PlacedStream(req.stream, req.model, req.slo_ms, ranks, devices, jitter_budget_ms=req.jitter_budget_ms)
         breaches = self.cluster.jitter_breaches(new)
         for b in breaches:
             if self._jitter_miss is None or b[1] - b[2] < self._jitter_miss[1] - self._jitter_miss[2]:
@@ -242,7 +241,8 @@ class JointScheduler(Scheduler):
                 latency = seq.cum[-1] + len(path) * seq.profile.hop_ms
                 if fresh > max_fresh or (latency_slo_ms is not None and latency > latency_slo_ms + EPS):
                     return False
-                if jitter and not self._jitter_holds(seq, req, path):
+                if jitter and not self._jitter_holds(req, [seq.rank(a, b) for _, a, b in path],
+                                                     [d for d, _, _ in path]):
                     return False
                 score = (fresh, len(path))
                 if best[0] is None or score < best[2]:
@@ -319,8 +319,8 @@ class JointScheduler(Scheduler):
                 stream, j, budget = self._jitter_miss
                 return "latency-jitter", (
                     f"every placement found would let stream '{stream}''s chunk latency vary by up to {j:.1f} ms "
-                    f"(the chunks sharing its devices, at their measured load), beyond the {budget:.1f} ms its "
-                    f"interval SLO leaves over its release interval")
+                    f"(the chunks sharing its devices or their cores, at their measured load), beyond the "
+                    f"{budget:.1f} ms its interval SLO leaves over its release interval")
             return "time-capacity", (f"no placement within the search budget opens at most "
                                      f"{len(seq.fewest)} empty devices (the equal split's group)")
         finally:
@@ -352,6 +352,16 @@ class JointScheduler(Scheduler):
             method = "best-fit" if disc == 0 else "lds"
         else:
             devices = self._equal_fallback(req) if self.config.equal_fallback else None
+            if devices is not None and self.cluster.checks_jitter(req.jitter_budget_ms):
+                # empty devices, yet not free of jitter where devices share cores (CPU workers on one host)
+                ranks = self._equal[(req.model, req.slo_ms)]
+                undos = [(r, self.cluster.apply(r, req.slo_ms, d)) for r, d in zip(ranks, devices)]
+                try:
+                    ok = self._jitter_holds(req, list(ranks), devices)
+                finally:
+                    for r, u in reversed(undos):
+                        self.cluster.revert(r, u)
+                devices = devices if ok else None
             if devices is None:
                 reason, detail = self._diagnose(seq)
                 return self._reject(req, reason, detail, t0, nodes)

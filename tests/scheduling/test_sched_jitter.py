@@ -17,10 +17,11 @@ POLICY = make_profile("p", blocks=4, stage_ms=2.5)
 WORLD = make_profile("w", blocks=4, stage_ms=4.0)
 
 
-def scheduler(devices: int = 2, deadline_order: bool = False, max_batch: int = 1, profiles=None) -> JointScheduler:
+def scheduler(devices: int = 2, deadline_order: bool = False, max_batch: int = 1, profiles=None,
+              equal_fallback: bool = False) -> JointScheduler:
     cluster = Cluster([make_device()] * devices, 0.1, profiles or {"p": POLICY, "w": WORLD}, max_batch=max_batch,
                       deadline_order=deadline_order)
-    return JointScheduler(cluster, dataclasses.replace(make_config(0.1), equal_fallback=False))
+    return JointScheduler(cluster, dataclasses.replace(make_config(0.1), equal_fallback=equal_fallback))
 
 
 def robot(name: str, budget: float | None = 12.0) -> StreamRequest:
@@ -111,3 +112,45 @@ def test_streams_without_budgets_are_not_checked():
     for i in range(3):
         assert sched.admit(robot(f"r{i}", None)).admitted   # 20 ms of other chunks: no budget, no check
     assert not sched.cluster.checks_jitter(None)
+
+
+def test_devices_sharing_too_few_cores_slow_each_other_down():
+    # 2 CPU workers on 1.25 free cores: while both are busy each gets 0.625 of a core, so a busy period
+    # stretches by 0.6 of the time another device's busy period overlaps it
+    sched = scheduler()
+    sched.cluster.shared_cores = 1.25
+    c = sched.cluster
+    sched.admit(robot("r0"))                                     # 10 ms chunks on device 0
+    assert sched.admit(world()).placed.devices == [1]            # 16 ms chunks: not beside r0
+    assert c.jitter_ms(c.streams["r0"]) == pytest.approx(0.6 * 10.0)   # its 10 ms overlapped by wm's 16
+    assert c.jitter_ms(c.streams["wm"]) == pytest.approx(0.6 * 10.0)
+    # beside r0, r1 adds its 10 ms chunk and stretches a 20 ms busy period by 0.6 x 16: 19.6 > 12 ms;
+    # beside wm it would wait for wm's chunk: the two workers' time is there, their jitter budget is not
+    d = sched.admit(robot("r1"))
+    assert d.reason == "latency-jitter" and "19.6 ms" in d.detail and ("'r0'" in d.detail or "'r1'" in d.detail)
+    # with a core per device nothing slows down: r1 fits beside r0 (10 <= 12 ms)
+    c.shared_cores = 2.0
+    assert c.jitter_ms(c.streams["r0"]) == 0.0
+    assert sched.admit(robot("r1")).placed.devices == [0]
+
+
+def test_a_server_with_cpu_workers_shares_the_cores_its_host_budget_leaves():
+    from physis_ros.ros.admission import HostBudget, ServerAdmission
+
+    host = HostBudget(cores=2, reserve=0.75, per_stream=0.08, headroom=0.1)
+    assert ServerAdmission(2, make_device(), make_config(0.1), host=host).cluster.shared_cores == pytest.approx(1.25)
+    assert ServerAdmission(2, make_device(), make_config(0.1)).cluster.shared_cores is None   # GPU workers
+
+
+def test_the_equal_splits_fallback_onto_an_empty_device_is_checked_where_devices_share_cores():
+    """Bug found by physis-bench admission: with the workers sharing 1.25 cores, tiny-acwm was refused by
+    every LDS placement and then put on the empty worker by the equal split's fallback, unchecked: an empty
+    device is free of other chunks, not of the cores the robots' worker needs (their p99 went to 1.04 of SLO)."""
+    sched = scheduler(equal_fallback=True)
+    sched.cluster.shared_cores = 1.25
+    sched.admit(robot("r0"))
+    sched.admit(robot("r1"))                          # beside r0 (10 <= 12 ms), device 1 stays empty
+    assert sched.cluster.streams["r1"].devices == [0]
+    d = sched.admit(world("wm", budget=60.0))         # on device 1, r0's 20 ms period would stretch by 0.6 x 16
+    assert d.reason == "latency-jitter", d
+    assert set(sched.cluster.streams) == {"r0", "r1"} and sched.cluster.util[1] == 0.0 and sched.cluster.mem[1] == 0.0
