@@ -200,11 +200,15 @@ class Cluster:
 
     # -------------------------------------------------------------- latency jitter
 
-    def _chunk_ms(self, placed: PlacedStream, device: int) -> tuple[float, float, float]:
+    def _shares(self) -> dict[str, np.ndarray]:
+        """model -> [block, device]: a task's cost as a fraction of batch 1, as the devices batch now."""
+        return {m: self._per_task(m, np.arange(h.shape[0]), np.maximum(h, 1)) for m, h in self.hosts.items()}
+
+    def _chunk_ms(self, placed: PlacedStream, device: int, shares: dict[str, np.ndarray]
+                  ) -> tuple[float, float, float]:
         """One chunk of ``placed`` on ``device``: (its work there batched as the device now batches, its
         batch-1 work there, its longest stage task there), in ms."""
-        hosts = self.hosts[placed.model]
-        share = self._per_task(placed.model, np.arange(hosts.shape[0]), np.maximum(hosts, 1))
+        share = shares[placed.model]
         batched = alone = stage = 0.0
         for r, d in zip(placed.ranks, placed.devices):
             if d == device:
@@ -223,16 +227,19 @@ class Cluster:
         """Worst-case variation of ``placed``'s chunk latency (ms): on each of its devices, the busy period
         of one chunk of every stream that may run with or ahead of it there (``also``: streams placed
         but not yet added, a search's candidate), less its own chunk alone, times the device's load."""
+        return self._jitter_ms(placed, also, self._shares())
+
+    def _jitter_ms(self, placed: PlacedStream, also: Sequence[PlacedStream], shares: dict[str, np.ndarray]) -> float:
         streams = [q for q in (*self.streams.values(), *also) if q is not placed and q.stream != placed.stream]
-        busy_on = self._busy_periods([*streams, placed]) if self.shared_cores is not None else None
+        busy_on = self._busy_periods([*streams, placed], shares) if self.shared_cores is not None else None
         total = 0.0
         for w in set(placed.devices):
-            batched, alone, _ = self._chunk_ms(placed, w)
+            batched, alone, _ = self._chunk_ms(placed, w, shares)
             busy, blocking = batched - alone, 0.0
             for q in streams:
                 if w not in q.devices:
                     continue
-                q_batched, _, q_stage = self._chunk_ms(q, w)
+                q_batched, _, q_stage = self._chunk_ms(q, w, shares)
                 if self._delays(placed, q):
                     busy += q_batched
                 else:                      # one later-deadline task may be running: no preemption
@@ -242,12 +249,12 @@ class Cluster:
             total += self.load[w] * max(0.0, busy + blocking)
         return total
 
-    def _busy_periods(self, streams: Sequence[PlacedStream]) -> dict[int, float]:
+    def _busy_periods(self, streams: Sequence[PlacedStream], shares: dict[str, np.ndarray]) -> dict[int, float]:
         """Per device with work: one chunk of every stream there, batched as it batches (ms)."""
         out: dict[int, float] = {}
         for q in streams:
             for w in set(q.devices):
-                out[w] = out.get(w, 0.0) + self._chunk_ms(q, w)[0]
+                out[w] = out.get(w, 0.0) + self._chunk_ms(q, w, shares)[0]
         return out
 
     def _contention_ms(self, w: int, period_ms: float, busy_on: dict[int, float]) -> float:
@@ -263,12 +270,12 @@ class Cluster:
     def jitter_breaches(self, new: PlacedStream) -> list[tuple[str, float, float]]:
         """(stream, worst-case jitter ms, budget ms) for every stream whose budget ``new`` (placed, its
         ranks applied, not added) would break: itself and the budgeted streams sharing a device with it."""
-        out = []
+        out, shares = [], self._shares()   # the devices' batching is the same for every stream checked
         touched = self.streams.values() if self.shared_cores is not None else (
             q for q in self.streams.values() if set(q.devices) & set(new.devices))   # sharing cores: everyone
         for s in (new, *touched):
             if s.jitter_budget_ms is not None:
-                j = self.jitter_ms(s, () if s is new else (new,))
+                j = self._jitter_ms(s, () if s is new else (new,), shares)
                 if j > s.jitter_budget_ms + 1e-9:
                     out.append((s.stream, j, s.jitter_budget_ms))
         return out

@@ -274,7 +274,8 @@ class JointScheduler(Scheduler):
         return best[0], best[1], nodes
 
     def _equal_fallback(self, req: StreamRequest) -> list[int] | None:
-        """The equal split's placement of this stream: its balanced cut, one whole empty device per rank."""
+        """The equal split's placement of this stream: its balanced cut, one whole empty device per rank (None
+        when none is free, or it would break a stream's jitter budget)."""
         ranks = self._equal_ranks(req.model, req.slo_ms)
         c = self.cluster
         free = [int(d) for d in _nz(c.empty())]
@@ -286,6 +287,15 @@ class JointScheduler(Scheduler):
             if d is None:
                 return None
             chosen.append(d)
+        if c.checks_jitter(req.jitter_budget_ms):
+            # empty devices, yet not free of jitter where devices share cores (CPU workers on one host)
+            undos = [(r, c.apply(r, req.slo_ms, d)) for r, d in zip(ranks, chosen)]
+            try:
+                if not self._jitter_holds(req, list(ranks), chosen):
+                    return None
+            finally:
+                for r, u in reversed(undos):
+                    c.revert(r, u)
         return chosen
 
     def _diagnose(self, seq: StageSeq) -> tuple[str, str]:
@@ -352,16 +362,6 @@ class JointScheduler(Scheduler):
             method = "best-fit" if disc == 0 else "lds"
         else:
             devices = self._equal_fallback(req) if self.config.equal_fallback else None
-            if devices is not None and self.cluster.checks_jitter(req.jitter_budget_ms):
-                # empty devices, yet not free of jitter where devices share cores (CPU workers on one host)
-                ranks = self._equal[(req.model, req.slo_ms)]
-                undos = [(r, self.cluster.apply(r, req.slo_ms, d)) for r, d in zip(ranks, devices)]
-                try:
-                    ok = self._jitter_holds(req, list(ranks), devices)
-                finally:
-                    for r, u in reversed(undos):
-                        self.cluster.revert(r, u)
-                devices = devices if ok else None
             if devices is None:
                 reason, detail = self._diagnose(seq)
                 return self._reject(req, reason, detail, t0, nodes)
