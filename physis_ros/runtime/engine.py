@@ -215,6 +215,9 @@ class Engine:
                              f"worker's ready queue (max_ready {self.config.max_ready})")
         s = StreamState(name, model, plan, observe, on_output, chunks, slo_interval_ms, asyncio.Semaphore(limit),
                         keep_outputs=keep_outputs, timeline=timeline)
+        # Placed first (it may load blocks: tens of ms on a slow host), anchored after: an anchor taken before
+        # would put the first release late on its own grid, and the stream's timeline off it from chunk 1.
+        await self.place(s)
         if release_interval_ms:
             s.release_interval_s = release_interval_ms / 1e3
             if emit_delay_ms is not None:
@@ -232,7 +235,6 @@ class Engine:
             else:
                 s.release_t0 = staggered_anchor(now, s.release_interval_s,
                                                 [(o.release_t0, o.release_interval_s) for o in others]) or now
-        await self.place(s)
         self.streams[name] = s
         s.feeder = asyncio.create_task(self._feed(s), name=f"feed-{name}")
 

@@ -392,6 +392,27 @@ def test_handoff_freezes_the_first_d_actions_and_the_reference_agrees(plan, work
     assert sum(on_grid) >= len(out) - 2, [o.record.first_step for o in out]
 
 
+def test_a_stream_slow_to_place_still_starts_on_its_release_grid(monkeypatch):
+    """Placing a stream can load its blocks (tens of ms on a slow host). Its release grid was anchored before
+    that, so on a 2-core VM the first release came over half an interval late, re-anchored, and every chunk
+    after it sat off the timeline's grid (first steps 0, 7, 13, 19 ... at 6 steps a release)."""
+    from physis_ros.runtime.streams import Timeline
+
+    place = Engine.place
+
+    async def slow_place(self, s):
+        await asyncio.sleep(0.1)
+        await place(self, s)
+
+    monkeypatch.setattr(Engine, "place", slow_place)
+    cfg = load_model_config("tiny-wam")
+    scene = SyntheticScene(cfg.observation_shapes)
+    timeline = Timeline(rate_hz=50.0, horizon=16, execution=6)
+    out = run_chunks(cfg, EngineConfig(plan="sequential", workers=1), ["robot0"], 4, scene.observation,
+                     timeline=timeline, release_interval_ms=120.0)["robot0"]
+    assert [o.record.first_step for o in out] == [0, 6, 12, 18]
+
+
 @pytest.mark.parametrize("batching", ["off", "adaptive"])
 def test_paced_streams_on_one_worker_are_spread_apart_unless_they_batch(batching):
     """Streams sharing a worker queue behind each other if released together, so they are spread across
