@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-rate-hz", type=float, default=50.0)
     p.add_argument("--execution-horizon", type=int, default=8, help="s: steps each chunk is executed for")
     p.add_argument("--socket", choices=("tcp", "ipc"), default="tcp")
+    p.add_argument("--wake-ahead-us", type=int, default=EngineConfig.wake_ahead_us,
+                   help="engine.wake_ahead_us (0: the receivers are not woken ahead of a chunk)")
     p.add_argument("--json", help="write results here")
     p.add_argument("--plot", help="write a PNG: seam jumps per mode and delay, executed trajectory vs expert")
 
@@ -203,7 +205,8 @@ def summarize_run(mode: str, d: int, model: str, runs: dict[str, RobotRun], skip
 async def run_all(args: argparse.Namespace) -> dict:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     delays = [int(x) for x in args.delays.split(",") if x.strip()]
-    config = EngineConfig(workers=args.workers, plan="sequential", transport=args.socket)
+    config = EngineConfig(workers=args.workers, plan="sequential", transport=args.socket,
+                          wake_ahead_us=args.wake_ahead_us)
     catalog = ModelCatalog("tiny-wam", "cpu", AdmissionConfig(profiles=str(ROOT / "config" / "profiles")))
     trained = catalog.resolve(args.checkpoint)
     random_model = catalog.resolve("tiny-wam")
@@ -240,6 +243,7 @@ async def run_all(args: argparse.Namespace) -> dict:
         "benchmark": "handoff", "workers": args.workers, "robots": args.robots, "chunks": args.chunks,
         "control_rate_hz": args.control_rate_hz, "execution_horizon": args.execution_horizon, "horizon": horizon,
         "checkpoint": str(args.checkpoint), "skipped_chunks": skip, "torch_threads": torch.get_num_threads(),
+        "wake_ahead_us": args.wake_ahead_us,
         "runs": rows,
         "tracking_error_trained": trained_none[0]["tracking_error"] if trained_none else rows[0]["tracking_error"],
         "tracking_error_random": random_row["tracking_error"],

@@ -110,4 +110,7 @@ class BatchPolicy:
         return choice
 
     def observe(self, block: Hashable, n: int, ms: float) -> None:
-        self.samples.setdefault((block, n), deque(maxlen=HISTORY)).append(ms)
+        samples = self.samples.get((block, n))
+        if samples is None:   # (not setdefault: that would build a deque for every stage run)
+            samples = self.samples[(block, n)] = deque(maxlen=HISTORY)
+        samples.append(ms)

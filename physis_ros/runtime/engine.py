@@ -25,7 +25,7 @@ import math
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import zmq
@@ -67,6 +67,7 @@ class Engine:
         self.failure: EngineError | None = None
         self.pool: WorkerPool | None = None
         self.dropped: Counter = Counter()   # outputs dropped: malformed, stale
+        self.wakes = 0                      # Wake messages received (a chunk's output is on its way)
         self.throttle = Throttle(5.0)
         self.recovery = Recovery(self)
         self._push: dict[str, zmq.asyncio.Socket] = {}
@@ -145,7 +146,7 @@ class Engine:
             req=0, threads=cfg.threads_per_worker, max_ready=cfg.max_ready, batching=cfg.batching,
             max_batch=cfg.max_batch, policy=cfg.policy, faults=p.FaultInjection(drop_task=drop), hops=cfg.hops,
             hop_store=self.links.address if self.links else "", hop_timeout_s=cfg.hop_timeout_s,
-            hop_ring_mb=cfg.hop_ring_mb, spin_us=cfg.spin_us),
+            hop_ring_mb=cfg.hop_ring_mb, spin_us=cfg.spin_us, wake_ahead_us=cfg.wake_ahead_us),
             timeout=cfg.start_timeout_s)
 
     async def stop(self) -> None:
@@ -300,9 +301,10 @@ class Engine:
 
     async def _feed(self, s: StreamState) -> None:
         bound_s = self.recovery.chunk_bound_s(s)
+        wake, lead_s = self._waker(s), self.config.wake_ahead_us * 1e-6
         while s.limit is None or s.next_chunk < s.limit:
             await s.credits.acquire()
-            due = await s.pace()
+            due = await s.pace(wake, lead_s)
             obs = s.observe(s.next_chunk)
             while obs is None:  # no observation yet (a camera not publishing): poll, do not spin
                 await asyncio.sleep(0.005)
@@ -321,6 +323,19 @@ class Engine:
                           order=order, deadline=order + s.slack_s(c, enqueue), sent=order, handoff=handoff)
             await self._push[s.first_addr].send_multipart(wire.encode(task, observation_payload(obs.data)),
                                                           copy=False)
+
+    def _waker(self, s: StreamState) -> Callable[[], Awaitable[None]] | None:
+        """Sends a Wake to the stream's first worker ahead of its next release (None: wake-ups are off)."""
+        if not self.config.wake_ahead_us:
+            return None
+
+        async def wake() -> None:
+            frames = wire.encode(p.Wake(stream=s.name, chunk=s.next_chunk, seed=self.config.seed))
+            try:
+                await self._push[s.first_addr].send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                pass   # the worker is not taking messages: the task will find out
+        return wake
 
     # ---- outputs -----------------------------------------------------------------------------
     async def _output_loop(self) -> None:
@@ -343,6 +358,9 @@ class Engine:
             self.throttle.log(log, logging.WARNING, "malformed_output", f"malformed output message dropped: {exc}")
             return
         msg = rec.msg
+        if isinstance(msg, p.Wake):   # a chunk's last stage has started: its output follows
+            self.wakes += 1
+            return
         s = self.streams.get(msg.stream)
         if s is None or msg.epoch != s.epoch or msg.chunk not in s.inflight:
             self.dropped["stale"] += 1  # a removed stream, or an incarnation before a reset

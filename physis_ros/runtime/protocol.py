@@ -122,6 +122,18 @@ class Task(_Message, tag="task"):
     shm: ShmRef | None = None
 
 
+class Wake(_Message, tag="wake"):
+    """Sent ahead of a task (by the engine, ``Load.wake_ahead_us`` before a paced release) or of a chunk that
+    leaves a worker (by that worker, as it starts the chunk's last stage there): the receiver wakes and
+    polls without sleeping for a while, so the message that follows finds it awake. On a host idle between
+    chunks, waking a blocked process and its ZeroMQ I/O thread costs more than the hop itself. A first stage's
+    worker also makes the announced chunk's noise meanwhile."""
+
+    stream: StreamName
+    chunk: Count = 0
+    seed: Seed = 0
+
+
 class Output(_Message, tag="output"):
     """A finished chunk (tensor ``x``), from the worker of its last stage to the engine."""
 
@@ -156,6 +168,7 @@ class Load(_Message, tag="load"):
     hop_timeout_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = 5.0
     hop_ring_mb: Annotated[int, Meta(ge=1, le=65536)] = 64       # each shared ring's size (hops: shm)
     spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 0     # poll without blocking this long before sleeping
+    wake_ahead_us: Annotated[int, Meta(ge=0, le=100_000)] = 0   # send Wake before a chunk leaves (0: never)
 
 
 class Route(Struct, array_like=True, forbid_unknown_fields=True):
@@ -224,6 +237,7 @@ class WorkerStats(Struct, forbid_unknown_fields=True):
     injected_drops: Count = 0    # tasks dropped by fault injection
     link_hops: Count = 0         # tasks whose hidden state arrived over a torch.distributed link or a shared ring
     ring_full: Count = 0         # hops sent as frames because the shared ring had no room (hops: shm)
+    wakes: Count = 0             # Wake messages received
     compute_ms: Ms = 0.0
     kv_bytes: Count = 0          # KV allocated for the (stream, stage)s hosted here
     weight_bytes: Count = 0      # weights held: trunks and the hosted blocks
@@ -285,7 +299,7 @@ class LogRecord(_Message, tag="log"):
 
 ToWorker = Union[Load, StartStream, StopStream, Stats, Shutdown]
 ToEngine = Union[Hello, Heartbeat, Ack, Failed, TaskLost, LogRecord]
-Message = Union[Task, Output, Load, StartStream, StopStream, Stats, Shutdown, Hello, Heartbeat, Ack, Failed,
+Message = Union[Task, Wake, Output, Load, StartStream, StopStream, Stats, Shutdown, Hello, Heartbeat, Ack, Failed,
                 TaskLost, LogRecord]
 
 

@@ -77,6 +77,10 @@ class EngineConfig:
             "covers only the zmq sockets); set true only on a private, trusted network"))
     spin_us: int = F(default=0, metadata=bounded(
         ge=0, le=100_000, doc="an idle worker polls its sockets without sleeping this long before it blocks"))
+    wake_ahead_us: int = F(default=1000, metadata=bounded(
+        ge=0, le=100_000, doc="wake the receiver this long before a paced chunk's release (the engine) and as a "
+                              "chunk's last stage on a worker starts (that worker), so its message finds the "
+                              "next worker or the engine awake (0: off)"))
     bind_host: str = F(default="127.0.0.1", metadata=bounded(
         doc="interface the engine and spawned workers bind (loopback unless told otherwise; needs curve_keys)"))
     threads_per_worker: int = F(default=1, metadata=bounded(ge=1, doc="torch threads of each worker"))

@@ -7,7 +7,7 @@ import asyncio
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,15 +151,20 @@ class StreamState:
     emit_delay_s: float | None = None  # jitter buffer: chunk c leaves no earlier than its release + this
     emit_scheduled: bool = False
 
-    async def pace(self) -> float | None:
+    async def pace(self, wake: Callable[[], Awaitable[None]] | None = None, lead_s: float = 0.0) -> float | None:
         """Wait for the stream's next release on its schedule (one every release interval, anchored at its
-        first release); the time it was due (time.monotonic()), or None for an unpaced stream."""
+        first release); the time it was due (time.monotonic()), or None for an unpaced stream. ``wake`` is
+        awaited ``lead_s`` before a release it has to wait for (the engine wakes the first worker then)."""
         if self.release_interval_s is None:
             return None
         if self.release_t0 is None:
             return time.monotonic()
         due = self.release_t0 + self.releases * self.release_interval_s
         delay = due - time.monotonic()
+        if wake is not None and delay > lead_s:
+            await asyncio.sleep(delay - lead_s)
+            await wake()
+            delay = due - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         return due

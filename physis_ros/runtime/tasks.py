@@ -20,7 +20,7 @@ import torch
 import zmq
 
 from physis_ros.logs import Throttle
-from physis_ros.model import KVBatch
+from physis_ros.model import KVBatch, ModelConfig, ServableModel
 from physis_ros.model.handoff import Handoff
 from physis_ros.model.stages import check_payload, first_state, run_stage
 from physis_ros.runtime import protocol as p
@@ -28,13 +28,14 @@ from physis_ros.runtime import wire
 from physis_ros.runtime.batching import BatchPolicy
 from physis_ros.runtime.device import DeviceIO, StageTimer
 from physis_ros.runtime.hops import Arrival, HopError, TorchHops, empty_like_specs
-from physis_ros.runtime.hosting import StageHost
+from physis_ros.runtime.hosting import Placement, StageHost
 from physis_ros.runtime.plans import Stage, next_stage
 from physis_ros.runtime.shm_hops import ShmError, ShmHops
 
 log = logging.getLogger("physis.worker")
 RUN_ALONE_MAX_S = 0.05   # a chunk running alone yields to the worker's loop (heartbeats, control) at least this often
 RUN_ALONE_LOOK_S = 0.002  # ... and looks for other tasks arriving at least this often (after the stage that passes it)
+WAKE_SPIN_S = 0.003       # a Wake keeps the worker polling without sleeping at most this long (its message is due sooner)
 
 
 @dataclass
@@ -97,6 +98,8 @@ class TaskRunner:
         self.shm: ShmHops | None = None     # hidden states through shared-memory rings (Load.hops == "shm")
         self.ready: list[Job] = []
         self.accepted = 0
+        self.spin_until = 0.0               # time.monotonic(): a Wake said a message is on its way, poll until then
+        self._noise_ahead: dict[str, tuple[int, int, torch.Tensor]] = {}   # stream -> (chunk, seed, its noise)
         self.throttle = Throttle(5.0)
         # Forwards whose time is not known yet (CUDA: their end event has not completed), oldest first: their
         # trace entries and the batching policy's observation are filled in by _settle.
@@ -105,6 +108,7 @@ class TaskRunner:
     def drop_stream(self, stream: str) -> None:
         """Forget a stream's queued tasks (it stops, or starts again under a new epoch)."""
         self.ready = [j for j in self.ready if j.stream != stream]
+        self._noise_ahead.pop(stream, None)
 
     def warn(self, key: str, text: str) -> None:
         """A warning logged at most once per 5 s per ``key`` (a flood of bad messages cannot flood the log)."""
@@ -122,6 +126,9 @@ class TaskRunner:
         except wire.WireError as exc:
             self.stats.bad_messages += 1
             self.warn("bad_data", f"dropped a malformed data message: {exc}")
+            return
+        if isinstance(rec.msg, p.Wake):
+            self._woken(rec.msg)
             return
         if rec.msg.link is not None:
             self._receive(rec)
@@ -188,6 +195,26 @@ class TaskRunner:
         self.stats.link_hops += 1
         self._admit(rec)
 
+    def _woken(self, wake: p.Wake) -> None:
+        """A message for ``wake.stream`` is on its way: poll until it comes, and if it is that chunk's first
+        task here, make its noise now (it is deterministic; the task then starts without that op)."""
+        self.stats.wakes += 1
+        self.spin_until = time.monotonic() + WAKE_SPIN_S
+        placement = self.host.placements.get(wake.stream)
+        if placement is None:
+            return
+        host = self.host.models[placement.model]
+        if (host.config.steps, 0) in placement.stages:
+            self._noise_ahead[wake.stream] = (wake.chunk, wake.seed,
+                                              host.model.noise(wake.seed, wake.stream, wake.chunk))
+
+    def _noise(self, task: p.Task, model: ServableModel) -> torch.Tensor:
+        """The chunk's initial noise: made ahead on its Wake, or now."""
+        ahead = self._noise_ahead.pop(task.stream, None)
+        if ahead is not None and ahead[:2] == (task.chunk, task.seed):
+            return ahead[2]
+        return model.noise(task.seed, task.stream, task.chunk)
+
     def _admit(self, rec: wire.Received[p.Task]) -> None:
         task = rec.msg
         placement = self.host.placements.get(task.stream)
@@ -219,7 +246,7 @@ class TaskRunner:
         if task.sent:
             task.hops.append(min(max(0.0, (time.perf_counter() - task.sent) * 1e3), 1e9))
         if first:  # the chunk's first stage: observation in, noise made here
-            state = first_state(rec.tensors, model.noise(task.seed, task.stream, task.chunk),
+            state = first_state(rec.tensors, self._noise(task, model),
                                 lambda t: self.io.to_device(t, model.dtype))
         else:
             state = {k: self.io.to_device(v) for k, v in rec.tensors.items()}
@@ -242,6 +269,9 @@ class TaskRunner:
         host = self.host.models[batch[0].model]
         b = batch[0].stage[1]
         slots = [self.host.placements[j.stream].slots[j.stage[0]] for j in batch]
+        for j in batch:
+            if self._leaves_after(j.task.stage, self.host.placements[j.stream], host.config):
+                self._wake_next(j.task, self.host.placements[j.stream])
         try:
             with self.io.timer() as timer:
                 states = run_stage(host.model, b, [j.stage[0] for j in batch], [j.state for j in batch],
@@ -282,12 +312,15 @@ class TaskRunner:
         try:
             while True:
                 k, b = task.stage
+                nxt = next_stage(task.stage, steps, blocks)
+                last = nxt is None or nxt not in placement.stages
+                if last:
+                    self._wake_next(task, placement)
                 with self.io.timer() as timer:
                     job.state = run_stage(host.model, b, [k], [job.state], KVBatch(host.tables[b], [placement.slots[k]]),
                                           handoff)[0]
                 ran.append((task.stage, timer))
-                nxt = next_stage(task.stage, steps, blocks)
-                if nxt is None or nxt not in placement.stages or timer.wall_end > deadline:
+                if last or timer.wall_end > deadline:
                     break
                 if timer.wall_end >= look:   # (a look costs as much as the rest of the step between two stages)
                     if self.has_task():
@@ -307,6 +340,23 @@ class TaskRunner:
         self.stats.batches += len(ran)
         self._settle(wait=False)
         self._forward(job, received)
+
+    @staticmethod
+    def _leaves_after(stage: Stage, placement: Placement, config: ModelConfig) -> bool:
+        """Whether a chunk leaves this worker after ``stage`` (for the next stage's worker, or the engine)."""
+        nxt = next_stage(stage, config.steps, config.blocks)
+        return nxt is None or nxt not in placement.stages
+
+    def _wake_next(self, task: p.Task, placement: Placement) -> None:
+        """Tell where ``task`` goes after its current stage that it is coming (it starts that stage now): a
+        Wake, so the receiver is awake when the chunk arrives (``Load.wake_ahead_us``; never blocks)."""
+        if not self.settings.wake_ahead_us:
+            return
+        try:
+            wake = p.Wake(stream=task.stream, chunk=task.chunk, seed=task.seed)
+            self._push(placement.routes[task.stage]).send_multipart(wire.encode(wake), zmq.NOBLOCK)
+        except zmq.Again:
+            pass   # the receiver is not taking messages: the chunk itself will find out
 
     def _stage_failed(self, batch: list[Job], exc: Exception) -> None:
         self.stats.errors += 1

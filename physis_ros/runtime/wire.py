@@ -54,8 +54,8 @@ class Channel(Generic[M]):
         self.decoder = msgspec.msgpack.Decoder(kinds)
 
 
-DATA: Channel[p.Task] = Channel("data", p.Task)
-OUTPUT: Channel[p.Output] = Channel("output", p.Output)
+DATA: Channel[p.Task | p.Wake] = Channel("data", p.Task | p.Wake)
+OUTPUT: Channel[p.Output | p.Wake] = Channel("output", p.Output | p.Wake)
 TO_WORKER: Channel[p.ToWorker] = Channel("control (to worker)", p.ToWorker)
 TO_ENGINE: Channel[p.ToEngine] = Channel("control (to engine)", p.ToEngine)
 

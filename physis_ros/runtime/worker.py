@@ -306,9 +306,10 @@ class Worker:
                     # two stages (a poll costs as much as a small stage's overhead; a chunk runs many stages).
                     events = {}
                 else:
-                    # Idle: block until a message comes, unless it went idle less than spin_us ago (then poll
-                    # without sleeping: a sleeping thread's wake-up costs more than a short spin).
-                    idle = not tasks.ready and now >= busy_until
+                    # Idle: block until a message comes, unless it went idle less than spin_us ago or a Wake
+                    # announced one (then poll without sleeping: a sleeping thread's wake-up costs more than a
+                    # short spin).
+                    idle = not tasks.ready and now >= busy_until and now >= tasks.spin_until
                     timeout = max(0.0, next_beat - now) * 1e3 if idle else 0
                     if self.starting:
                         timeout = min(timeout, 5.0)  # poll the loader

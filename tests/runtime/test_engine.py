@@ -447,3 +447,37 @@ def test_paced_streams_on_one_worker_are_spread_apart_unless_they_batch(batching
     else:
         assert phase(t0["a"], t0["b"]) < 1e-6
     assert phase(t0["w"], t0["a"]) > 0.2 and phase(t0["w"], t0["b"]) > 0.2
+
+
+@pytest.mark.parametrize("wake_ahead_us", [0, 1000])
+def test_a_paced_chunk_is_announced_to_each_receiver_and_still_equals_the_reference(wake_ahead_us):
+    """With wake-ups on, the engine wakes a paced stream's first worker before each release (which also makes
+    the chunk's noise then), each worker wakes the next before the chunk's last stage there, and the last
+    wakes the engine: what is computed is unchanged. Off, nobody is woken."""
+    cfg = load_model_config("tiny-wam")
+    scene = SyntheticScene(cfg.observation_shapes)
+    chunks = 5
+
+    async def main():
+        engine, served = new_engine(cfg, EngineConfig(workers=2, plan="step", wake_ahead_us=wake_ahead_us))
+        async with engine:
+            got = []
+            await engine.add_stream("robot0", lambda c: Observation(scene.observation("robot0", c), engine.clock()),
+                                    got.append, chunks=chunks, release_interval_ms=60.0, **served)
+            await engine.wait_stream("robot0")
+            stats = {w: (await engine.pool.request(w, p.Stats(req=0))).stats for w in ("w0", "w1")}
+            return got, stats, engine.wakes, served["plan"].segments()
+
+    got, stats, engine_wakes, segments = uvloop.run(main())
+    want = reference("tiny-wam", chunks)
+    assert [o.chunk for o in got] == list(range(chunks))
+    assert all(np.array_equal(o.output, want[("robot0", o.chunk)]) for o in got)
+    assert len(segments) == 2   # plan "step" on 2 workers: w0 runs the first steps, w1 the rest
+    if wake_ahead_us:
+        # w0 by the engine before every release but the first (that one is not waited for), w1 by w0 as each
+        # chunk starts its last stage there, the engine by w1
+        assert stats["w0"].wakes == chunks - 1
+        assert stats["w1"].wakes == chunks and engine_wakes == chunks
+    else:
+        assert stats["w0"].wakes == stats["w1"].wakes == engine_wakes == 0
+    assert stats["w0"].bad_messages == stats["w1"].bad_messages == 0

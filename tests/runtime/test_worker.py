@@ -276,3 +276,45 @@ def test_with_other_tasks_ready_a_turn_runs_one_stage(worker):
     worker.tasks.run_next()   # chunk 1's (4, 0); chunk 2 waits, so no run alone
     assert worker.stats.stages == 1
     assert sorted((j.chunk, j.stage) for j in worker.tasks.ready) == [(1, (4, 1)), (2, (4, 0))]
+
+
+# ---- wake-ups ahead of a message -----------------------------------------------------------------------
+def test_a_wake_keeps_the_worker_polling_and_makes_its_chunks_noise_ahead(worker):
+    host = worker.host.models["tiny-wam"]
+    before = time.monotonic()
+    worker.tasks.accept_task(wire.encode(p.Wake(stream="robot0", chunk=3, seed=7)))
+    assert worker.stats.wakes == 1 and worker.stats.bad_messages == 0 and not worker.tasks.ready
+    assert before < worker.tasks.spin_until <= time.monotonic() + 0.01   # polls, bounded
+    worker.tasks.accept_task(wire.encode(p.Task(stream="robot0", chunk=3, stage=(4, 0), epoch=0, seed=7),
+                                         {"obs/image": torch.zeros(1, 3, 32, 32), "obs/state": torch.zeros(1, 7)}))
+    assert torch.equal(worker.tasks.ready[0].state["x"], host.model.noise(7, "robot0", 3))
+    assert not worker.tasks._noise_ahead   # used once
+
+
+@pytest.mark.parametrize("wake", [p.Wake(stream="robot0", chunk=4, seed=0), p.Wake(stream="robot0", chunk=3, seed=1),
+                                  p.Wake(stream="nobody", chunk=3)])
+def test_a_wake_for_another_chunk_or_stream_changes_no_noise(worker, wake):
+    """The noise made ahead is used only by the chunk (and seed) it was made for; a wake that announced another
+    one (a reset, a stream that is not here) costs a spin, nothing else."""
+    host = worker.host.models["tiny-wam"]
+    worker.tasks.accept_task(wire.encode(wake))
+    worker.tasks.accept_task(task(chunk=3))
+    assert torch.equal(worker.tasks.ready[0].state["x"], host.model.noise(0, "robot0", 3))
+    assert worker.stats.bad_messages == 0 and worker.stats.stale == 0
+
+
+@pytest.mark.parametrize("wake_ahead_us, wakes", [(0, 0), (1000, 1)])
+def test_a_chunk_leaving_the_worker_wakes_its_next_stage_first(engine_end, wake_ahead_us, wakes):
+    worker = make_worker(engine_end, wake_ahead_us=wake_ahead_us)
+    sink = _catch_output(worker)
+    try:
+        worker.tasks.accept_task(task(chunk=5))
+        worker.tasks.run_next()
+        got = []
+        while sink.poll(500):
+            got.append(wire.decode(sink.recv_multipart(copy=False), wire.DATA).msg)
+        assert [type(m).__name__ for m in got] == ["Wake"] * wakes + ["Task"]   # the wake comes first
+        assert all((m.stream, m.chunk) == ("robot0", 5) for m in got)
+    finally:
+        sink.close(linger=0)
+        worker.close()
