@@ -269,9 +269,11 @@ class TaskRunner:
         host = self.host.models[batch[0].model]
         b = batch[0].stage[1]
         slots = [self.host.placements[j.stream].slots[j.stage[0]] for j in batch]
-        for j in batch:
-            if self._leaves_after(j.task.stage, self.host.placements[j.stream], host.config):
-                self._wake_next(j.task, self.host.placements[j.stream])
+        if self.settings.wake_ahead_us:
+            for j in batch:
+                placement = self.host.placements[j.stream]
+                if self._leaves_after(j.task.stage, placement, host.config):
+                    self._wake_next(j.task, placement)
         try:
             with self.io.timer() as timer:
                 states = run_stage(host.model, b, [j.stage[0] for j in batch], [j.state for j in batch],
@@ -312,8 +314,7 @@ class TaskRunner:
         try:
             while True:
                 k, b = task.stage
-                nxt = next_stage(task.stage, steps, blocks)
-                last = nxt is None or nxt not in placement.stages
+                last = self._leaves_after(task.stage, placement, host.config)
                 if last:
                     self._wake_next(task, placement)
                 with self.io.timer() as timer:
@@ -322,6 +323,7 @@ class TaskRunner:
                 ran.append((task.stage, timer))
                 if last or timer.wall_end > deadline:
                     break
+                nxt = next_stage(task.stage, steps, blocks)
                 if timer.wall_end >= look:   # (a look costs as much as the rest of the step between two stages)
                     if self.has_task():
                         break
@@ -349,7 +351,7 @@ class TaskRunner:
 
     def _wake_next(self, task: p.Task, placement: Placement) -> None:
         """Tell where ``task`` goes after its current stage that it is coming (it starts that stage now): a
-        Wake, so the receiver is awake when the chunk arrives (``Load.wake_ahead_us``; never blocks)."""
+        Wake, so the receiver is awake when the chunk arrives (if ``Load.wake_ahead_us``; never blocks)."""
         if not self.settings.wake_ahead_us:
             return
         try:
