@@ -40,8 +40,15 @@ def processes_with_marker(marker: str) -> list[int]:
     return found
 
 
+SHIPPED_PROFILES = str(Path(__file__).resolve().parents[2] / "config" / "profiles")
+
+
 def write_config(path: Path, streams: dict, **top) -> Path:
-    path.write_text(yaml.safe_dump({"/**": {"ros__parameters": {**top, "streams": streams}}}))
+    """A server config. Admission decides on the CPU profiles shipped in config/profiles unless ``admission``
+    says otherwise: a profile measured at start-up, at the lowest priority beside the workers' own start-up,
+    read 70 ms a chunk on a slow CI host and refused the second robot of a test that is not about admission."""
+    admission = {"profiles": SHIPPED_PROFILES, **top.pop("admission", {})}
+    path.write_text(yaml.safe_dump({"/**": {"ros__parameters": {**top, "admission": admission, "streams": streams}}}))
     return path
 
 
@@ -59,6 +66,7 @@ class Probe:
         self.executor.add_node(self.node)
         self.lock = threading.Lock()
         self.msgs: dict[str, list] = defaultdict(list)   # key -> [(msg, info)]
+        self._spinning = threading.Lock()   # held around each spin_once (see action_client)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._spin, daemon=True)
         self._thread.start()
@@ -66,11 +74,21 @@ class Probe:
     def _spin(self) -> None:
         while not self._stop.is_set():
             try:
-                self.executor.spin_once(timeout_sec=0.02)
+                with self._spinning:
+                    self.executor.spin_once(timeout_sec=0.02)
             except Exception:  # shutting down
                 if self._stop.is_set():
                     return
                 raise
+
+    def action_client(self, action_type, name: str):
+        """An ActionClient on this node, made while the executor is between spins: rclpy's ActionClient adds
+        itself to the node before it makes its lock, and an executor that looks at it in between dies with
+        AttributeError '_lock' (seen on a slow CI host: the probe then heard nothing more)."""
+        from rclpy.action import ActionClient
+
+        with self._spinning:
+            return ActionClient(self.node, action_type, name)
 
     def subscribe(self, key: str, msg_type, topic: str, qos) -> None:
         def callback(msg, info):

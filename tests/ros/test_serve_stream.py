@@ -135,8 +135,6 @@ class Goal:
 class Live:
     def __init__(self, tmp):
         from diagnostic_msgs.msg import DiagnosticArray
-        from rclpy.action import ActionClient
-
         from physis_ros.action import ServeStream
         from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
         from physis_ros.srv import ListStreams, RemoveStream
@@ -159,7 +157,7 @@ class Live:
         for k in ("a", "b", "c"):
             self.probe.subscribe(f"chunk/{k}", ActionChunk, f"/{NS[k]}/action_chunk", RELIABLE)
         self.probe.subscribe("frames/m", PredictedFrames, f"/{NS['m']}/predicted_frames", RELIABLE)
-        self.client = ActionClient(self.probe.node, ServeStream, f"/{NODE}/serve_stream")
+        self.client = self.probe.action_client(ServeStream, f"/{NODE}/serve_stream")
         self.list_client = self.probe.node.create_client(ListStreams, f"/{NODE}/list_streams")
         self.remove_client = self.probe.node.create_client(RemoveStream, f"/{NODE}/remove_stream")
         self.robots = Robots(self.probe.node)

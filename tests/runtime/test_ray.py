@@ -55,9 +55,11 @@ def cluster():
 
 
 def ray_config(cluster, **kw) -> EngineConfig:
-    # STRICT_SPREAD: the two workers must land on different (simulated) nodes.
-    return EngineConfig(workers=2, launcher="ray", ray=RayConfig(address=cluster.address, strategy="STRICT_SPREAD"),
-                        **kw)
+    # STRICT_SPREAD: the two workers must land on different (simulated) nodes. The liveness bound is not what
+    # these tests check (a lost actor is Ray's news): a 5 s floor keeps a chunk slowed by a busy 2-core host
+    # (Ray's own processes beside two workers) from resetting a stream whose events a test counts.
+    return EngineConfig(**{"workers": 2, "launcher": "ray", "chunk_timeout_floor_s": 5.0,
+                           "ray": RayConfig(address=cluster.address, strategy="STRICT_SPREAD"), **kw})
 
 
 def test_gpu_workers_ask_for_their_bundles_gpu_and_run_on_cuda0():
