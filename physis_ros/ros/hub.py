@@ -76,7 +76,8 @@ class StreamHub:
         self.check(name, stream)
         self.joining[name] = stream_namespace(name, stream)
         try:
-            served = await ticker.wait(self.loader.submit(self.catalog.resolve, stream.model))
+            served = await ticker.wait(self.loader.submit(self.catalog.resolve, stream.model,
+                                                                bool(node.streams)))
             try:
                 check_stream_model(f"streams.{name}", stream, served.config)
             except ConfigError as exc:

@@ -660,6 +660,30 @@ def test_a_first_profile_is_measured_at_the_lowest_priority(monkeypatch, tmp_pat
     assert catalog.resolve("tiny-wam").profile.corun_slowdown == pytest.approx(1.15)   # CPU co-run applied
 
 
+def test_a_first_profile_with_nothing_served_is_measured_at_normal_priority(monkeypatch):
+    """Bug found in CI: the server's first profile (its config streams at start-up, nothing served yet) was
+    measured at the lowest priority beside the robots' and workers' own start-up, read a tiny-wam chunk at
+    70 ms and refused the second robot (latency-jitter). With nothing to yield to, it keeps its priority."""
+    import os
+
+    from physis_ros.ros import models
+    from physis_ros.ros.config import AdmissionConfig
+
+    seen = []
+
+    def measure(config, device, repeats):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return wam_profile()
+
+    monkeypatch.setattr(models, "measure_profile", measure)
+    catalog = models.ModelCatalog("tiny-wam", "cpu", AdmissionConfig())
+    normal = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    loader = threading.Thread(target=lambda: (catalog.resolve("tiny-wam", False), catalog.resolve("tiny-acwm")))
+    loader.start()
+    loader.join(30)
+    assert seen == [normal, 19]     # the start-up measurement as is, a later one (streams served) yielding
+
+
 def test_an_unexpected_error_in_admission_still_answers_with_a_reason(goal_server):
     """Bug found: an exception other than a rejection (a corrupt checkpoint's safetensors error was one)
     left rclpy to answer the goal with an empty result: accepted false, no outcome, no reason."""
