@@ -311,7 +311,7 @@ def test_two_goals_racing_for_one_namespace_do_not_both_get_it():
     hub = hub_with()
     gate = threading.Event()
 
-    def resolve(ref: str):
+    def resolve(ref: str, serving: bool = True):
         gate.wait(10.0)
         raise Rejected("unknown-model", "the test ends the first join here")
 
@@ -325,7 +325,9 @@ def test_two_goals_racing_for_one_namespace_do_not_both_get_it():
 
     async def scenario():
         first = asyncio.create_task(hub.join("first", stream(namespace="shared"), "action", Ticker()))
-        while "first" not in hub.joining:
+        deadline = time.monotonic() + 10.0
+        while "first" not in hub.joining:   # (bounded: a first join that failed at once would leave it never set)
+            assert not first.done() and time.monotonic() < deadline, first
             await asyncio.sleep(0.001)
         try:
             with pytest.raises(Rejected) as exc:

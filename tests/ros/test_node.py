@@ -121,17 +121,26 @@ def test_reliable_trajectory_subscriber_matches_and_trajectories_are_controller_
         assert len(infos) == 1
         q = infos[0].qos_profile
         assert q.reliability == ReliabilityPolicy.RELIABLE  # (discovery does not carry the history kind)
+        # a RELIABLE subscription only matches a RELIABLE publisher (the module waited for chunks, not for these)
+        live.probe.wait(lambda: live.probe.count(f"traj/{name}") >= 10, 30.0, f"10 trajectories of {name}")
+        trajs = live.probe.get(f"traj/{name}")
         chunks = {m.chunk_index: m for m in live.chunks(name)}
         tel = {m.chunk_index: m for m, _ in live.probe.get("telemetry") if m.stream == name}
-        trajs = live.probe.get(f"traj/{name}")
-        assert len(trajs) >= 10  # a RELIABLE subscription only matches a RELIABLE publisher
         sent = [c for _, c in sorted(chunks.items()) if not c.late]   # one trajectory per chunk not late, in order
-        offset = [i for i, c in enumerate(sent) if c.chunk_index == min(chunks)][0]
-        for (traj, info), chunk in zip(trajs[:20], sent[offset:]):
+        # header.stamp: when the first point sent is due on the control timeline (step0 + the rows dropped as
+        # already due), still ahead at publication. Each trajectory is paired with its chunk by that stamp, not
+        # by arrival order: the trajectory subscription may match a chunk or two after the chunk one does.
+        due = np.array([sec(c.step0_stamp) + c.late_points * 0.02 for c in sent])
+        trajs = [t for t in trajs if sec(t[0].header.stamp) > due[0] - 1e-6]   # (chunks heard from the first on)
+        nearest = [int(np.argmin(np.abs(due - sec(traj.header.stamp)))) for traj, _ in trajs[:20]]
+        matched = [i if abs(due[i] - sec(traj.header.stamp)) <= 1e-6 else None
+                   for i, (traj, _) in zip(nearest, trajs[:20])]
+        assert None not in matched, (matched, [sec(t.header.stamp) for t, _ in trajs[:3]])
+        assert matched == list(range(matched[0], matched[0] + len(matched))), matched   # none missing, in order
+        for (traj, info), chunk in zip(trajs[:20], sent[matched[0]:]):
             assert list(traj.joint_names) == JOINTS
             k = chunk.late_points   # rows already due when it was published: dropped
             assert 0 <= k < 16
-            # header.stamp: when point 0 is due on the control timeline, still ahead at publication
             assert sec(traj.header.stamp) == pytest.approx(sec(chunk.step0_stamp) + k * 0.02, abs=1e-6)
             if chunk.chunk_index in tel:
                 assert sec(traj.header.stamp) > sec(tel[chunk.chunk_index].handover_stamp)
