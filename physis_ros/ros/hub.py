@@ -76,8 +76,9 @@ class StreamHub:
         self.check(name, stream)
         self.joining[name] = stream_namespace(name, stream)
         try:
-            served = await ticker.wait(self.loader.submit(self.catalog.resolve, stream.model,
-                                                                bool(node.streams)))
+            # (a first profile measured with nothing served yet need not yield to anything)
+            resolving = self.loader.submit(self.catalog.resolve, stream.model, bool(node.streams))
+            served = await ticker.wait(resolving)
             try:
                 check_stream_model(f"streams.{name}", stream, served.config)
             except ConfigError as exc:

@@ -135,6 +135,7 @@ class Goal:
 class Live:
     def __init__(self, tmp):
         from diagnostic_msgs.msg import DiagnosticArray
+
         from physis_ros.action import ServeStream
         from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
         from physis_ros.srv import ListStreams, RemoveStream
