@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from physis_ros.config import repo_config_dir
+
 TAG = f"t{os.getpid()}"
 DOMAIN = 1 + os.getpid() % 99
 NODE = f"physis_server_{TAG}"                       # servers run under this name: /diagnostics are ours
@@ -40,7 +42,7 @@ def processes_with_marker(marker: str) -> list[int]:
     return found
 
 
-SHIPPED_PROFILES = str(Path(__file__).resolve().parents[2] / "config" / "profiles")
+SHIPPED_PROFILES = str(repo_config_dir() / "profiles")
 
 
 def write_config(path: Path, streams: dict, **top) -> Path:
