@@ -9,6 +9,7 @@ fed the same messages through the same preprocessing (observation_from_msgs).
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -60,7 +61,8 @@ class SimRun:
         self.pub_img = p.node.create_publisher(Image, f"/{NS}/camera/image_raw", RELIABLE)
         self.pub_js = p.node.create_publisher(JointState, f"/{NS}/joint_states", RELIABLE)
         self.t_wall0 = time.monotonic()
-        self.clock_timer = p.node.create_timer(0.02, self.tick)  # sim time runs with wall time, from 1000 s
+        self.clock_lock = threading.Lock()  # the timer's thread and the observations' share /clock: one order
+        self.clock_timer = p.node.create_timer(0.4, self.tick)  # sim time runs with wall time, from 1000 s
         self.server = Child("server", serve_command(self.config, "--duration", "120", *NODE_ARGS, "-r",
                                                     f"/clock:={CLOCK}"),
                             env=child_env(self.marker), log=tmp / "serve.log")
@@ -68,9 +70,13 @@ class SimRun:
     def sim_now(self) -> float:
         return SIM_T0 + (time.monotonic() - self.t_wall0)
 
-    def tick(self) -> None:
+    def tick(self):
+        """Publish /clock at the simulated now and return that stamp."""
         from physis_ros.ros.conversions import time_msg
-        self.pub_clock.publish(self.Clock(clock=time_msg(self.sim_now())))
+        with self.clock_lock:
+            stamp = time_msg(self.sim_now())
+            self.pub_clock.publish(self.Clock(clock=stamp))
+        return stamp
 
     def serving_on_sim_time(self) -> bool:
         """Serving, on simulated time, and (as the server sees it) our subscriptions and publishers match."""
@@ -101,8 +107,6 @@ def observation_msgs(run: SimRun, i: int, stamp):
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory):
-    from physis_ros.ros.conversions import time_msg
-
     run = SimRun(tmp_path_factory.mktemp("sim"))
     try:
         try:
@@ -113,7 +117,10 @@ def sim(tmp_path_factory):
         assert run.server.poll() is None, run.server.tail(40)
         run.sent = []
         for i in range(N):
-            stamp = time_msg(run.sim_now())
+            # As a bag player does, the clock reaches an observation's stamp before the observation is sent:
+            # stamped on the test's own clock alone, an observation ran 300 ms ahead of the server's /clock on
+            # a slow CI host (the probe's clock timer starved) and its latency read -298 ms.
+            stamp = run.tick()
             img, js = observation_msgs(run, i, stamp)
             run.pub_img.publish(img)
             run.pub_js.publish(js)
@@ -179,8 +186,6 @@ def test_lost_worker_is_reported_restarted_and_the_stream_carries_on(sim):
     import os
     import signal
 
-    from physis_ros.ros.conversions import time_msg
-
     worker = latest_status(sim, "worker w0")
     assert worker is not None and worker["_level"] == 0, "no healthy worker status on /diagnostics"
     old_pid = int(worker["pid"])
@@ -200,7 +205,7 @@ def test_lost_worker_is_reported_restarted_and_the_stream_carries_on(sim):
     assert int(readmitted["resets.worker_lost"]) >= 1, readmitted
     more = []
     for i in range(N, N + 3):
-        img, js = observation_msgs(sim, i, time_msg(sim.sim_now()))
+        img, js = observation_msgs(sim, i, sim.tick())
         sim.pub_img.publish(img)
         sim.pub_js.publish(js)
         more.append(img)
