@@ -57,8 +57,11 @@ def cluster():
 def ray_config(cluster, **kw) -> EngineConfig:
     # STRICT_SPREAD: the two workers must land on different (simulated) nodes. The liveness bound is not what
     # these tests check (a lost actor is Ray's news): a 5 s floor keeps a chunk slowed by a busy 2-core host
-    # (Ray's own processes beside two workers) from resetting a stream whose events a test counts.
+    # (Ray's own processes beside two workers) from resetting a stream whose events a test counts. Nor is how
+    # fast an actor starts: with two busy loops beside the suite one took 43 s to start and a restart ran past
+    # the default 30 s budget, so starts and restarts get 150 s.
     return EngineConfig(**{"workers": 2, "launcher": "ray", "chunk_timeout_floor_s": 5.0,
+                           "start_timeout_s": 150.0, "restart_budget_s": 150.0,
                            "ray": RayConfig(address=cluster.address, strategy="STRICT_SPREAD"), **kw})
 
 
@@ -134,7 +137,7 @@ def test_a_stream_on_actors_on_two_nodes_matches_the_reference(cluster):
                                     chunks=chunks, keep_outputs=True)
             outputs = await engine.wait_stream("robot0")
             handles = [engine.launcher.handles[i] for i in range(2)]
-            await until(lambda: all(h.pid is not None for h in handles), timeout=10)  # each actor's info
+            await until(lambda: all(h.pid is not None for h in handles), timeout=30)  # each actor's info
             return (outputs, [h.info for h in handles], [w.data_addr for w in engine.pool.workers.values()],
                     engine.out_addr, engine.launcher.bind_host, dict(engine.launcher.timings))
         finally:
@@ -165,17 +168,17 @@ def test_a_killed_actor_is_recreated_in_its_bundle_and_its_stream_readmitted(clu
             await serve_a_on_w0_and_b_on_w1(engine, got)
             pool, launcher = engine.pool, engine.launcher
             old = launcher.handles[1]
-            await until(lambda: old.pid is not None, timeout=10)
+            await until(lambda: old.pid is not None, timeout=30)
             node = old.info["node_id"]
             os.kill(pool.workers["w1"].pid, signal.SIGKILL)
             t0 = time.monotonic()
             await until(lambda: any(e.kind == "failed" for e in events), timeout=10)
             detected_s = time.monotonic() - t0
-            await until(lambda: any(e.kind == "readmitted" for e in events), timeout=60)
+            await until(lambda: any(e.kind == "readmitted" for e in events), timeout=180)
             n = len(got["b"])
             await until(lambda: len(got["b"]) >= n + 3)
             new = launcher.handles[1]
-            await until(lambda: new.pid is not None, timeout=10)
+            await until(lambda: new.pid is not None, timeout=30)
             assert new is not old and new.pid != old.pid
             return (events, detected_s, engine.stream_status("a"), engine.stream_status("b"), got, node,
                     new.info["node_id"], pool.workers["w1"].restarts, engine.failure)
@@ -272,16 +275,16 @@ def test_a_lost_node_moves_its_worker_to_a_spare_node(cluster):
         try:
             await serve_a_on_w0_and_b_on_w1(engine, got)
             old, other = engine.launcher.handles[1], engine.launcher.handles[0]
-            await until(lambda: old.pid is not None and other.pid is not None, timeout=10)
+            await until(lambda: old.pid is not None and other.pid is not None, timeout=30)
             lost = next(n for n in cluster.worker_nodes if n.node_id == old.info["node_id"])
             spare = next(n for n in cluster.worker_nodes if n.node_id not in (old.info["node_id"],
                                                                               other.info["node_id"]))
             await asyncio.to_thread(cluster.remove_node, lost)
-            await until(lambda: any(e.kind == "readmitted" for e in events), timeout=60)
+            await until(lambda: any(e.kind == "readmitted" for e in events), timeout=180)
             n = len(got["b"])
             await until(lambda: len(got["b"]) >= n + 3)
             new = engine.launcher.handles[1]
-            await until(lambda: new.pid is not None, timeout=10)
+            await until(lambda: new.pid is not None, timeout=30)
             return events, old.info["node_id"], new.info["node_id"], spare.node_id, [o.chunk for o in got["a"]]
         finally:
             await engine.stop()
