@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from physis_ros.bags.analysis import Analysis, Inputs, analyse, collect_inputs, load_outputs
+from physis_ros.bags.analysis import Analysis, analyse, load_outputs
+from physis_ros.bags.inputs import Inputs, collect_inputs
 from physis_ros.bags.bagio import BagError, bag_info
 from physis_ros.bags.serveconf import ServeInfo, load_serve_info
 

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import yaml
 
-from physis_ros.bags.analysis import (Outputs, OutputChunk, analyse, collect_inputs, observation_tensors,
-                                      reference_outputs)
+from physis_ros.bags.analysis import Outputs, OutputChunk, analyse, observation_tensors, reference_outputs
 from physis_ros.bags.bagio import bag_info, read_all, read_with_mcap, typestore
+from physis_ros.bags.inputs import collect_inputs
 from physis_ros.bags.serveconf import load_serve_info
 from physis_ros.cli import bag as bag_cli
 

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from physis_ros.bags.analysis import Outputs, OutputChunk, analyse, input_observations, reference_outputs
+from physis_ros.bags.analysis import Outputs, OutputChunk, analyse, reference_outputs
+from physis_ros.bags.inputs import input_observations
 from physis_ros.bags.bagio import bag_info, read_all, read_with_mcap
 from physis_ros.bags.serveconf import load_serve_info
 
@@ -158,7 +159,7 @@ def fault_bag(tmp_path_factory):
 def test_checker_applies_the_servers_acceptance_rule(fault_bag):
     """Every rejected message is excluded (by the node's own rule) and listed with the node's reason;
     the reference runs on the accepted ones (the checker used to crash here with InputRejected)."""
-    from physis_ros.bags.analysis import collect_inputs
+    from physis_ros.bags.inputs import collect_inputs
 
     serve = load_serve_info()
     inputs = collect_inputs(fault_bag, serve)
@@ -193,7 +194,7 @@ def test_fault_bag_passes_and_rejections_agree_with_the_server(fault_bag, tmp_pa
 
 
 def test_analysis_flags_rejection_disagreement_and_nonfinite_outputs(few_observations):
-    from physis_ros.bags.analysis import Inputs, Rejection
+    from physis_ros.bags.inputs import Inputs, Rejection
 
     serve, inputs, refs = few_observations
     rejected = {"robot0": [Rejection("robot0", "/robot0/joint_states", "joint_states", 1, "nonfinite", "NaN")]}
