@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from physis_ros import heap
 from physis_ros.config import to_mapping
 from physis_ros.model import load_model_config
 from physis_ros.runtime import protocol as p
@@ -59,3 +60,17 @@ def test_a_worker_freezes_on_a_stream_start_only_in_its_own_process(serving, mon
         w.close()
     assert calls == ([False] if serving else [])
     assert gc.get_freeze_count() == before
+
+
+def test_heap_trimmer_trims_once_after_large_inputs_stop():
+    trimmer = heap.HeapTrimmer(large_bytes=1000, quiet_s=1.0)
+    calls = []
+    trimmer._trim = lambda pad: calls.append(pad)
+    assert not trimmer.note(10, now=0.0)              # small only: nothing to give back
+    assert not trimmer.note(5000, now=1.0)            # large frames: the working set
+    assert not trimmer.note(5000, now=1.5)
+    assert not trimmer.note(10, now=2.0)              # too soon after the last large one
+    assert trimmer.note(10, now=2.6) and calls == [0]
+    assert not trimmer.note(10, now=9.0) and calls == [0]   # once per burst
+    assert heap.HeapTrimmer()._trim is not None       # glibc here: the real malloc_trim
+    assert heap.HeapTrimmer(quiet_s=0.0).note(0) is False

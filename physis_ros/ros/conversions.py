@@ -16,9 +16,7 @@ uses (its ``dtype``: float32, float16 or bfloat16). (The output side is :mod:`ph
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import time
 
 import cv2
 import numpy as np
@@ -309,47 +307,6 @@ def image_from_msg(msg: Image | CompressedImage, stream: StreamConfig, model: Mo
     else:
         pixels, encoding = image_pixels(msg, max_bytes), msg.encoding.lower()
     return preprocess(pixels, encoding, size, channels, stream.image.preprocess, stream.image.pad_value)
-
-
-class HeapTrimmer:
-    """Gives the C heap's free memory back to the OS once large inputs stop coming.
-
-    A burst of large frames leaves freed buffers (DDS reassembly, rclpy deserialization) in glibc's
-    heap, which keeps them (its mmap threshold adapts upwards to the largest block freed). The
-    executor calls :meth:`note` with each camera message's size; the first message at least
-    ``quiet_s`` after the last large one (>= ``large_bytes``) triggers one ``malloc_trim(0)`` (~0.4 ms).
-    Nothing is trimmed while large frames keep coming: that memory is the working set. A no-op
-    where the C library has no ``malloc_trim``. (glibc's malloc_trim does not shrink the top of
-    a thread's own arena: with one arena, MALLOC_ARENA_MAX=1, everything freed comes back.)
-    """
-
-    def __init__(self, large_bytes: int = 1 << 20, quiet_s: float = 1.0):
-        self.large_bytes = large_bytes
-        self.quiet_s = quiet_s
-        self.pending = False
-        self.last_large = 0.0
-        self.trims = 0
-        try:
-            self._trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-        except OSError:
-            self._trim = None
-
-    def note(self, nbytes: int, now: float | None = None) -> bool:
-        """Record an input of ``nbytes``; True if it triggered a trim."""
-        now = time.monotonic() if now is None else now
-        if nbytes >= self.large_bytes:
-            self.pending, self.last_large = True, now
-            return False
-        if not self.pending or now - self.last_large < self.quiet_s:
-            return False
-        self.pending = False
-        if self._trim is not None:
-            self._trim(0)
-        self.trims += 1
-        return True
-
-
-HEAP = HeapTrimmer()   # one per process: the heap is
 
 
 # ---- joints -------------------------------------------------------------------------------------

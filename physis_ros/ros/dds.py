@@ -5,7 +5,7 @@ memory stayed 70-160 MB above its baseline with the defaults, because rmw_fastrt
 reader's sample buffers at the largest size ever received and glibc keeps what is freed in
 per-thread arenas. With readers in Fast DDS's DYNAMIC history mode (``config/fastdds.xml``, which
 rmw_fastrtps honours only with ``RMW_FASTRTPS_USE_QOS_FROM_XML=1``), one malloc arena, and the
-node's ``malloc_trim`` after a burst (:class:`~physis_ros.ros.conversions.HeapTrimmer`), it
+node's ``malloc_trim`` after a burst (:class:`~physis_ros.heap.HeapTrimmer`), it
 returns to within 2 MB. Settings the user already made are kept.
 """
 

@@ -25,6 +25,7 @@ from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
 
+from physis_ros.heap import HeapTrimmer
 from physis_ros.model.presets import load_model_config  # noqa: F401  (re-exported for tools that patch it)
 from physis_ros.msg import ChunkTelemetry
 from physis_ros.ros import conversions as conv
@@ -83,6 +84,7 @@ class PhysisServer(LifecycleNode):
         if self.ignored_parameters:
             self.get_logger().warning("ignoring parameters not known to physis_server (a shared parameters "
                                       "file?): " + ", ".join(self.ignored_parameters))
+        self.heap = HeapTrimmer()       # the process's C heap, given back after a burst of large frames
         self.closing = False
         self.state = "unconfigured"    # engine: unconfigured, starting, serving, failed, stopping, stopped
         self.lifecycle = "unconfigured"

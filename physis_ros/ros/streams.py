@@ -171,7 +171,7 @@ class RosStream:
         self.warn(exc.reason, f"stream {self.name}: rejected {what} [{exc.reason}]: {exc.detail} ({n} so far)")
 
     def on_image(self, msg: Image | CompressedImage) -> None:
-        conv.HEAP.note(len(msg.data))   # after a burst of large frames: malloc_trim once (see HeapTrimmer)
+        self.node.heap.note(len(msg.data))   # after a burst of large frames: malloc_trim once (see HeapTrimmer)
         try:
             data = acceptance.accept_image(msg, self.config, self.model, now=self.node.now())
         except conv.InputRejected as exc:

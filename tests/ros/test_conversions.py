@@ -450,20 +450,6 @@ def test_compressed_caps_and_garbage():
         assert err.value.reason == "decode", data[:10]
 
 
-def test_heap_trimmer_trims_once_after_large_inputs_stop():
-    trimmer = conv.HeapTrimmer(large_bytes=1000, quiet_s=1.0)
-    calls = []
-    trimmer._trim = lambda pad: calls.append(pad)
-    assert not trimmer.note(10, now=0.0)              # small only: nothing to give back
-    assert not trimmer.note(5000, now=1.0)            # large frames: the working set
-    assert not trimmer.note(5000, now=1.5)
-    assert not trimmer.note(10, now=2.0)              # too soon after the last large one
-    assert trimmer.note(10, now=2.6) and calls == [0]
-    assert not trimmer.note(10, now=9.0) and calls == [0]   # once per burst
-    assert conv.HEAP._trim is not None                # glibc here: the real malloc_trim
-    assert conv.HeapTrimmer(quiet_s=0.0).note(0) is False
-
-
 def test_jpeg_size_found_behind_long_metadata_segments():
     """EXIF / ICC segments (64 KB each, possibly several) come before the frame header."""
     px = RNG.integers(0, 256, (40, 50, 3), dtype=np.uint8)

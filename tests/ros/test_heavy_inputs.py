@@ -20,7 +20,7 @@ a large sample still in reassembly when five newer small ones overtake it).
 
 Memory: physis-serve makes two process settings (physis_ros/ros/dds.py, config/fastdds.xml) and the
 node itself calls ``malloc_trim(0)`` once after a burst of large frames
-(:class:`physis_ros.ros.conversions.HeapTrimmer`). Measured after 50 1080p + 4 4K frames (baseline
+(:class:`physis_ros.heap.HeapTrimmer`). Measured after 50 1080p + 4 4K frames (baseline
 ~287 MB; server RSS once settled, above baseline):
 
 - rmw_fastrtps defaults: +72 MB (+160 MB after one 8K frame). Each reader keeps its sample buffers
