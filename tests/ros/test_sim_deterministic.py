@@ -62,7 +62,7 @@ class SimRun:
         self.pub_js = p.node.create_publisher(JointState, f"/{NS}/joint_states", RELIABLE)
         self.t_wall0 = time.monotonic()
         self.clock_lock = threading.Lock()  # the timer's thread and the observations' share /clock: one order
-        self.clock_timer = p.node.create_timer(0.4, self.tick)  # sim time runs with wall time, from 1000 s
+        self.clock_timer = p.node.create_timer(0.02, self.tick)  # sim time runs with wall time, from 1000 s
         self.server = Child("server", serve_command(self.config, "--duration", "120", *NODE_ARGS, "-r",
                                                     f"/clock:={CLOCK}"),
                             env=child_env(self.marker), log=tmp / "serve.log")
