@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from physis_ros.bags.analysis import Analysis, analyse, load_outputs
-from physis_ros.bags.inputs import Inputs, collect_inputs
 from physis_ros.bags.bagio import BagError, bag_info
+from physis_ros.bags.inputs import Inputs, collect_inputs
 from physis_ros.bags.serveconf import ServeInfo, load_serve_info
 
 

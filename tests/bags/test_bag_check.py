@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from physis_ros.bags.analysis import Outputs, OutputChunk, analyse, reference_outputs
-from physis_ros.bags.inputs import input_observations
 from physis_ros.bags.bagio import bag_info, read_all, read_with_mcap
+from physis_ros.bags.inputs import input_observations
 from physis_ros.bags.serveconf import load_serve_info
 
 
