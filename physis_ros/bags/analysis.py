@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from physis_ros.bags.bagio import read_all
-from physis_ros.bags.inputs import (UNDECODABLE, InputObservation, Inputs, Rejection, message_class, accept_input,
-                                    counted_by_node)
+from physis_ros.bags.inputs import (UNDECODABLE, InputObservation, Inputs, Rejection, accept_input, counted_by_node,
+                                    message_class)
 from physis_ros.bags.serveconf import OBSERVATION_TOPIC, ServeInfo, StreamInfo
 
 
