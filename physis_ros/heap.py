@@ -43,7 +43,6 @@ class HeapTrimmer:
         self.quiet_s = quiet_s
         self.pending = False
         self.last_large = 0.0
-        self.trims = 0
         try:
             self._trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
         except OSError:
@@ -60,5 +59,4 @@ class HeapTrimmer:
         self.pending = False
         if self._trim is not None:
             self._trim(0)
-        self.trims += 1
         return True

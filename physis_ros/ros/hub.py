@@ -76,7 +76,7 @@ class StreamHub:
         self.check(name, stream)
         self.joining[name] = stream_namespace(name, stream)
         try:
-            # (a first profile measured with nothing served yet need not yield to anything)
+            # serving: a profile measured now yields the CPU to the streams served; with none yet it need not
             resolving = self.loader.submit(self.catalog.resolve, stream.model, bool(node.streams))
             served = await ticker.wait(resolving)
             try:
