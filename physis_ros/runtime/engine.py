@@ -50,6 +50,7 @@ log = logging.getLogger("physis.engine")
 __all__ = ["ChunkOutput", "Engine", "EngineError", "EngineHealth", "Observation", "ObserveFn", "OutputFn",
            "ServedModel", "StreamEvent", "Timeline"]
 BURST = 64  # output messages handled per turn before yielding to the monitor, feeders and control plane
+OUTPUT_SPIN_S = 0.003  # after a worker's Wake the output loop polls without sleeping at most this long
 
 
 class Engine:
@@ -339,28 +340,49 @@ class Engine:
 
     # ---- outputs -----------------------------------------------------------------------------
     async def _output_loop(self) -> None:
+        # Received through a plain view of the socket: the asyncio socket's future per message costs tens of
+        # microseconds on a thread that has been asleep. After a worker's Wake (a chunk's last stage there
+        # has started) the loop polls without sleeping, yielding to the other tasks between polls, until
+        # that chunk's output is in or OUTPUT_SPIN_S has passed: waking from epoll when the output lands
+        # costs more on a virtual machine than the polls (measured: the hop out 0.39-0.43 -> 0.31-0.35 ms).
+        sock = zmq.Socket.shadow(self.out.underlying)
+        announced: set[tuple[str, int]] = set()
+        spin_until = 0.0
         while True:
-            await self.out.poll(flags=zmq.POLLIN)
+            if not announced or time.perf_counter() >= spin_until:
+                announced.clear()
+                await self.out.poll(flags=zmq.POLLIN)
             for _ in range(BURST):
                 try:
-                    frames = await self.out.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                self._on_output(frames)
+                msg = self._on_output(frames)
+                if isinstance(msg, p.Wake):
+                    announced.add((msg.stream, msg.chunk))
+                    spin_until = time.perf_counter() + OUTPUT_SPIN_S
+                elif msg is not None:
+                    announced.discard((msg.stream, msg.chunk))
             await asyncio.sleep(0)  # a flood of outputs (or garbage) must not starve the other tasks
 
-    def _on_output(self, frames: list) -> None:
+    def _on_output(self, frames: list) -> p.Output | p.Wake | None:
+        """Take one message from the output socket; returns it (None: malformed, dropped)."""
         received, emit = time.perf_counter(), self.clock()
         try:
             rec = wire.decode(frames, wire.OUTPUT, self.max_bytes)
         except wire.WireError as exc:
             self.dropped["malformed"] += 1
             self.throttle.log(log, logging.WARNING, "malformed_output", f"malformed output message dropped: {exc}")
-            return
+            return None
         msg = rec.msg
         if isinstance(msg, p.Wake):   # a chunk's last stage has started: its output follows
             self.wakes += 1
-            return
+            return msg
+        self._take_output(rec, received, emit)
+        return msg
+
+    def _take_output(self, rec: wire.Received[p.Output], received: float, emit: float) -> None:
+        msg = rec.msg
         s = self.streams.get(msg.stream)
         if s is None or msg.epoch != s.epoch or msg.chunk not in s.inflight:
             self.dropped["stale"] += 1  # a removed stream, or an incarnation before a reset

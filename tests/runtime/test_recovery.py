@@ -75,6 +75,37 @@ def test_an_output_without_its_tensor_resets_only_its_stream():
     assert health.dropped.get("malformed", 0) >= 1 and health.failure is None
 
 
+def test_wakes_for_outputs_that_never_come_stall_nothing():
+    """After a worker's Wake the engine's output loop polls without sleeping until that chunk's output is in, for
+    a few ms at most, yielding to the other tasks between polls. A flood of Wakes whose outputs never come (a
+    chunk lost after its last stage started, a forged message) must not starve the feeders or either stream."""
+    async def main():
+        async with TwoStreams(EngineConfig(workers=2)) as run:
+            engine = run.engine
+            await run.until(lambda: len(run.got["a"]) >= 3 and len(run.got["b"]) >= 3)
+            ctx = zmq.Context()
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(engine.out_addr)
+            before = {k: len(v) for k, v in run.got.items()}
+            wakes, sent, end = engine.wakes, 0, time.monotonic() + 2.0
+            while time.monotonic() < end:
+                sock.send_multipart(wire.encode(p.Wake(stream="a", chunk=10**6)))
+                sock.send_multipart(wire.encode(p.Wake(stream="ghost", chunk=sent)))
+                sent += 2
+                await asyncio.sleep(0.002)
+            during = {k: len(v) - before[k] for k, v in run.got.items()}
+            await run.until(lambda: engine.wakes >= wakes + sent)
+            sock.close(linger=1000)
+            ctx.term()
+            await run.more(3)
+            return during, run.events, run.chunks("a"), run.chunks("b"), engine.health()
+
+    during, events, a, b, health = uvloop.run(main())
+    assert all(n >= 5 for n in during.values()), during   # both streams kept delivering through the flood
+    assert events == [] and contiguous(a) and contiguous(b) and a[0] == b[0] == 0
+    assert health.failure is None and not health.dropped.get("malformed")
+
+
 def test_a_silently_dropped_task_resets_its_stream_within_its_bound():
     """Was: a task a worker dropped left its chunk missing forever; the stream's credits never came back."""
     async def main():

@@ -291,6 +291,37 @@ def test_a_wake_keeps_the_worker_polling_and_makes_its_chunks_noise_ahead(worker
     assert not worker.tasks._noise_ahead   # used once
 
 
+def test_a_wake_rehearses_the_streams_last_first_task_and_changes_nothing(worker):
+    """While a chunk is on its way the worker takes its stream's previous first task in again (the path the
+    new one takes, warm) and throws that away: the queue, the noise made ahead and the counters stay as they
+    were, and the next task's state is exactly what it would have been."""
+    host = worker.tasks.host.models["tiny-wam"]
+    worker.tasks.accept_task(wire.encode(p.Wake(stream="robot0", chunk=0)))
+    assert worker.tasks.rehearsals == 0   # no first task seen yet: nothing to rehearse
+    worker.tasks.accept_task(task(chunk=0))
+    worker.tasks.ready.clear()
+    worker.tasks.accept_task(wire.encode(p.Wake(stream="robot0", chunk=1)))
+    assert worker.tasks.rehearsals == 1 and not worker.tasks.ready
+    assert worker.stats.bad_messages == 0 and worker.stats.stale == 0 and worker.tasks.accepted == 1
+    obs = {"obs/image": torch.rand(1, 3, 32, 32), "obs/state": torch.rand(1, 7)}
+    worker.tasks.accept_task(wire.encode(p.Task(stream="robot0", chunk=1, stage=(4, 0), epoch=0, order=1.0), obs))
+    state = worker.tasks.ready[0].state
+    assert torch.equal(state["x"], host.model.noise(0, "robot0", 1)) and not worker.tasks._noise_ahead
+    assert all(torch.equal(state[k], v) for k, v in obs.items())
+
+
+def test_a_rehearsal_that_fails_is_dropped_and_the_next_task_is_served(worker):
+    worker.tasks.accept_task(task(chunk=0))
+    worker.tasks.ready.clear()
+    worker.tasks._rehearsal["robot0"] = [b"\x93garbage"]   # (as if the stream's model had changed since)
+    worker.tasks.accept_task(wire.encode(p.Wake(stream="robot0", chunk=1)))
+    assert "robot0" not in worker.tasks._rehearsal and worker.stats.bad_messages == 0
+    worker.tasks.accept_task(task(chunk=1))
+    assert [j.chunk for j in worker.tasks.ready] == [1]
+    worker.tasks.drop_stream("robot0")   # a stopped stream's frames are let go
+    assert not worker.tasks._rehearsal
+
+
 @pytest.mark.parametrize("wake", [p.Wake(stream="robot0", chunk=4, seed=0), p.Wake(stream="robot0", chunk=3, seed=1),
                                   p.Wake(stream="nobody", chunk=3)])
 def test_a_wake_for_another_chunk_or_stream_changes_no_noise(worker, wake):
