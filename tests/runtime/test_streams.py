@@ -60,14 +60,29 @@ def test_place_on_timeline_counts_steps_and_assumes_a_conservative_delay():
 
     first = release(10.0)
     assert (first.first_step, first.shift, first.delay_steps) == (0, 0, 1)   # no delay measured yet: the extra
-    s.delays += [0.030, 0.031, 0.029, 0.090]    # a spike among 30 ms delays: the 90th percentile keeps it
+    s.delays += [0.030, 0.031, 0.029, 0.090]    # a spike among 30 ms delays: the estimate keeps it
     second = release(10.16)
     assert (second.first_step, second.shift) == (8, 8)
-    assert second.delay_steps == 6                # ceil(~0.072 s * 50) = 4 rows due, + the switch row, + 1 extra
+    assert second.delay_steps == 7                # ceil(0.090 s * 50) = 5 rows due, + the switch row, + 1 extra
     s.delays = [0.5] * 20                         # far beyond what the chunk can hand off: d <= min(s, H - s)
     assert release(10.32).delay_steps == 8
     s.delays = [0.01] * 20                        # the spike is forgotten once the window moves on
     assert release(10.48).delay_steps == 3
+
+
+def test_a_chunk_as_late_as_the_latest_in_the_window_takes_over_at_a_frozen_row():
+    """Was: the delay was the window's 90th percentile. With 18 of 20 delays just under 2 steps (39 ms) and 2
+    just over (41 ms), it froze 3 rows, and a chunk as late as those two (the robot switches at row
+    ceil(2.05) = 3) took over at an unfrozen row: 11 of 120 chunks in physis-bench handoff, seams up to
+    0.09 rad where every one could have been 0."""
+    from physis_ros.timeline import first_due_row
+    tl = Timeline(rate_hz=50.0, horizon=16, execution=8, handoff="hard")
+    s = state(0.12, tl)
+    s.delays = [0.039] * 9 + [0.041] + [0.039] * 9 + [0.041]
+    f = InFlight(10.0, 10.0, None, 1.0, 0.0)
+    s.place_on_timeline(f, 10.0)
+    k = first_due_row(10.0, 0.02, 10.0 + 0.041, 16)
+    assert k == 3 and k < f.delay_steps == 4
 
 
 def test_delay_is_counted_from_row_0_so_a_chunk_as_late_as_before_takes_over_at_a_frozen_row():
