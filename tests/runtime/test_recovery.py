@@ -81,22 +81,19 @@ def test_wakes_for_outputs_that_never_come_stall_nothing():
     chunk lost after its last stage started, a forged message) must not starve the feeders or either stream."""
     async def main():
         async with TwoStreams(EngineConfig(workers=2)) as run:
-            engine = run.engine
-            await run.until(lambda: len(run.got["a"]) >= 3 and len(run.got["b"]) >= 3)
-            ctx = zmq.Context()
-            sock = ctx.socket(zmq.PUSH)
-            sock.connect(engine.out_addr)
-            before = {k: len(v) for k, v in run.got.items()}
+            await run.more(3)
+            engine, before = run.engine, {k: len(v) for k, v in run.got.items()}
             wakes, sent, end = engine.wakes, 0, time.monotonic() + 2.0
-            while time.monotonic() < end:
-                sock.send_multipart(wire.encode(p.Wake(stream="a", chunk=10**6)))
-                sock.send_multipart(wire.encode(p.Wake(stream="ghost", chunk=sent)))
-                sent += 2
-                await asyncio.sleep(0.002)
-            during = {k: len(v) - before[k] for k, v in run.got.items()}
-            await run.until(lambda: engine.wakes >= wakes + sent)
-            sock.close(linger=1000)
-            ctx.term()
+            with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as forger:
+                forger.setsockopt(zmq.LINGER, 1000)
+                forger.connect(engine.out_addr)
+                while time.monotonic() < end:
+                    forger.send_multipart(wire.encode(p.Wake(stream="a", chunk=10**6)))
+                    forger.send_multipart(wire.encode(p.Wake(stream="ghost", chunk=sent)))
+                    sent += 2
+                    await asyncio.sleep(0.002)
+                during = {k: len(v) - before[k] for k, v in run.got.items()}
+                await run.until(lambda: engine.wakes >= wakes + sent)
             await run.more(3)
             return during, run.events, run.chunks("a"), run.chunks("b"), engine.health()
 
