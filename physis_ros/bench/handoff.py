@@ -164,7 +164,8 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
         pace = release_pace_ms(interval_ms, AdmissionConfig().pace_margin, timeline.rate_hz)
         admitted = admission.admit(name, served, pace, interval_ms)   # as the server paces a timeline stream (hub.py)
         await engine.add_stream(name, observe, on_output, model=served, plan=admitted.plan, chunks=chunks,
-                                slo_interval_ms=interval_ms, timeline=timeline, release_interval_ms=pace)
+                                slo_interval_ms=interval_ms, timeline=timeline, release_interval_ms=pace,
+                                release_phase_ms=admitted.placed.phase_ms)
     for name in names:
         await engine.wait_stream(name)
         runs[name].resets = sum(engine.stream_status(name)["resets"].values())

@@ -108,11 +108,13 @@ class ServerAdmission:
         self.calibration = calibration   # measured load per worker (None: trust the profiles alone)
         self.bound_jitter = bound_jitter  # admit streams with their latency-jitter budget (slo - pace)
 
-    def admit(self, stream: str, model: ServedModel, pace_ms: float, slo_ms: float | None = None) -> Admitted:
+    def admit(self, stream: str, model: ServedModel, pace_ms: float, slo_ms: float | None = None,
+              paced: bool = True) -> Admitted:
         """Place ``stream``, released every ``pace_ms`` (its booked interval), or raise :class:`Rejected`
         naming why; nothing running moves. With ``slo_ms`` (its published-interval SLO) its chunks'
         latency may vary by ``slo_ms - pace_ms``, and no placement may make that or any other budgeted
-        stream's worst-case jitter exceed its budget."""
+        stream's worst-case jitter exceed its budget. ``paced``: the engine releases it every ``pace_ms``
+        at the phase admission picks (``placed.phase_ms``); else whenever it can (booked at ``pace_ms``)."""
         if stream in self.admitted:
             raise Rejected("name-in-use", f"stream '{stream}' is already served")
         if model.profile is None:
@@ -124,7 +126,8 @@ class ServerAdmission:
         factors = np.array(self.load_factors())
         self.cluster.set_load_factors(factors)
         budget = None if slo_ms is None or not self.bound_jitter else max(0.0, slo_ms - pace_ms)
-        decision = self.scheduler.admit(StreamRequest(stream, model.id, pace_ms, jitter_budget_ms=budget))
+        decision = self.scheduler.admit(StreamRequest(stream, model.id, pace_ms, jitter_budget_ms=budget,
+                                                     paced=paced))
         if not decision.admitted:
             raise Rejected(decision.reason, decision.detail)
         if self.host is not None:

@@ -66,10 +66,11 @@ class EngineThread:
 
     def add_stream(self, name: str, observe: ObserveFn, on_output: OutputFn, *, model: ServedModel, plan: Plan,
                    slo_interval_ms: float | None, release_interval_ms: float | None = None,
-                   timeline: Timeline | None = None) -> concurrent.futures.Future:
+                   timeline: Timeline | None = None, release_phase_ms: float | None = None
+                   ) -> concurrent.futures.Future:
         return self.submit(lambda engine: engine.add_stream(
             name, observe, on_output, model=model, plan=plan, slo_interval_ms=slo_interval_ms,
-            release_interval_ms=release_interval_ms, timeline=timeline))
+            release_interval_ms=release_interval_ms, timeline=timeline, release_phase_ms=release_phase_ms))
 
     def remove_stream(self, name: str) -> concurrent.futures.Future:
         async def remove(engine: Engine) -> None:

@@ -86,7 +86,7 @@ class StreamHub:
             slo = slo_interval_ms(stream, served.config)
             pace = release_pace_ms(slo, node.config.admission.pace_margin, stream.control_rate_hz,
                                    stream.cadence == "timeline")    # what runs is what is admitted
-            admitted = self.admission.admit(name, served, pace, slo)
+            admitted = self.admission.admit(name, served, pace, slo, paced=stream.cadence == "timeline")
             try:
                 st = RosStream(node, name, stream, served, origin, admitted.workers)
                 node.streams[name] = st
@@ -94,7 +94,8 @@ class StreamHub:
                 release = pace if stream.cadence == "timeline" else None
                 await ticker.wait(node.engine.add_stream(name, st.observe, st.on_output, model=served,
                                                          plan=admitted.plan, slo_interval_ms=slo,
-                                                         release_interval_ms=release, timeline=st.timeline))
+                                                         release_interval_ms=release, timeline=st.timeline,
+                                                         release_phase_ms=admitted.placed.phase_ms))
             except Exception as exc:
                 self._forget(name)
                 raise Rejected("not-serving", f"the engine could not start stream '{name}': {exc}") from None

@@ -78,6 +78,9 @@ class Engine:
         self._started = False
         self.launcher: RayLauncher | None = None  # launcher ray: the placement group and actors
         self.links: LinkBook | None = None        # hops torch: where worker pairs meet, their generations
+        # Release phases (add_stream's release_phase_ms) count from here: streams that admission spread over
+        # their common interval meet at the relative phases it booked.
+        self.phase_epoch = time.monotonic()
 
     def in_flight_limit(self, plan: Plan) -> int:
         """Chunks a stream placed by ``plan`` may have in flight (config override, else from the plan)."""
@@ -185,7 +188,7 @@ class Engine:
                          model: ServedModel, plan: Plan, chunks: int | None = None,
                          slo_interval_ms: float | None = None, keep_outputs: bool = False,
                          release_interval_ms: float | None = None, emit_delay_ms: float | None = None,
-                         timeline: Timeline | None = None) -> None:
+                         timeline: Timeline | None = None, release_phase_ms: float | None = None) -> None:
         """Start feeding a stream of ``model``: ``chunks`` chunks (None: until removed), placed by ``plan``
         (which never changes: running streams do not move). Workers load the blocks it needs first.
 
@@ -196,7 +199,10 @@ class Engine:
         whenever the response latency stays under the delay (the latency is the price).
         ``timeline``: the stream's control timeline; each chunk then carries its first control step,
         the inference delay measured over the last chunks and, if asked, the hand-off to its
-        predecessor (physis_ros.model.handoff)."""
+        predecessor (physis_ros.model.handoff). ``release_phase_ms`` (with a release interval): the phase of
+        the interval, counted from :attr:`phase_epoch`, at which it is released (admission's choice,
+        :meth:`physis_ros.scheduling.cluster.Cluster.release_phase`); without one the engine spreads it
+        from the streams sharing its workers itself."""
         if not self._started:
             raise EngineError("start the engine before adding streams")
         if self.failure is not None:
@@ -224,21 +230,24 @@ class Engine:
             s.release_interval_s = release_interval_ms / 1e3
             if emit_delay_ms is not None:
                 s.emit_delay_s = emit_delay_ms / 1e3
-            shared, now = set(plan.workers_used), time.monotonic()
-            others = [o for o in self.streams.values()
-                      if o.release_t0 is not None and o.release_interval_s and shared & set(o.plan.workers_used)]
-            # Batching workers run same-model stages together only if they arrive together (and admission
-            # credits that): join such a stream's phase. Everything else is spread apart, so it does not queue.
-            mates = [o for o in others if self.config.batching != "off" and o.model.id == model.id
-                     and math.isclose(o.release_interval_s, s.release_interval_s)]
-            if mates:
-                t0, interval = mates[0].release_t0, s.release_interval_s
-                s.release_t0 = t0 + math.ceil((now - t0) / interval) * interval
-            else:
-                s.release_t0 = staggered_anchor(now, s.release_interval_s,
-                                                [(o.release_t0, o.release_interval_s) for o in others]) or now
+            s.release_t0 = self._anchor(s, time.monotonic(), release_phase_ms)
         self.streams[name] = s
         s.feeder = asyncio.create_task(self._feed(s), name=f"feed-{name}")
+
+    def _anchor(self, s: StreamState, now: float, phase_ms: float | None) -> float:
+        """When a paced stream's first release falls: at ``phase_ms`` of its interval (admission's choice) if
+        given, else at its batching mates' phase, else as far as it can from the streams sharing its workers."""
+        interval = s.release_interval_s
+        others = [o for o in self.streams.values() if o.release_t0 is not None and o.release_interval_s
+                  and set(s.plan.workers_used) & set(o.plan.workers_used)]
+        # Batching workers run same-model stages together only if they arrive together (and admission
+        # credits that): join such a stream's phase. Everything else is spread apart, so it does not queue.
+        mates = [o for o in others if self.config.batching != "off" and o.model.id == s.model.id
+                 and math.isclose(o.release_interval_s, interval)]
+        if phase_ms is None and not mates:
+            return staggered_anchor(now, interval, [(o.release_t0, o.release_interval_s) for o in others]) or now
+        t0 = self.phase_epoch + phase_ms / 1e3 if phase_ms is not None else mates[0].release_t0
+        return t0 + math.ceil((now - t0) / interval) * interval
 
     def workers_of(self, s: StreamState) -> list[WorkerProc]:
         by_index = {w.index: w for w in self.pool.workers.values()}

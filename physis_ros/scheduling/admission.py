@@ -27,6 +27,7 @@ class StreamRequest:
     slo_ms: float                        # output interval
     latency_slo_ms: float | None = None  # response latency (optional)
     jitter_budget_ms: float | None = None  # how much its chunk latency may vary (interval SLO - release pace)
+    paced: bool = False                  # released once per slo_ms, at a phase of it the scheduler picks
 
 
 @dataclass

@@ -32,7 +32,10 @@ worst-case jitter (:meth:`Cluster.jitter_ms`). Which streams run ahead depends o
 dispatch: ``oldest`` finishes a chunk it started before a newer one, so every co-located
 stream counts; ``edf`` (``deadline_order``) runs the earliest deadline first, so only streams with
 a budget no larger than ``i``'s count in full, and each later one delays ``i`` by at most the one
-stage task one of them may be running (tasks are not preempted). CPU workers on one host also share its
+stage task one of them may be running (tasks are not preempted). Paced streams are released at a
+phase of their interval (:meth:`Cluster.release_phase`, :mod:`~physis_ros.scheduling.phases`): two at
+the same pace, each wholly on the same device, meet only at their relative phase, so one delays the
+other by the backlog its earlier chunk leaves there, not by all of its work. CPU workers on one host also share its
 cores (``shared_cores``): with more of them busy than there are cores, a device runs at
 ``cores / busy devices`` of a core while another is busy, and a busy period stretches by that much for
 as long as the longest busy period elsewhere overlaps it. Streams without a budget (the simulator's)
@@ -44,11 +47,13 @@ vector operations, which keeps a placement decision fast at 1024 devices.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from physis_ros.scheduling.phases import choose_phase, wait_ms
 from physis_ros.scheduling.profiles import CostProfile
 from physis_ros.scheduling.ranks import VirtualRank
 from physis_ros.scheduling.settings import DeviceSpec
@@ -64,6 +69,7 @@ class PlacedStream:
     method: str = ""                      # how it was placed: best-fit, lds, equal-fallback, equal
     latency_slo_ms: float | None = None
     jitter_budget_ms: float | None = None  # how much its chunks' latency may vary (None: not checked)
+    phase_ms: float | None = None         # released at this phase of its interval (None: not paced)
 
     def work_by_device(self) -> dict[int, float]:
         out: dict[int, float] = {}
@@ -85,7 +91,8 @@ class PlacedStream:
         return {"stream": self.stream, "model": self.model, "slo_ms": self.slo_ms, "method": self.method,
                 "devices": self.devices, "ranks": [r.describe() for r in self.ranks],
                 "interval_alone_ms": round(self.interval_alone_ms, 4),
-                "latency_alone_ms": round(self.latency_alone_ms, 4)}
+                "latency_alone_ms": round(self.latency_alone_ms, 4),
+                **({} if self.phase_ms is None else {"phase_ms": round(self.phase_ms, 4)})}
 
 
 @dataclass
@@ -235,19 +242,44 @@ class Cluster:
         total = 0.0
         for w in set(placed.devices):
             batched, alone, _ = self._chunk_ms(placed, w, shares)
-            busy, blocking = batched - alone, 0.0
+            busy, blocking, apart = batched - alone, 0.0, []
             for q in streams:
                 if w not in q.devices:
                     continue
                 q_batched, _, q_stage = self._chunk_ms(q, w, shares)
-                if self._delays(placed, q):
-                    busy += q_batched
-                else:                      # one later-deadline task may be running: no preemption
+                if not self._delays(placed, q):   # one later-deadline task may be running: no preemption
                     blocking = max(blocking, q_stage)
+                elif self._phased_apart(placed, q):
+                    apart.append((q.phase_ms, q_batched))
+                else:
+                    busy += q_batched
+            if apart:   # the backlog those released before it leave (each of the rest can add all of its work)
+                busy += wait_ms(placed.slo_ms, placed.phase_ms, batched, apart)
             if busy_on is not None:
                 busy += self._contention_ms(w, alone + busy + blocking, busy_on)
             total += self.load[w] * max(0.0, busy + blocking)
         return total
+
+    @staticmethod
+    def _phased_apart(i: PlacedStream, q: PlacedStream) -> bool:
+        """Whether ``q`` meets ``i`` only at their fixed relative phase: both released at one pace, each
+        wholly on one (the same) device, so that its chunk is there from its release on."""
+        return (i.phase_ms is not None and q.phase_ms is not None and math.isclose(i.slo_ms, q.slo_ms)
+                and len(set(i.devices)) == 1 and set(q.devices) == set(i.devices))
+
+    def release_phase(self, placed: PlacedStream) -> float:
+        """The phase of its interval (ms) at which a paced stream placed like ``placed`` should be released:
+        a batching mate's (same model and pace, from the same device) when the devices batch, so that their
+        tasks arrive together as the batch credit assumes; else the one farthest from the phases of the
+        streams of its pace released onto the same device."""
+        first = placed.devices[0]
+        same = [q for q in self.streams.values() if q.stream != placed.stream and q.phase_ms is not None
+                and math.isclose(q.slo_ms, placed.slo_ms) and q.devices[0] == first]
+        if self.max_batch > 1:
+            for q in same:
+                if q.model == placed.model:
+                    return q.phase_ms
+        return choose_phase(placed.slo_ms, [q.phase_ms for q in same])
 
     def _busy_periods(self, streams: Sequence[PlacedStream], shares: dict[str, np.ndarray]) -> dict[int, float]:
         """Per device with work: one chunk of every stream there, batched as it batches (ms)."""

@@ -210,6 +210,8 @@ class JointScheduler(Scheduler):
         """Whether the complete placement of ``ranks`` on ``devices`` (applied) keeps every stream's latency
         jitter within its budget; the closest breach is kept for the rejection's detail."""
         new = PlacedStream(req.stream, req.model, req.slo_ms, ranks, devices, jitter_budget_ms=req.jitter_budget_ms)
+        if req.paced:
+            new.phase_ms = self.cluster.release_phase(new)
         breaches = self.cluster.jitter_breaches(new)
         for b in breaches:
             if self._jitter_miss is None or b[1] - b[2] < self._jitter_miss[1] - self._jitter_miss[2]:
@@ -368,6 +370,8 @@ class JointScheduler(Scheduler):
             ranks, method = self._equal[(req.model, req.slo_ms)], "equal-fallback"
         placed = PlacedStream(req.stream, req.model, req.slo_ms, list(ranks), devices, method, req.latency_slo_ms,
                               req.jitter_budget_ms)
+        if req.paced:
+            placed.phase_ms = self.cluster.release_phase(placed)
         assert placed.interval_alone_ms <= seq.budget + 1e-6, (placed.interval_alone_ms, seq.budget)
         self.cluster.add_stream(placed)
         return Decision(req, True, None, f"{method}: {len(ranks)} ranks on devices {devices}", placed,

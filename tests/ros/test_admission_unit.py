@@ -219,11 +219,16 @@ def test_a_world_model_whose_chunks_would_delay_a_policys_is_placed_on_another_w
     adm.admit("r0", wam, 80.0, 100.0)
     assert adm.admitted["r0"].placed.jitter_budget_ms == pytest.approx(20.0)
     assert adm.admit("wm", served(acwm, ACWM), 200.0, 300.0).workers == ["w1"]   # not beside r0 (25 > 20 ms)
-    with pytest.raises(Rejected) as exc:                        # r0 or wm would wait for a 16 ms chunk: r1 is
-        adm.admit("r1", wam, 80.0, 95.0)                        # refused for its own 15 ms budget
+    with pytest.raises(Rejected) as exc:                        # free-running, r1 would wait for a 16 ms chunk
+        adm.admit("r1", wam, 80.0, 95.0, paced=False)           # of r0 or wm: refused for its own 15 ms budget
     assert exc.value.reason == "latency-jitter" and "'r1'" in exc.value.detail
     assert set(adm.admitted) == {"r0", "wm"}
-    assert adm.admit("r1", wam, 80.0, 100.0).workers == ["w0"]  # 16 <= 20 ms beside r0
+    assert adm.admit("r1", wam, 80.0, 100.0, paced=False).workers == ["w0"]   # 16 <= 20 ms beside r0
+    # paced at r0's pace, r1 is released half an interval from it, after r0's chunk is done: it waits for
+    # nothing there, so a 15 ms budget holds
+    adm.remove("r1")
+    r1 = adm.admit("r1", wam, 80.0, 95.0)
+    assert r1.workers == ["w0"] and r1.placed.phase_ms == 40.0 and adm.admitted["r0"].placed.phase_ms == 0.0
     # without an SLO (the old call) no budget is checked: Best-Fit packs the world model beside the robots
     packed = ServerAdmission(2, make_device(), make_config(0.0))
     packed.admit("r0", wam, 80.0)

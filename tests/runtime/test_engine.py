@@ -449,6 +449,29 @@ def test_paced_streams_on_one_worker_are_spread_apart_unless_they_batch(batching
     assert phase(t0["w"], t0["a"]) > 0.2 and phase(t0["w"], t0["b"]) > 0.2
 
 
+def test_a_stream_given_a_release_phase_is_released_at_that_phase_of_its_interval():
+    """Admission books streams sharing a worker at phases of their common interval
+    (Cluster.release_phase); the engine must release each at the phase it was booked at, counted from its
+    phase epoch, whatever else shares the worker, and not spread it on its own."""
+    cfg = load_model_config("tiny-wam")
+    scene = SyntheticScene(cfg.observation_shapes)
+    interval = 0.08
+
+    async def main():
+        engine, served = new_engine(cfg, EngineConfig(workers=1, plan="sequential"))
+        async with engine:
+            for name, phase_ms in (("a", 0.0), ("b", 20.0), ("c", 20.0)):
+                await engine.add_stream(name, lambda c, n=name: Observation(scene.observation(n, c), engine.clock()),
+                                        chunks=2, release_interval_ms=interval * 1e3, release_phase_ms=phase_ms,
+                                        **served)
+            return engine.phase_epoch, {n: engine.streams[n].release_t0 for n in ("a", "b", "c")}
+
+    epoch, t0 = uvloop.run(main())
+    for name, phase_ms in (("a", 0.0), ("b", 20.0), ("c", 20.0)):
+        slots = (t0[name] - epoch - phase_ms / 1e3) / interval
+        assert slots == pytest.approx(round(slots), abs=1e-6), (name, slots)
+
+
 @pytest.mark.parametrize("wake_ahead_us", [0, 1000])
 def test_a_paced_chunk_is_announced_to_each_receiver_and_still_equals_the_reference(wake_ahead_us):
     """With wake-ups on, the engine wakes a paced stream's first worker before each release (which also makes

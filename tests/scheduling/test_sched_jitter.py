@@ -154,3 +154,65 @@ def test_the_equal_splits_fallback_onto_an_empty_device_is_checked_where_devices
     d = sched.admit(world("wm", budget=60.0))         # on device 1, r0's 20 ms period would stretch by 0.6 x 16
     assert d.reason == "latency-jitter", d
     assert set(sched.cluster.streams) == {"r0", "r1"} and sched.cluster.util[1] == 0.0 and sched.cluster.mem[1] == 0.0
+
+
+def paced(name: str, budget: float = 5.0, model: str = "p", slo_ms: float = 80.0) -> StreamRequest:
+    return StreamRequest(name, model, slo_ms=slo_ms, jitter_budget_ms=budget, paced=True)
+
+
+def test_paced_robots_on_one_device_are_released_apart_and_do_not_delay_each_other():
+    """Bug found by physis-bench admission (batching off): two robots staggered on one worker held p99 88-89 ms
+    (one alone: 89), yet the bound counted each one's whole chunk against the other, and with the host's
+    cores shared a third robot was refused latency-jitter. Released at phases 40 ms apart, a 10 ms chunk
+    is done long before the other's release: neither waits."""
+    sched = scheduler(devices=1)
+    c = sched.cluster
+    assert sched.admit(paced("r0")).placed.phase_ms == 0.0
+    d = sched.admit(paced("r1"))              # unphased, r0's 10 ms chunk would break r1's 5 ms budget
+    assert d.admitted and d.placed.phase_ms == 40.0 and d.placed.devices == [0]
+    assert c.jitter_ms(c.streams["r0"]) == 0.0 and c.jitter_ms(c.streams["r1"]) == 0.0
+    d = sched.admit(paced("r2"))
+    assert d.admitted and d.placed.phase_ms in (20.0, 60.0)
+    assert "phase_ms" in d.as_dict()
+    # unpaced, the same robot may meet any of their chunks: 20 ms > 5
+    assert sched.admit(robot("free", budget=5.0)).reason == "latency-jitter"
+
+
+def test_phased_chunks_longer_than_the_gap_wait_for_the_backlog_before_them():
+    # 25 ms chunks at phases 0 and 40 (pace 80): the second is free, a third at 20 waits 5 ms for the first
+    long = make_profile("l", blocks=4, stage_ms=6.25)
+    sched = scheduler(devices=1, profiles={"l": long})
+    c = sched.cluster
+    c.util_cap[:] = 2.0      # time capacity is not what this test is about
+    sched.admit(paced("r0", budget=12.0, model="l"))
+    sched.admit(paced("r1", budget=12.0, model="l"))
+    assert c.jitter_ms(c.streams["r1"]) == 0.0
+    d = sched.admit(paced("r2", budget=12.0, model="l"))
+    assert d.admitted and d.placed.phase_ms == 20.0
+    # r2 waits for r0's last 5 ms; r1 (at 40) for r2's last 10 ms; r0 is free again by 80
+    assert c.jitter_ms(c.streams["r2"]) == pytest.approx(5.0)
+    assert c.jitter_ms(c.streams["r1"]) == pytest.approx(10.0)
+    assert c.jitter_ms(c.streams["r0"]) == pytest.approx(0.0)
+    assert sched.admit(paced("r3", budget=12.0, model="l")).reason == "latency-jitter"   # 4 x 25 ms > 80
+
+
+def test_streams_at_another_pace_meet_a_paced_one_at_every_phase():
+    sched = scheduler(devices=1)
+    c = sched.cluster
+    sched.admit(paced("r0", budget=20.0))
+    d = sched.admit(StreamRequest("wm", "w", slo_ms=200.0, jitter_budget_ms=60.0, paced=True))
+    assert d.admitted
+    assert c.jitter_ms(c.streams["r0"]) == pytest.approx(16.0) and c.jitter_ms(c.streams["wm"]) == pytest.approx(10.0)
+
+
+def test_batching_mates_share_a_phase_and_delay_each_other_by_the_batch_curve():
+    curve = make_profile("p", blocks=4, stage_ms=2.5)
+    curve = dataclasses.replace(curve, stage_ms={s: {1: 2.5, 2: 3.5, 3: 4.5} for s in curve.stage_ms})
+    sched = scheduler(devices=1, max_batch=3, profiles={"p": curve, "w": WORLD})
+    c = sched.cluster
+    for name in ("r0", "r1"):
+        assert sched.admit(paced(name, budget=12.0)).placed.phase_ms == 0.0
+    assert c.jitter_ms(c.streams["r0"]) == pytest.approx(4.0)             # as unphased: they run together
+    d = sched.admit(StreamRequest("wm", "w", slo_ms=80.0, jitter_budget_ms=60.0, paced=True))
+    assert d.admitted and d.placed.phase_ms == 40.0                       # another model: spread apart
+    assert c.jitter_ms(c.streams["r0"]) == pytest.approx(4.0)
