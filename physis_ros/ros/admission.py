@@ -170,12 +170,16 @@ class ServerAdmission:
 
 def worker_headroom(headroom: float, device: str, workers: int, reserve_cores: float, cores: int | None) -> float:
     """The fraction of each worker's time admission keeps free. CPU workers share the host's cores with
-    the node (ROS callbacks, image conversion, publishing) and whatever else runs there: each may use
-    at most ``(cores - reserve_cores) / workers`` of a core, however fast one stage is alone."""
+    the node (ROS callbacks, image conversion, publishing) and whatever else runs there: one may use
+    at most ``cores - reserve_cores`` of a core (and a worker process runs on one core), however fast one
+    stage is alone. What they may use together is the host budget's (:class:`HostBudget`, ``host-cpu``),
+    and what two busy at once cost each other is the jitter bound's (``Cluster.shared_cores``); an equal
+    split of the cores (``(cores - reserve) / workers`` each) would refuse the third robot a worker holds
+    staggered while the other worker idles."""
     if device != "cpu":
         return headroom
     cores = cores or os.cpu_count() or 1
-    share = min(1.0, max(0.0, cores - reserve_cores) / max(1, workers))
+    share = min(1.0, max(0.0, cores - reserve_cores))
     return max(headroom, 1.0 - share)
 
 

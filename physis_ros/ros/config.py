@@ -210,10 +210,11 @@ class AdmissionConfig:
         "interval (latency-jitter): the chunks sharing its workers, per engine.policy (false: book time "
         "only, e.g. for robots that buffer chunks)"))
     host_reserve_cores: float = field(default=0.75, metadata=bounded(
-        ge=0.0, le=1024.0, doc="CPU workers: cores left to the node and the host's other work; each worker may use "
-                               "at most (cores - this) / workers of a core (physis-bench admission, 2-core host: "
-                               "0.5 let a worker fill to 0.75 of a core, where chunk latency jitter broke 100 ms "
-                               "SLOs in 3 of 5 phases; 0.75 held 4 of 5)"))
+        ge=0.0, le=1024.0, doc="CPU workers: cores left to the node and the host's other work: the workers' load "
+                               "plus this plus host_cores_per_stream per stream must fit the host's cores (host-cpu), "
+                               "and workers busy at once share the cores less this (the jitter bound). physis-bench "
+                               "admission, 2-core host: 0.5 let two busy workers break 100 ms SLOs in 3 of 5 phases, "
+                               "0.75 held 4 of 5"))
     host_cores_per_stream: float = field(default=0.08, metadata=bounded(
         ge=0.0, le=64.0, doc="CPU workers: host cores each stream costs outside the workers (the node's callbacks, "
                              "image conversion and publishing; about 0.07 per 30 Hz robot measured by "

@@ -711,19 +711,42 @@ def test_an_unexpected_error_in_admission_still_answers_with_a_reason(goal_serve
 def test_cpu_workers_are_admitted_against_the_cores_the_host_leaves_them():
     """Bug found by physis-bench admission: 2 CPU workers on a 2-core host were admitted as 2 whole devices
     while the node and the robots' inputs took half a core or more, so every stream missed its SLO once
-    the workers' predicted load passed about 1.1 cores. A CPU worker may use at most (cores - reserve) /
-    workers of a core; GPU workers keep the configured headroom."""
+    the workers' predicted load passed about 1.1 cores. A CPU worker may use at most cores - reserve of a
+    core (the host budget bounds them together, test below); GPU workers keep the configured headroom."""
     from physis_ros.ros.admission import server_admission, worker_headroom
     from physis_ros.ros.config import serve_config
 
-    assert worker_headroom(0.1, "cpu", 2, 0.5, cores=2) == pytest.approx(0.25)     # 0.75 core each
-    assert worker_headroom(0.1, "cpu", 1, 0.5, cores=2) == pytest.approx(0.1)      # a whole core is left
+    assert worker_headroom(0.1, "cpu", 2, 0.5, cores=2) == pytest.approx(0.1)      # a core each, at most
+    assert worker_headroom(0.1, "cpu", 2, 1.5, cores=2) == pytest.approx(0.5)      # half a core is left
     assert worker_headroom(0.1, "cpu", 4, 0.5, cores=16) == pytest.approx(0.1)
     assert worker_headroom(0.1, "h200", 8, 0.5, cores=2) == pytest.approx(0.1)     # a GPU is its own device
-    assert worker_headroom(0.1, "cpu", 3, 0.5, cores=1) == pytest.approx(1.0 - 0.5 / 3)   # a sixth each
-    cfg = serve_config({"engine": {"workers": 2}, "admission": {"host_reserve_cores": 0.5}})
+    assert worker_headroom(0.1, "cpu", 3, 0.5, cores=1) == pytest.approx(0.5)
+    cfg = serve_config({"engine": {"workers": 2}, "admission": {"host_reserve_cores": 1.25}})
     admission, device = server_admission(cfg, cores=2)
     assert device == "cpu" and admission.cluster.headroom == pytest.approx(0.25)
+
+
+def test_paced_robots_fill_one_cpu_worker_staggered_before_the_other_worker_is_used():
+    """Bug found by physis-bench admission (batching off, 2-core host): each of 2 workers was capped at
+    (2 - 0.75) / 2 = 0.625 of a core, so with chunks measured 1.2x their profile the third robot went to the
+    idle worker, and robots on both workers fought over the cores (p99 100-108 ms of a 100 ms SLO). Three
+    robots staggered on one worker, the other idle, held p99 88-91 ms (a lone robot: 94). The host budget
+    still refuses the fourth."""
+    from physis_ros.ros.admission import HostBudget, worker_headroom
+    from physis_ros.ros.calibration import LoadCalibration
+
+    host = HostBudget(cores=2, reserve=0.75, per_stream=0.08, headroom=0.1)
+    adm = ServerAdmission(2, make_device(), make_config(worker_headroom(0.1, "cpu", 2, 0.75, cores=2)), host=host,
+                          calibration=LoadCalibration())
+    adm.follow({0: 1.2, 1: 1.2})        # measured 1.2x busier than profiled
+    assert adm.load_factors() == [1.2, 1.2]
+    model = served(wam_profile(stage_ms=15.0 / 32))                     # 15 ms chunks
+    robots = [adm.admit(f"r{i}", model, 80.0, 100.0) for i in range(3)]
+    assert [r.workers for r in robots] == [["w0"]] * 3
+    assert sorted(r.placed.phase_ms for r in robots) == [0.0, 20.0, 40.0]
+    with pytest.raises(Rejected) as exc:
+        adm.admit("r3", model, 80.0, 100.0)
+    assert exc.value.reason == "host-cpu"
 
 
 def test_the_host_budget_rejects_what_the_workers_alone_would_take():
