@@ -212,7 +212,7 @@ async def run_all(args: argparse.Namespace) -> dict:
     trained = catalog.resolve(args.checkpoint)
     random_model = catalog.resolve("tiny-wam")
     horizon = trained.config.output_shape[0]
-    skip = min(4, args.chunks // 4)
+    skip = min(max(4, Timeline.delay_warmup), args.chunks // 4)   # start-up and the delay estimate's warm-up
     rows, examples = [], {}
     async with Engine(config) as engine:
         admission = ServerAdmission(args.workers, load_device("cpu"), load_scheduling(), max_batch=1)

@@ -92,6 +92,10 @@ class Timeline:
     # estimate takes over past its frozen rows; with the 90th percentile about 1 in 10 did whenever the
     # delays sat just below a step boundary (physis-bench handoff: 11 of 120 chunks, seam p99 0.05-0.09 rad).
     delay_quantile: float = 100.0
+    # Delays the estimate needs before it is trusted: until then the hand-off assumes the largest delay it can
+    # honour. The largest of 1-3 start-up delays was often one step short (physis-bench handoff: a seam of
+    # 0.11 rad at chunk 3; make demo: 0.24-0.26 rad in a robot's first second).
+    delay_warmup: int = 5
     lead_s: float = 0.0            # rows due sooner than this after a chunk's emit are not sent (the node's
                                    # trajectory_min_lead_s): the delay counts it
 
@@ -209,20 +213,27 @@ class StreamState:
     def place_on_timeline(self, f: InFlight, release: float) -> p.HandoffSpec | None:
         """Place a chunk released now on the control timeline (its first step, the shift since the last
         one, the delay the hand-off assumes: the largest of the recent delays, in steps, plus any
-        injected extra); its hand-off, if the stream asks for one."""
+        injected extra; the largest it can honour while too few delays are known); its hand-off, if the
+        stream asks for one."""
         tl = self.timeline
         if tl is None:
             return None
         if self.timeline_t0 is None:
             self.timeline_t0 = release
         f.first_step = round((release - self.timeline_t0) * tl.rate_hz)
-        f.shift = f.first_step - (self.last_step if self.last_step is not None else f.first_step)
+        first = self.last_step is None     # nothing before it to hand off from
+        f.shift = f.first_step - (f.first_step if first else self.last_step)
         self.last_step = f.first_step
         recent = self.delays[-tl.delay_window:]
-        # Rows the robot takes from the previous chunk: those due before this one arrives (the delay in
-        # steps, rounded up, the largest of the recent ones) plus the row it switches at, so
-        # that the switch itself lands on a point the previous chunk committed to.
-        measured = math.ceil(float(np.percentile(recent, tl.delay_quantile)) * tl.rate_hz) + 1 if recent else 0
+        if first and not recent:
+            measured = 0
+        elif len(recent) < tl.delay_warmup:
+            measured = tl.max_delay
+        else:
+            # Rows the robot takes from the previous chunk: those due before this one arrives (the delay in
+            # steps, rounded up, the largest of the recent ones) plus the row it switches at, so
+            # that the switch itself lands on a point the previous chunk committed to.
+            measured = math.ceil(float(np.percentile(recent, tl.delay_quantile)) * tl.rate_hz) + 1
         f.delay_steps = min(tl.max_delay, measured + tl.extra_delay)
         if tl.handoff == "none":
             return None

@@ -60,7 +60,7 @@ def test_place_on_timeline_counts_steps_and_assumes_a_conservative_delay():
 
     first = release(10.0)
     assert (first.first_step, first.shift, first.delay_steps) == (0, 0, 1)   # no delay measured yet: the extra
-    s.delays += [0.030, 0.031, 0.029, 0.090]    # a spike among 30 ms delays: the estimate keeps it
+    s.delays += [0.030, 0.031, 0.029, 0.030, 0.090]   # a spike among 30 ms delays: the estimate keeps it
     second = release(10.16)
     assert (second.first_step, second.shift) == (8, 8)
     assert second.delay_steps == 7                # ceil(0.090 s * 50) = 5 rows due, + the switch row, + 1 extra
@@ -68,6 +68,22 @@ def test_place_on_timeline_counts_steps_and_assumes_a_conservative_delay():
     assert release(10.32).delay_steps == 8
     s.delays = [0.01] * 20                        # the spike is forgotten once the window moves on
     assert release(10.48).delay_steps == 3
+
+
+def test_until_a_few_delays_are_known_the_handoff_assumes_the_largest_it_can_honour():
+    """Was: chunk 3 assumed the largest of chunks 0-2's delays (2 steps), came 3 steps late and took over past
+    its frozen rows (physis-bench handoff, seam 0.11 rad; make demo: 0.24-0.26 rad in a robot's first
+    second). Until delay_warmup delays are known, d is min(s, H - s); the first chunk hands off from
+    nothing."""
+    tl = Timeline(rate_hz=50.0, horizon=16, execution=8, handoff="hard")
+    s = state(0.12, tl)
+    placed = []
+    for c in range(8):
+        f = InFlight(10.0 + 0.12 * c, 10.0 + 0.12 * c, None, 1.0, 0.0)
+        s.place_on_timeline(f, f.enqueue)
+        placed.append(f.delay_steps)
+        s.timeline_done(f, f.enqueue + 0.030)               # 1.5 steps after row 0
+    assert placed == [0] + [8] * (tl.delay_warmup - 1) + [3, 3, 3]   # then ceil(1.5) + the switch row
 
 
 def test_a_chunk_as_late_as_the_latest_in_the_window_takes_over_at_a_frozen_row():
@@ -93,6 +109,7 @@ def test_delay_is_counted_from_row_0_so_a_chunk_as_late_as_before_takes_over_at_
     from physis_ros.timeline import first_due_row
     tl = Timeline(rate_hz=50.0, horizon=16, execution=8, handoff="hard")
     s = state(0.128, tl)
+    s.delays = [0.030] * (tl.delay_warmup - 1)                   # past the warm-up (test above)
     chunks = [InFlight(t, t, None, 1.0, 0.0) for t in (10.0, 10.128, 10.256)]
     for f in chunks[:2]:
         s.place_on_timeline(f, f.enqueue)
@@ -109,6 +126,7 @@ def test_the_senders_lead_counts_in_the_delay():
     later is when the robot takes it over, so the delay the next chunk freezes rows for counts it."""
     tl = Timeline(rate_hz=50.0, horizon=16, execution=8, handoff="hard", lead_s=0.004)
     s = state(0.12, tl)
+    s.delays = [0.010] * (tl.delay_warmup - 1)  # past the warm-up
     first, second = InFlight(10.0, 10.0, None, 1.0, 0.0), InFlight(10.12, 10.12, None, 1.0, 0.0)
     s.place_on_timeline(first, 10.0)
     s.timeline_done(first, 10.0 + 0.038)        # 1.9 steps after row 0; with the lead 2.1
