@@ -730,8 +730,8 @@ def test_paced_robots_fill_one_cpu_worker_staggered_before_the_other_worker_is_u
     """Bug found by physis-bench admission (batching off, 2-core host): each of 2 workers was capped at
     (2 - 0.75) / 2 = 0.625 of a core, so with chunks measured 1.2x their profile the third robot went to the
     idle worker, and robots on both workers fought over the cores (p99 100-108 ms of a 100 ms SLO). Three
-    robots staggered on one worker, the other idle, held p99 88-91 ms (a lone robot: 94). The host budget
-    still refuses the fourth."""
+    robots staggered on one worker, the other idle, held p99 88-91 ms in one run (a lone robot: 94) and
+    came within 6 % of the SLO in three more (bench/RESULTS.md). The host budget still refuses the fourth."""
     from physis_ros.ros.admission import HostBudget, worker_headroom
     from physis_ros.ros.calibration import LoadCalibration
 
