@@ -168,7 +168,7 @@ class ServerAdmission:
             self.calibration.set_factors(factors)
 
 
-def worker_headroom(headroom: float, device: str, workers: int, reserve_cores: float, cores: int | None) -> float:
+def worker_headroom(headroom: float, device: str, reserve_cores: float, cores: int | None) -> float:
     """The fraction of each worker's time admission keeps free. CPU workers share the host's cores with
     the node (ROS callbacks, image conversion, publishing) and whatever else runs there: one may use
     at most ``cores - reserve_cores`` of a core (and a worker process runs on one core), however fast one
@@ -187,8 +187,7 @@ def server_admission(cfg: ServeConfig, cores: int | None = None) -> tuple[Server
     """The admission of a server with config ``cfg`` (and the device spec name it admits on): what the
     server sets up, and what a benchmark replays to predict it."""
     device = cfg.admission.device or ("cpu" if cfg.engine.device_of(0) == "cpu" else "h200")
-    headroom = worker_headroom(cfg.admission.headroom, device, cfg.engine.workers, cfg.admission.host_reserve_cores,
-                               cores)
+    headroom = worker_headroom(cfg.admission.headroom, device, cfg.admission.host_reserve_cores, cores)
     scheduling = dataclasses.replace(load_scheduling(), headroom=headroom)
     max_batch = cfg.engine.max_batch if cfg.engine.batching != "off" and not cfg.deterministic else 1
     host = None

@@ -238,16 +238,19 @@ class Engine:
         """When a paced stream's first release falls: at ``phase_ms`` of its interval (admission's choice) if
         given, else at its batching mates' phase, else as far as it can from the streams sharing its workers."""
         interval = s.release_interval_s
-        others = [o for o in self.streams.values() if o.release_t0 is not None and o.release_interval_s
-                  and set(s.plan.workers_used) & set(o.plan.workers_used)]
-        # Batching workers run same-model stages together only if they arrive together (and admission
-        # credits that): join such a stream's phase. Everything else is spread apart, so it does not queue.
-        mates = [o for o in others if self.config.batching != "off" and o.model.id == s.model.id
-                 and math.isclose(o.release_interval_s, interval)]
-        if phase_ms is None and not mates:
-            return staggered_anchor(now, interval, [(o.release_t0, o.release_interval_s) for o in others]) or now
-        t0 = self.phase_epoch + phase_ms / 1e3 if phase_ms is not None else mates[0].release_t0
-        return t0 + math.ceil((now - t0) / interval) * interval
+        if phase_ms is not None:
+            t0 = self.phase_epoch + phase_ms / 1e3
+        else:
+            others = [o for o in self.streams.values() if o.release_t0 is not None and o.release_interval_s
+                      and set(s.plan.workers_used) & set(o.plan.workers_used)]
+            # Batching workers run same-model stages together only if they arrive together (and admission
+            # credits that): join such a stream's phase. Everything else is spread apart, so it does not queue.
+            mates = [o for o in others if self.config.batching != "off" and o.model.id == s.model.id
+                     and math.isclose(o.release_interval_s, interval)]
+            if not mates:
+                return staggered_anchor(now, interval, [(o.release_t0, o.release_interval_s) for o in others]) or now
+            t0 = mates[0].release_t0
+        return t0 + math.ceil((now - t0) / interval) * interval   # the first slot of that phase from now on
 
     def workers_of(self, s: StreamState) -> list[WorkerProc]:
         by_index = {w.index: w for w in self.pool.workers.values()}

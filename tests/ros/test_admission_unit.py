@@ -716,11 +716,11 @@ def test_cpu_workers_are_admitted_against_the_cores_the_host_leaves_them():
     from physis_ros.ros.admission import server_admission, worker_headroom
     from physis_ros.ros.config import serve_config
 
-    assert worker_headroom(0.1, "cpu", 2, 0.5, cores=2) == pytest.approx(0.1)      # a core each, at most
-    assert worker_headroom(0.1, "cpu", 2, 1.5, cores=2) == pytest.approx(0.5)      # half a core is left
-    assert worker_headroom(0.1, "cpu", 4, 0.5, cores=16) == pytest.approx(0.1)
-    assert worker_headroom(0.1, "h200", 8, 0.5, cores=2) == pytest.approx(0.1)     # a GPU is its own device
-    assert worker_headroom(0.1, "cpu", 3, 0.5, cores=1) == pytest.approx(0.5)
+    assert worker_headroom(0.1, "cpu", 0.5, cores=2) == pytest.approx(0.1)      # a core each, at most
+    assert worker_headroom(0.1, "cpu", 1.5, cores=2) == pytest.approx(0.5)      # half a core is left
+    assert worker_headroom(0.1, "cpu", 0.5, cores=16) == pytest.approx(0.1)
+    assert worker_headroom(0.1, "h200", 0.5, cores=2) == pytest.approx(0.1)     # a GPU is its own device
+    assert worker_headroom(0.1, "cpu", 0.5, cores=1) == pytest.approx(0.5)
     cfg = serve_config({"engine": {"workers": 2}, "admission": {"host_reserve_cores": 1.25}})
     admission, device = server_admission(cfg, cores=2)
     assert device == "cpu" and admission.cluster.headroom == pytest.approx(0.25)
@@ -736,7 +736,7 @@ def test_paced_robots_fill_one_cpu_worker_staggered_before_the_other_worker_is_u
     from physis_ros.ros.calibration import LoadCalibration
 
     host = HostBudget(cores=2, reserve=0.75, per_stream=0.08, headroom=0.1)
-    adm = ServerAdmission(2, make_device(), make_config(worker_headroom(0.1, "cpu", 2, 0.75, cores=2)), host=host,
+    adm = ServerAdmission(2, make_device(), make_config(worker_headroom(0.1, "cpu", 0.75, cores=2)), host=host,
                           calibration=LoadCalibration())
     adm.follow({0: 1.2, 1: 1.2})        # measured 1.2x busier than profiled
     assert adm.load_factors() == [1.2, 1.2]
