@@ -55,9 +55,13 @@ class Mirror:
     def remove(self, name: str) -> None:
         self.admission.remove(name)
 
-    def follow(self, factors: dict[int, float]) -> None:
-        """The server's measured load factors (its /diagnostics), so the replay checks what the server did."""
-        self.admission.follow(factors)
+    def follow(self, factors: dict[int, float], spreads: dict[str, float]) -> None:
+        """The server's measured load factors and streams' spreads (its /diagnostics), so the replay checks
+        what the server did."""
+        self.admission.follow(factors, spreads)
+
+    def spreads(self) -> dict[str, float]:
+        return dict(self.admission.spreads)
 
     def load_factors(self) -> list[float]:
         return self.admission.load_factors()
@@ -82,6 +86,7 @@ class Recorder:
         self.rows: dict[str, list] = defaultdict(list)            # stream -> RAW_COLUMNS rows
         self.received: dict[str, set] = defaultdict(set)          # stream -> chunk indices on action_chunk
         self.diag: dict[str, list] = defaultdict(list)            # worker -> (t, values)
+        self.spread: dict[str, float] = {}                        # stream -> admission's spread, last published
         self.log_util: list[tuple[str, str, list[float]]] = []    # (stream, admitted|removed, utilisation)
         self.subs = [
             node.create_subscription(ChunkTelemetry, "/telemetry", self._on_tel, self.reliable),
@@ -124,6 +129,9 @@ class Recorder:
             if ": worker " in st.name:
                 values = {kv.key: kv.value for kv in st.values}
                 self.diag[st.name.rsplit(" ", 1)[-1]].append((t, values))
+            for kv in st.values:   # a stream's status: what admission charges it beyond its bound
+                if kv.key == "admission_spread_ms" and kv.value != "none":
+                    self.spread[st.name.rsplit(": ", 1)[-1]] = float(kv.value)
 
     def _on_log(self, msg) -> None:
         found = _LOG.search(msg.msg)
@@ -155,6 +163,10 @@ class Recorder:
             except (KeyError, ValueError):
                 pass
         return out
+
+    def spreads(self) -> dict[str, float]:
+        """Per stream: the spread the server's admission last published on /diagnostics (measured ones only)."""
+        return dict(self.spread)
 
     def worker_window(self, worker: str, lo: float, hi: float) -> dict:
         """From the worker's cumulative counters: compute time / wall time, stages, batches in [lo, hi]."""

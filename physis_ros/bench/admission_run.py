@@ -145,7 +145,7 @@ class Run:
         ev = {"index": len(self.events), "t_s": round(t_sent - self.t0, 3), "wall": wall, "kind": "join",
               "stream": name, "model": model, "slo_ms": slo, "pace_ms": round(pace, 3),
               "decision_s": round(decision_s, 3)}
-        self.mirror.follow(self.rec.load_factors())
+        self.mirror.follow(self.rec.load_factors(), self.rec.spreads())
         ok, reason, placement = self.mirror.admit(name, model, pace, slo)
         if "workers" in fb:
             self.goals[name] = {"handle": handle, "result": result}
@@ -163,6 +163,7 @@ class Run:
                 self.mirror.remove(name)
         ev["predicted_utilisation"] = self.mirror.utilisation()
         ev["load_factors"] = self.mirror.load_factors()
+        ev["spreads_ms"] = {s: round(v, 3) for s, v in self.mirror.spreads().items()}
         ev["list_streams"] = self.list_streams()
         self.events.append(ev)
         if ev.get("reason") == "not-serving":   # the server cannot serve anyone: nothing to measure
@@ -170,7 +171,8 @@ class Run:
         verdict = (f"admitted on {','.join(ev['workers'])}" if ev["admitted"]
                    else f"REJECTED ({ev['reason']}: {ev['detail']})")
         _say(f"[{self.mode}] {name} ({model}, SLO {slo:g} ms, paced {pace:g}) {verdict}; predicted utilisation "
-             f"{ev['predicted_utilisation']} (server {ev.get('server_utilisation')}); {decision_s:.2f} s")
+             f"{ev['predicted_utilisation']} (server {ev.get('server_utilisation')}); spreads {ev['spreads_ms']} ms; "
+             f"{decision_s:.2f} s")
         wait = min(self.args.start_timeout, 30.0)
         if ev["admitted"] and not self.spin_until(lambda: self.rec.rows.get(name), wait):
             raise RunFailed(f"{name} was admitted but sent no chunk within {wait:g} s; the server's log:\n"

@@ -6,7 +6,8 @@ placement can fix (a model that does not exist or does not fit the robot, a name
 use, bad joint names), then placed by Best-Fit + LDS as virtual ranks
 (:class:`~physis_ros.scheduling.placement.JointScheduler`) on the model's cost profile, with
 time-sharing credited at the measured batch-cost curve when the workers batch, and checked against
-each worker's measured load (:mod:`physis_ros.ros.calibration`). An admitted
+each worker's measured load and each running stream's measured intervals
+(:mod:`physis_ros.ros.calibration`). An admitted
 stream gets its own plan (its ranks' stages on their workers) and never moves; removing it frees
 its time and memory for the next. Rejections name the reason (:data:`REASONS`).
 """
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from physis_ros.ros.calibration import LoadCalibration
+from physis_ros.ros.calibration import IntervalCalibration, LoadCalibration
 from physis_ros.runtime.plans import Plan
 from physis_ros.runtime.streams import ServedModel
 from physis_ros.scheduling.admission import REASONS as PLACEMENT_REASONS
@@ -97,7 +98,8 @@ class ServerAdmission:
 
     def __init__(self, workers: int, device: DeviceSpec, config: SchedulingConfig, max_batch: int = 1,
                  host: HostBudget | None = None, calibration: LoadCalibration | None = None,
-                 deadline_order: bool = False, bound_jitter: bool = True):
+                 deadline_order: bool = False, bound_jitter: bool = True,
+                 intervals: IntervalCalibration | None = None):
         self.cluster = Cluster([device] * workers, config.headroom, {}, max_batch=max_batch,
                                deadline_order=deadline_order)
         self.scheduler = JointScheduler(self.cluster, config)
@@ -107,6 +109,10 @@ class ServerAdmission:
             self.cluster.shared_cores = max(1e-3, host.cores - host.reserve)
         self.calibration = calibration   # measured load per worker (None: trust the profiles alone)
         self.bound_jitter = bound_jitter  # admit streams with their latency-jitter budget (slo - pace)
+        # measured intervals per stream (None: the bound alone), and what each showed beyond its bound (ms)
+        self.intervals = intervals
+        self.spreads: dict[str, float] = {}
+        self.version = 0   # placements on the host: every join and leave counts (restarts the interval windows)
 
     def admit(self, stream: str, model: ServedModel, pace_ms: float, slo_ms: float | None = None,
               paced: bool = True) -> Admitted:
@@ -125,6 +131,7 @@ class ServerAdmission:
         # A worker measured busier than its profiles say takes that much less booking (Best-Fit sees it).
         factors = np.array(self.load_factors())
         self.cluster.set_load_factors(factors)
+        self.cluster.set_spreads(self.spreads)
         budget = None if slo_ms is None or not self.bound_jitter else max(0.0, slo_ms - pace_ms)
         decision = self.scheduler.admit(StreamRequest(stream, model.id, pace_ms, jitter_budget_ms=budget,
                                                      paced=paced))
@@ -141,11 +148,16 @@ class ServerAdmission:
         cfg = model.config
         admitted = Admitted(stream, model, plan_of(decision.placed, cfg.steps, cfg.blocks), decision.placed)
         self.admitted[stream] = admitted
+        self.version += 1
         return admitted
 
     def remove(self, stream: str) -> None:
         if self.admitted.pop(stream, None) is not None:
             self.scheduler.remove(stream)
+            self.version += 1
+        self.spreads.pop(stream, None)
+        if self.intervals is not None:
+            self.intervals.forget(stream)
 
     def utilisation(self) -> list[float]:
         return [round(float(u), 4) for u in self.cluster.util]
@@ -162,10 +174,32 @@ class ServerAdmission:
     def load_factors(self) -> list[float]:
         return [self.load_factor(w) for w in range(self.cluster.n)]
 
-    def follow(self, factors: dict[int, float]) -> None:
-        """Take load factors measured elsewhere (a benchmark replaying a server's decisions)."""
+    def observe_intervals(self, stream: str, now: float, records: list[tuple[float, float]]) -> None:
+        """Stream ``stream``'s recent (emit time, interval ms) at ``now`` (one clock). Once a whole window of
+        them shows its interval p99 under the host's current placements, what that p99 exceeds its release
+        interval by beyond its jitter bound becomes its spread: later placements must keep its bound plus that
+        spread within its budget, i.e. its measured p99 plus what they add within its SLO. A newcomer is charged
+        the largest spread measured (:meth:`Cluster.spread_ms`)."""
+        placed = self.cluster.streams.get(stream)
+        if self.intervals is None or placed is None or placed.phase_ms is None or placed.jitter_budget_ms is None:
+            return   # only paced streams publish at their booked interval plus their chunks' jitter
+        p99 = self.intervals.observe(stream, self.version, now, records)
+        if p99 is None:
+            return
+        self.cluster.set_load_factors(self.load_factors())
+        self.cluster.set_spreads(self.spreads)
+        self.spreads[stream] = max(0.0, p99 - placed.slo_ms - self.cluster.jitter_ms(placed))
+
+    def spread_ms(self, stream: str) -> float | None:
+        """What ``stream`` was measured to vary beyond its bound (ms); None: not measured yet."""
+        return self.spreads.get(stream)
+
+    def follow(self, factors: dict[int, float], spreads: dict[str, float] | None = None) -> None:
+        """Take load factors and spreads measured elsewhere (a benchmark replaying a server's decisions)."""
         if self.calibration is not None:
             self.calibration.set_factors(factors)
+        if self.intervals is not None and spreads:
+            self.spreads.update({s: max(0.0, v) for s, v in spreads.items() if s in self.admitted})
 
 
 def worker_headroom(headroom: float, device: str, reserve_cores: float, cores: int | None) -> float:
@@ -196,6 +230,8 @@ def server_admission(cfg: ServeConfig, cores: int | None = None) -> tuple[Server
                           cfg.admission.host_cores_per_stream, cfg.admission.headroom)
     # Deterministic serving (bag checks) decides from the profiles alone: its decisions must not depend on timing.
     calibration = None if cfg.deterministic or not cfg.admission.calibrate else LoadCalibration()
+    intervals = IntervalCalibration() if calibration is not None and cfg.admission.measure_spread else None
     return ServerAdmission(cfg.engine.workers, load_device(device), scheduling, max_batch, host, calibration,
-                           deadline_order=cfg.engine.policy == "edf", bound_jitter=cfg.admission.bound_jitter), device
+                           deadline_order=cfg.engine.policy == "edf", bound_jitter=cfg.admission.bound_jitter,
+                           intervals=intervals), device
 

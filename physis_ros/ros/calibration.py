@@ -1,4 +1,6 @@
-"""How much busier each worker is than admission booked, measured from the worker's own compute counter.
+"""What admission measures on the running server: how much busier each worker is than it booked, from the
+worker's own compute counter (:class:`LoadCalibration`), and each stream's published interval p99
+(:class:`IntervalCalibration`).
 
 A cost profile is measured once (``physis-profile``, or when a model is first served); the host it runs
 on is not always the host it was measured on, and a shared machine drifts: on the 2-core dev VM the same
@@ -15,9 +17,12 @@ not depend on timing.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass
+
+from physis_ros.telemetry import percentile
 
 MAX_FACTOR = 3.0
 
@@ -68,3 +73,60 @@ class LoadCalibration:
         """Take factors measured elsewhere (a benchmark replaying the server's decisions)."""
         with self._lock:
             self._factor.update({w: min(MAX_FACTOR, max(1.0, f)) for w, f in factors.items()})
+
+
+@dataclass(frozen=True)
+class SpreadSettings:
+    window_s: float = 6.0      # a stream's interval p99 over this long a stretch of unchanged placements
+    settle_s: float = 2.0      # ... that starts this long after any placement on the host changed
+    min_samples: int = 20      # fewer intervals than this in the window: no measurement yet
+
+
+class IntervalCalibration:
+    """Per stream: its published intervals since the host's placements last changed, and their p99 once a
+    whole window of them is in.
+
+    What the jitter bound leaves out (a chunk's own compute spread, a late release, transport, the node on
+    the same cores) shows in the intervals a stream publishes; admission charges what its bound does not
+    explain (:meth:`~physis_ros.ros.admission.ServerAdmission.observe_intervals`). Every join or leave
+    anywhere on the host restarts every stream's window (``version``): two busy workers share the cores, so
+    the interference a stream's intervals hold is that of one set of placements.
+    """
+
+    def __init__(self, settings: SpreadSettings = SpreadSettings()):
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._samples: dict[str, deque[tuple[float, float]]] = {}
+        self._last_emit: dict[str, float] = {}
+        self._version: dict[str, int] = {}
+        self._changed: dict[str, float] = {}
+
+    def observe(self, stream: str, version: int, now: float, records: list[tuple[float, float]]) -> float | None:
+        """``records``: the stream's recent (emit time, interval ms), oldest first, on the clock of ``now``
+        (those already seen are skipped); ``version``: the host's placements' version. Returns the interval
+        p99 over the last ``window_s`` once the window since the change is whole, else None."""
+        s = self.settings
+        with self._lock:
+            samples = self._samples.setdefault(stream, deque())
+            if self._version.get(stream) != version:
+                samples.clear()
+                self._version[stream], self._changed[stream] = version, now
+            start = self._changed[stream] + s.settle_s
+            last = self._last_emit.get(stream, -math.inf)
+            for emit, interval in records:
+                if emit <= last:
+                    continue
+                last = emit
+                if emit >= start and math.isfinite(interval):
+                    samples.append((emit, interval))
+            self._last_emit[stream] = last
+            while samples and samples[0][0] <= now - s.window_s:
+                samples.popleft()
+            if now - start < s.window_s or len(samples) < s.min_samples:
+                return None
+            return percentile([iv for _, iv in samples], 99)
+
+    def forget(self, stream: str) -> None:
+        with self._lock:
+            for d in (self._samples, self._last_emit, self._version, self._changed):
+                d.pop(stream, None)

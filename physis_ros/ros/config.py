@@ -209,6 +209,11 @@ class AdmissionConfig:
         "also refuse placements that could delay a stream's chunk by more than its SLO leaves over its release "
         "interval (latency-jitter): the chunks sharing its workers, per engine.policy (false: book time "
         "only, e.g. for robots that buffer chunks)"))
+    measure_spread: bool = field(default=True, metadata=described(
+        "also charge each stream what its published intervals were measured to vary beyond its jitter bound "
+        "(a chunk's own compute spread, late releases, transport; a newcomer: the largest measured), so a "
+        "placement must keep every stream's measured interval p99 plus what it adds within its SLO (needs "
+        "calibrate and bound_jitter; off in deterministic serving)"))
     host_reserve_cores: float = field(default=0.75, metadata=bounded(
         ge=0.0, le=1024.0, doc="CPU workers: cores left to the node and the host's other work: the workers' load "
                                "plus this plus host_cores_per_stream per stream must fit the host's cores (host-cpu), "

@@ -160,6 +160,9 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
         values[key] = stats.get(key, 0)
     for key in ("seam_jump_p50", "seam_jump_p99", "seam_velocity_jump_p99", "tracking_error_p50"):
         values[key] = float(stats.get(key, math.nan))
+    # what admission charges the stream beyond its jitter bound (measured; "none" until measured)
+    spread = stats.get("admission_spread_ms")
+    values["admission_spread_ms"] = round(float(spread), 3) if spread is not None else "none"
     values["late_points_total"] = inputs.get("late_points", 0)
     values["late_chunks_total"] = inputs.get("late_chunks", 0)
     late = int(stats.get("late_chunks_window", 0))

@@ -19,9 +19,10 @@ if TYPE_CHECKING:
     from physis_ros.ros.streams import RosStream
 
 
-def stream_stats(node: PhysisServer, st: RosStream, now: float) -> dict[str, Any]:
-    """Windowed stats of one stream (node clock ``now``) plus the node-side handover/publish times."""
-    records, total, misses, handover, publish = st.records()
+def stream_stats(node: PhysisServer, st: RosStream, now: float, snapshot: tuple | None = None) -> dict[str, Any]:
+    """Windowed stats of one stream (node clock ``now``) plus the node-side handover/publish times
+    (``snapshot``: its ``records()`` if already taken)."""
+    records, total, misses, handover, publish = snapshot or st.records()
     out = diag.window_stats(records, now, node.config.diagnostics_window_s, st.slo_interval_ms,
                             total=total, misses_total=misses)
     out.update(handover_ms_p50=percentile(handover, 50), handover_ms_p99=percentile(handover, 99),
@@ -93,8 +94,13 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
                       late_points=st.late_points, late_chunks=st.late_chunks, **st.subscriber_counts())
         hw = diag.stream_hardware_id(node.hostname, [worker_hw[w] for w in snap["streams"].get(name, [])
                                                      if w in worker_hw])
+        snapshot = st.records()
+        # admission's spread calibration: the stream's published intervals in, what it charges the stream out
+        admission.observe_intervals(name, now, [(r.emit, r.interval_ms) for r in snapshot[0]])
+        stats = stream_stats(node, st, now, snapshot)
+        stats["admission_spread_ms"] = admission.spread_ms(name)
         streams.append(diag.stream_status(
-            name, stream_stats(node, st, now), inputs, slo_interval_ms=st.slo_interval_ms,
+            name, stats, inputs, slo_interval_ms=st.slo_interval_ms,
             new_rejects=new, engine_state=node.state, idle_s=idle, armed=node.armed, hardware_id=hw,
             miss_rate_warn=cfg.diagnostics_miss_rate_warn, starved_s=cfg.diagnostics_starved_s,
             since_s=since, prefix=node.diag_prefix))

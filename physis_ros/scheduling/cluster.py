@@ -39,7 +39,9 @@ other by the backlog its earlier chunk leaves there, not by all of its work. CPU
 cores (``shared_cores``): with more of them busy than there are cores, a device runs at
 ``cores / busy devices`` of a core while another is busy, and a busy period stretches by that much for
 as long as the longest busy period elsewhere overlaps it. Streams without a budget (the simulator's)
-are not checked and count in full.
+are not checked and count in full. What this model leaves out (a chunk's own compute spread, late releases,
+transport) is measured on the running server and charged per stream (:meth:`Cluster.set_spreads`): a
+stream's worst case is its bound plus its spread, and a phased co-runner's chunk may run its spread longer.
 
 State lives in numpy arrays so that scoring all devices for one rank is a few
 vector operations, which keeps a placement decision fast at 1024 devices.
@@ -121,6 +123,8 @@ class Cluster:
         # Cores the devices share (CPU workers on one host, less what the host keeps for itself); None: each
         # device is its own (GPUs). More busy devices than that slow each other down (:meth:`_contention_ms`).
         self.shared_cores: float | None = None
+        # Per stream: how much more its chunks vary than its bound explains, measured as it runs (set_spreads).
+        self.spread: dict[str, float] = {}
         self.profiles = profiles
         self.mem_cap = np.array([s.usable_bytes for s in self.specs], dtype=np.float64)
         self.util = np.zeros(self.n)
@@ -150,6 +154,18 @@ class Cluster:
         booked to costs at most 1 - headroom of its time as it runs now."""
         self.load = np.maximum(1.0, np.asarray(factors, dtype=np.float64))
         self.util_cap = (1.0 - self.headroom) / self.load
+
+    def set_spreads(self, spreads: dict[str, float]) -> None:
+        """Per stream: the latency variation (ms) its published intervals showed beyond its jitter bound
+        (measured on the running server): a chunk's own compute spread, a late release, transport."""
+        self.spread = {s: max(0.0, float(v)) for s, v in spreads.items()}
+
+    def spread_ms(self, stream: str) -> float:
+        """What ``stream``'s chunks vary beyond its bound (ms): as measured, or for one not measured yet (a
+        newcomer) the largest measured among the placed streams: the host's noise is not the stream's."""
+        if stream in self.spread:
+            return self.spread[stream]
+        return max((v for s, v in self.spread.items() if s in self.streams), default=0.0)
 
     def batch_factor(self, model: str) -> np.ndarray:
         """[block, n] for n = 0..max_batch: what a task costs in a batch of n, as a fraction of its batch-1
@@ -250,15 +266,31 @@ class Cluster:
                 if not self._delays(placed, q):   # one later-deadline task may be running: no preemption
                     blocking = max(blocking, q_stage)
                 elif self._phased_apart(placed, q):
-                    apart.append((q.phase_ms, q_batched))
+                    apart.append((q, q_batched))
                 else:
                     busy += q_batched
-            if apart:   # the backlog those released before it leave (each of the rest can add all of its work)
-                busy += wait_ms(placed.slo_ms, placed.phase_ms, batched, apart)
+            if apart:   # the backlog those released before it leave (each of the rest can add all of its work),
+                # in ms as the device runs now
+                load = self.load[w]
+                busy += wait_ms(placed.slo_ms, placed.phase_ms, batched * load, self._released(placed, apart, load)) / load
             if busy_on is not None:
                 busy += self._contention_ms(w, alone + busy + blocking, busy_on)
             total += self.load[w] * max(0.0, busy + blocking)
         return total
+
+    def _released(self, placed: PlacedStream, apart: list[tuple[PlacedStream, float]], load: float
+                  ) -> list[tuple[float, float]]:
+        """(phase, ms as the device runs now) of each phased co-runner's chunk: its work at the device's load
+        plus its spread, since it may run that much longer. Batching mates (one model, one phase) run in the
+        same forwards, so one slow forward delays them all once: a batch is charged its largest spread once,
+        and ``placed``'s own batch none (its own spread holds it)."""
+        out, charged = [], set()
+        for q, work in sorted(apart, key=lambda a: -self.spread_ms(a[0].stream)):
+            batch = (q.model, round(q.phase_ms, 6)) if self.max_batch > 1 else q.stream
+            own = batch == (placed.model, round(placed.phase_ms, 6))
+            out.append((q.phase_ms, work * load + (0.0 if own or batch in charged else self.spread_ms(q.stream))))
+            charged.add(batch)
+        return out
 
     @staticmethod
     def _phased_apart(i: PlacedStream, q: PlacedStream) -> bool:
@@ -301,13 +333,14 @@ class Cluster:
 
     def jitter_breaches(self, new: PlacedStream) -> list[tuple[str, float, float]]:
         """(stream, worst-case jitter ms, budget ms) for every stream whose budget ``new`` (placed, its
-        ranks applied, not added) would break: itself and the budgeted streams sharing a device with it."""
+        ranks applied, not added) would break: itself and the budgeted streams sharing a device with it. A
+        stream's worst case is its bound plus the spread it was measured to have beyond it (:meth:`spread_ms`)."""
         out, shares = [], self._shares()   # the devices' batching is the same for every stream checked
         touched = self.streams.values() if self.shared_cores is not None else (
             q for q in self.streams.values() if set(q.devices) & set(new.devices))   # sharing cores: everyone
         for s in (new, *touched):
             if s.jitter_budget_ms is not None:
-                j = self._jitter_ms(s, () if s is new else (new,), shares)
+                j = self._jitter_ms(s, () if s is new else (new,), shares) + self.spread_ms(s.stream)
                 if j > s.jitter_budget_ms + 1e-9:
                     out.append((s.stream, j, s.jitter_budget_ms))
         return out

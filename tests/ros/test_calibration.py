@@ -1,5 +1,6 @@
-"""Admission's load calibration (:mod:`physis_ros.ros.calibration`): a worker's measured busy time over
-what admission booked there, and admission refusing what fits the profiles but not the measured load."""
+"""Admission's calibration (:mod:`physis_ros.ros.calibration`): a worker's measured busy time over what
+admission booked there, a stream's measured interval p99, and admission refusing what fits the profiles
+and the bound but not what was measured."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import pytest
 
 from physis_ros.model.presets import load_model_config
 from physis_ros.ros.admission import HostBudget, Rejected, ServerAdmission
-from physis_ros.ros.calibration import CalibrationSettings, LoadCalibration
+from physis_ros.ros.calibration import CalibrationSettings, IntervalCalibration, LoadCalibration, SpreadSettings
 from physis_ros.runtime.streams import ServedModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scheduling"))
 from sched_helpers import make_config, make_device, make_profile  # noqa: E402
 
 WAM = load_model_config("tiny-wam")
+ACWM = load_model_config("tiny-acwm")
 
 
 def feed(cal: LoadCalibration, worker: int, t0: float, t1: float, busy: float, booked: float,
@@ -109,3 +111,87 @@ def test_without_calibration_the_profiles_alone_decide():
     adm.admit("a", served_wam(), 40.0)
     adm.admit("b", served_wam(), 40.0)
     assert len(adm.admitted) == 2
+
+
+def paced_intervals(t0: float, t1: float, pattern: list[float], pace_s: float = 0.08) -> list[tuple[float, float]]:
+    """(emit time, interval ms) every ``pace_s`` from ``t0`` to ``t1``, the intervals cycling through ``pattern``."""
+    n = int(round((t1 - t0) / pace_s))
+    return [(t0 + i * pace_s, pattern[i % len(pattern)]) for i in range(n + 1)]
+
+
+def test_interval_p99_is_measured_over_a_whole_window_once_the_placements_settle():
+    cal = IntervalCalibration(SpreadSettings(window_s=4.0, settle_s=1.0, min_samples=10))
+    assert cal.observe("a", 0, 0.0, []) is None                     # placements version 0 from t = 0
+    early = [(0.5, float("nan")), *paced_intervals(0.6, 4.9, [70.0, 90.0])]
+    assert cal.observe("a", 0, 4.9, early) is None                  # settle 1 s + window 4 s: not yet
+    both = early + paced_intervals(4.98, 5.5, [70.0, 90.0])
+    assert cal.observe("a", 0, 5.5, both) == pytest.approx(90.0)
+    # records seen before are not counted again; the window slides: only the last 4 s count
+    later = both + paced_intervals(5.58, 10.0, [80.0])
+    assert cal.observe("a", 0, 10.0, later) == pytest.approx(80.0)
+    # another stream joins or leaves anywhere on the host (version 1): a whole new window is needed
+    assert cal.observe("a", 1, 10.1, later + paced_intervals(10.08, 10.1, [99.0])) is None
+    assert cal.observe("a", 1, 15.2, later + paced_intervals(10.08, 15.2, [99.0])) == pytest.approx(99.0)
+    cal.forget("a")
+    assert cal.observe("a", 1, 15.3, []) is None
+
+
+def test_too_few_intervals_in_a_window_say_nothing():
+    cal = IntervalCalibration(SpreadSettings(window_s=2.0, settle_s=0.0, min_samples=20))
+    cal.observe("slow", 0, 0.0, [])
+    assert cal.observe("slow", 0, 3.0, paced_intervals(0.0, 3.0, [400.0], pace_s=0.4)) is None
+
+
+def robot_admission(intervals: IntervalCalibration | None) -> ServerAdmission:
+    """Two CPU workers on a 2-core host, as the server sets them up (defaults: reserve 0.75 core)."""
+    from physis_ros.ros.admission import worker_headroom
+
+    host = HostBudget(cores=2, reserve=0.75, per_stream=0.08, headroom=0.1)
+    return ServerAdmission(2, make_device(), make_config(worker_headroom(0.1, "cpu", 0.75, cores=2)), host=host,
+                           calibration=LoadCalibration(), intervals=intervals)
+
+
+def test_a_robot_measured_near_its_slo_refuses_a_world_model_the_bound_alone_admits_beside_it():
+    """Bug found by physis-bench admission (admission_phases2, batching off): a robot alone on w0 published at
+    p99 97 ms of its 100 ms SLO (released every 80 ms). The bound charged a world model on w1 only the cores
+    the two workers share (0.6 x 19 ms = 11 ms of the robot's 20) and admitted it, and the robot's p99 went
+    to 106-108 ms. Now the robot's measured p99 plus what the bound adds must stay within its SLO: the world
+    model is refused, naming the robot, while a second robot staggered on w0, which adds no wait, comes in."""
+    robot = ServedModel(WAM, None, make_profile("tiny-wam", steps=WAM.steps, blocks=WAM.blocks, stage_ms=19 / 32))
+    world = ServedModel(ACWM, None, make_profile("tiny-acwm", steps=ACWM.steps, blocks=ACWM.blocks,
+                                                 stage_ms=25 / (ACWM.steps * ACWM.blocks)))
+    plain = robot_admission(None)                                   # the bound alone, as before
+    assert plain.admit("r0", robot, 80.0, 100.0).workers == ["w0"]
+    assert plain.admit("wm", world, 240.0, 300.0).workers == ["w1"]
+
+    adm = robot_admission(IntervalCalibration())
+    adm.admit("r0", robot, 80.0, 100.0)
+    adm.observe_intervals("r0", 0.0, [])
+    assert adm.spread_ms("r0") is None
+    adm.observe_intervals("r0", 9.0, paced_intervals(0.0, 9.0, [63.0, 97.0]))
+    assert adm.spread_ms("r0") == pytest.approx(17.0)               # p99 97 - pace 80 - its bound 0
+    with pytest.raises(Rejected) as exc:
+        adm.admit("wm", world, 240.0, 300.0)
+    assert exc.value.reason == "latency-jitter" and "'r0'" in exc.value.detail
+    assert list(adm.admitted) == ["r0"]
+    r1 = adm.admit("r1", robot, 80.0, 100.0)
+    assert r1.workers == ["w0"] and r1.placed.phase_ms == 40.0
+    # the placements changed: r0's window starts over; the newcomer is charged r0's spread until measured
+    assert adm.cluster.spread_ms("r1") == pytest.approx(17.0)
+    adm.observe_intervals("r0", 9.5, paced_intervals(0.0, 9.5, [63.0, 97.0]))
+    adm.observe_intervals("r0", 18.0, paced_intervals(0.0, 18.0, [70.0, 90.0]))
+    assert adm.spread_ms("r0") == pytest.approx(10.0)
+    adm.remove("r0")
+    assert adm.spread_ms("r0") is None and adm.cluster.spread_ms("r1") == 0.0
+
+
+def test_a_replay_follows_the_spreads_a_server_published_for_its_streams_only():
+    adm = robot_admission(IntervalCalibration())
+    robot = served_wam()
+    adm.admit("r0", robot, 80.0, 100.0)
+    adm.follow({}, {"r0": 12.5, "gone": 30.0, "r9": -1.0})
+    assert adm.spreads == {"r0": 12.5}
+    off = robot_admission(None)                                     # admission.measure_spread off: nothing kept
+    off.admit("r0", robot, 80.0, 100.0)
+    off.follow({}, {"r0": 12.5})
+    assert off.spreads == {}

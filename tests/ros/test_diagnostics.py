@@ -263,3 +263,12 @@ def test_a_storm_of_resets_logs_one_line_per_cause_per_period():
         st.throttle.clock = lambda: 1e12   # a period later: the next line says how many were held back
         st.on_event(StreamEvent(name, "failed", "chunk 100 lost", 1, "task_lost"))
         assert "49 similar line(s) held back" in log.lines[-1][1], log.lines[-1]
+
+
+def test_a_streams_status_carries_what_admission_charges_it_beyond_its_bound():
+    now = 100.0
+    stats = diag.window_stats(records(50, 0.08, end=now), now, window_s=5.0, slo_interval_ms=100.0)
+    values = {kv.key: kv.value for kv in status(stats).values}
+    assert values["admission_spread_ms"] == "none"                  # not measured yet
+    values = {kv.key: kv.value for kv in status({**stats, "admission_spread_ms": 12.34567}).values}
+    assert float(values["admission_spread_ms"]) == 12.346

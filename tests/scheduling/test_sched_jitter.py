@@ -216,3 +216,60 @@ def test_batching_mates_share_a_phase_and_delay_each_other_by_the_batch_curve():
     d = sched.admit(StreamRequest("wm", "w", slo_ms=80.0, jitter_budget_ms=60.0, paced=True))
     assert d.admitted and d.placed.phase_ms == 40.0                       # another model: spread apart
     assert c.jitter_ms(c.streams["r0"]) == pytest.approx(4.0)
+
+
+def test_a_measured_spread_is_charged_to_its_stream_and_lengthens_its_chunk_for_those_phased_after_it():
+    """What a stream's intervals showed beyond its bound (set_spreads) counts against its own budget, and a
+    chunk of it may occupy the device that much longer: one released 15 ms after it waits for the rest. A
+    newcomer, not measured yet, is charged the largest spread measured among the placed streams."""
+    sched = scheduler(devices=1)
+    c = sched.cluster
+    sched.admit(paced("r0", budget=20.0))                    # 10 ms chunks, phase 0
+    c.set_spreads({"r0": 8.0})
+    assert c.spread_ms("r0") == 8.0 and c.spread_ms("newcomer") == 8.0
+    assert c.spread_ms("gone") == 8.0 and sched.admit(paced("r1", budget=20.0)).placed.phase_ms == 40.0
+    assert c.jitter_ms(c.streams["r1"]) == 0.0               # 10 + 8 ms are done long before 40
+    c.set_spreads({"r0": 8.0, "r1": 8.0})
+    d = sched.admit(paced("r2", budget=20.0))                # at 20: r0's chunk may run to 18 ms, no wait
+    assert d.admitted and d.placed.phase_ms == 20.0 and c.jitter_ms(c.streams["r2"]) == 0.0
+    c.set_spreads({"r0": 15.0, "r1": 8.0, "r2": 0.0})        # r0's chunk may now run to 25 ms: r2 waits 5
+    assert c.jitter_ms(c.streams["r2"]) == pytest.approx(5.0)
+    c.set_spreads({"r0": 15.0, "r1": 0.0, "r2": 0.0})
+    c.load[:] = 2.0                                          # at twice its profile, r0's chunk runs to 35 ms
+    assert c.jitter_ms(c.streams["r2"]) == pytest.approx(15.0)   # r2 waits 15 ms as run (7.5 profiled, x2)
+    c.load[:] = 1.0
+    c.set_spreads({"r0": 15.0, "r1": 8.0, "r2": 16.0})       # r2's own 16 ms + its 5 ms wait > 20
+    r2 = c.remove_stream("r2")
+    assert c.jitter_breaches(r2) == [("r2", pytest.approx(21.0), 20.0)]
+
+
+def test_a_newcomer_is_refused_where_a_running_streams_measured_spread_leaves_no_room():
+    """r0 is measured at 14 ms beyond its bound: a world model whose 16 ms chunk the bound alone would let
+    delay it by 16 ms (of 20) is refused, naming r0; with no spread measured it is admitted."""
+    for spread, admitted in ((0.0, True), (14.0, False)):
+        sched = scheduler(devices=1)
+        sched.admit(robot("r0", budget=20.0))
+        sched.cluster.set_spreads({"r0": spread})
+        d = sched.admit(world())
+        assert d.admitted is admitted
+        if not admitted:
+            assert d.reason == "latency-jitter" and "'r0'" in d.detail and "30.0 ms" in d.detail
+
+
+def test_a_batching_mates_spread_is_not_charged_twice():
+    """Mates at one phase run in the same forwards: a slow forward delays both, which each one's own spread
+    holds; only a stream released at another phase may find the device still busy with the other's chunk."""
+    curve = make_profile("p", blocks=4, stage_ms=2.5)
+    curve = dataclasses.replace(curve, stage_ms={s: {1: 2.5, 2: 3.5, 3: 4.5} for s in curve.stage_ms})
+    sched = scheduler(devices=1, max_batch=3, profiles={"p": curve, "w": WORLD})
+    c = sched.cluster
+    for name in ("r0", "r1"):
+        sched.admit(paced(name, budget=20.0))
+    c.set_spreads({"r0": 6.0, "r1": 9.0})
+    assert c.jitter_ms(c.streams["r0"]) == pytest.approx(4.0)          # the batch curve only, as without spreads
+    assert c.jitter_ms(c.streams["r1"]) + c.spread_ms("r1") == pytest.approx(13.0)   # its own 9 on top
+    d = sched.admit(StreamRequest("wm", "w", slo_ms=80.0, jitter_budget_ms=60.0, paced=True))
+    assert d.placed.phase_ms == 40.0                                     # another model, released apart:
+    assert c.jitter_ms(c.streams["wm"]) == pytest.approx(0.0)            # the mates' 14 ms + 9 end before 40
+    c.set_spreads({"r0": 6.0, "r1": 30.0})
+    assert c.jitter_ms(c.streams["wm"]) == pytest.approx(4.0)            # ... unless one may run 30 ms longer
