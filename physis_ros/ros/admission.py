@@ -177,9 +177,10 @@ class ServerAdmission:
     def observe_intervals(self, stream: str, now: float, records: list[tuple[float, float]]) -> None:
         """Stream ``stream``'s recent (emit time, interval ms) at ``now`` (one clock). Once a whole window of
         them shows its interval p99 under the host's current placements, what that p99 exceeds its release
-        interval by beyond its jitter bound becomes its spread: later placements must keep its bound plus that
-        spread within its budget, i.e. its measured p99 plus what they add within its SLO. A newcomer is charged
-        the largest spread measured (:meth:`Cluster.spread_ms`)."""
+        interval by beyond its jitter bound is a spread it has; the largest of the last minute is charged
+        (:meth:`IntervalCalibration.remember`): later placements must keep its bound plus that spread within
+        its budget, i.e. its measured p99 plus what they add within its SLO. A newcomer is charged the largest
+        spread measured (:meth:`Cluster.spread_ms`)."""
         placed = self.cluster.streams.get(stream)
         if self.intervals is None or placed is None or placed.phase_ms is None or placed.jitter_budget_ms is None:
             return   # only paced streams publish at their booked interval plus their chunks' jitter
@@ -188,7 +189,8 @@ class ServerAdmission:
             return
         self.cluster.set_load_factors(self.load_factors())
         self.cluster.set_spreads(self.spreads)
-        self.spreads[stream] = max(0.0, p99 - placed.slo_ms - self.cluster.jitter_ms(placed))
+        spread = max(0.0, p99 - placed.slo_ms - self.cluster.jitter_ms(placed))
+        self.spreads[stream] = self.intervals.remember(stream, now, spread)
 
     def spread_ms(self, stream: str) -> float | None:
         """What ``stream`` was measured to vary beyond its bound (ms); None: not measured yet."""

@@ -60,7 +60,7 @@ def test_never_looser_than_the_profile_bounded_and_a_restart_starts_over():
     assert cal.factor(1) == 3.0
     feed(cal, 2, 0.0, 1.0, busy=0.02, booked=0.01)        # a booking too small to say anything
     assert cal.factor(2) == 1.0
-    c = feed(cal, 3, 0.0, 5.0, busy=0.3, booked=0.2)
+    feed(cal, 3, 0.0, 5.0, busy=0.3, booked=0.2)
     assert cal.factor(3) == pytest.approx(1.5)
     feed(cal, 3, 5.5, 7.0, busy=0.6, booked=0.2, start_ms=0.0)   # restarted worker: counter from 0
     assert cal.factor(3) == pytest.approx(1.5)              # ... no bogus rate from the jump, old factor kept
@@ -142,6 +142,21 @@ def test_too_few_intervals_in_a_window_say_nothing():
     assert cal.observe("slow", 0, 3.0, paced_intervals(0.0, 3.0, [400.0], pace_s=0.4)) is None
 
 
+def test_a_streams_spread_is_the_largest_of_the_last_minute():
+    """Bug found by physis-bench admission (admission_spread3, off): robot0 measured a 10.9 ms spread beside
+    another robot, 2.6 ms beside a world model on the other worker (where the bound's worst case, not
+    reached, hid the rest), and on the 2.6 a third stream was let in: robot0 went to p99 106 ms. A window's
+    spread is a lower bound on the stream's: the largest of the last minute is what counts."""
+    cal = IntervalCalibration(SpreadSettings(memory_s=60.0))
+    assert cal.remember("r0", 10.0, 10.9) == 10.9
+    assert cal.remember("r0", 40.0, 2.6) == 10.9
+    assert cal.remember("r1", 40.0, 1.0) == 1.0                      # per stream
+    assert cal.remember("r0", 69.0, 3.0) == 10.9
+    assert cal.remember("r0", 71.0, 2.0) == 3.0                      # the 10.9 is over a minute old
+    cal.forget("r0")
+    assert cal.remember("r0", 72.0, 0.5) == 0.5
+
+
 def robot_admission(intervals: IntervalCalibration | None) -> ServerAdmission:
     """Two CPU workers on a 2-core host, as the server sets them up (defaults: reserve 0.75 core)."""
     from physis_ros.ros.admission import worker_headroom
@@ -180,7 +195,9 @@ def test_a_robot_measured_near_its_slo_refuses_a_world_model_the_bound_alone_adm
     assert adm.cluster.spread_ms("r1") == pytest.approx(17.0)
     adm.observe_intervals("r0", 9.5, paced_intervals(0.0, 9.5, [63.0, 97.0]))
     adm.observe_intervals("r0", 18.0, paced_intervals(0.0, 18.0, [70.0, 90.0]))
-    assert adm.spread_ms("r0") == pytest.approx(10.0)
+    assert adm.spread_ms("r0") == pytest.approx(17.0)               # measured 10 now: the minute's largest
+    adm.observe_intervals("r0", 75.0, paced_intervals(0.0, 75.0, [70.0, 90.0]))
+    assert adm.spread_ms("r0") == pytest.approx(10.0)               # a minute on, the 17 is forgotten
     adm.remove("r0")
     assert adm.spread_ms("r0") is None and adm.cluster.spread_ms("r1") == 0.0
 
