@@ -266,6 +266,15 @@ def test_diagnostics_report_streams_workers_and_engine(live):
     # admission's measured load factor per worker (busy / booked, never below the profiles' 1.0)
     assert all(float(diag_values(last, f"worker {w}")["admission_load_factor"]) >= 1.0 for w in ("w0", "w1"))
     assert set(r0["_hardware_id"].split(",")) <= {f"{host}:cpu"} and r0["_hardware_id"]
+    # admission's measured spread: "none" until a whole window of r0's published intervals is in (2 s after
+    # the last join, 6 s long), then what r0's interval p99 exceeds its release interval by beyond its bound
+    def spread():
+        for array, _ in reversed(live.probe.get("diagnostics")):
+            values = diag_values(array, "r0")
+            if values is not None:
+                return values["admission_spread_ms"]
+    live.probe.wait(lambda: spread() != "none", 30, "admission to measure r0's spread")
+    assert 0.0 <= float(spread()) < 1e3
 
 
 def test_clean_stop_leaves_no_process(live):
