@@ -329,9 +329,11 @@ class JointScheduler(Scheduler):
                     f"memory by at least {short / 1e9:.2f} GB (weights not yet loaded + KV + buffers)")
             if self._jitter_miss is not None:
                 stream, j, budget = self._jitter_miss
+                spread = c.spread_ms(stream)
+                measured = f", plus the {spread:.1f} ms its intervals were measured to vary beyond that" if spread else ""
                 return "latency-jitter", (
                     f"every placement found would let stream '{stream}''s chunk latency vary by up to {j:.1f} ms "
-                    f"(the chunks sharing its devices or their cores, at their measured load), beyond the "
+                    f"(the chunks sharing its devices or their cores, at their measured load{measured}), beyond the "
                     f"{budget:.1f} ms its interval SLO leaves over its release interval")
             return "time-capacity", (f"no placement within the search budget opens at most "
                                      f"{len(seq.fewest)} empty devices (the equal split's group)")

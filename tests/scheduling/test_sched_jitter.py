@@ -252,8 +252,12 @@ def test_a_newcomer_is_refused_where_a_running_streams_measured_spread_leaves_no
         sched.cluster.set_spreads({"r0": spread})
         d = sched.admit(world())
         assert d.admitted is admitted
-        if not admitted:
+        if not admitted:   # the rejection says how much of it was measured
             assert d.reason == "latency-jitter" and "'r0'" in d.detail and "30.0 ms" in d.detail
+            assert "plus the 14.0 ms its intervals were measured to vary" in d.detail
+        else:
+            sched.remove("wm")
+            assert "measured to vary" not in sched.admit(world("wm2", budget=1.0)).detail
 
 
 def test_a_batching_mates_spread_is_not_charged_twice():
