@@ -109,9 +109,9 @@ class ServerAdmission:
             self.cluster.shared_cores = max(1e-3, host.cores - host.reserve)
         self.calibration = calibration   # measured load per worker (None: trust the profiles alone)
         self.bound_jitter = bound_jitter  # admit streams with their latency-jitter budget (slo - pace)
-        # measured intervals per stream (None: the bound alone), and what each showed beyond its bound (ms)
+        # measured intervals per stream (None: the bound alone); what each showed beyond its bound is kept in
+        # the cluster, which charges it (Cluster.spread)
         self.intervals = intervals
-        self.spreads: dict[str, float] = {}
         self.version = 0   # placements on the host: every join and leave counts (restarts the interval windows)
 
     def admit(self, stream: str, model: ServedModel, pace_ms: float, slo_ms: float | None = None,
@@ -129,9 +129,7 @@ class ServerAdmission:
             # The cluster tells weight sets apart by the profile's model name: make it the model's id.
             self.cluster.profiles[model.id] = dataclasses.replace(model.profile, model=model.id)
         # A worker measured busier than its profiles say takes that much less booking (Best-Fit sees it).
-        factors = np.array(self.load_factors())
-        self.cluster.set_load_factors(factors)
-        self.cluster.set_spreads(self.spreads)
+        factors = self._load_into_cluster()
         budget = None if slo_ms is None or not self.bound_jitter else max(0.0, slo_ms - pace_ms)
         decision = self.scheduler.admit(StreamRequest(stream, model.id, pace_ms, jitter_budget_ms=budget,
                                                      paced=paced))
@@ -155,7 +153,7 @@ class ServerAdmission:
         if self.admitted.pop(stream, None) is not None:
             self.scheduler.remove(stream)
             self.version += 1
-        self.spreads.pop(stream, None)
+        self.cluster.spread.pop(stream, None)
         if self.intervals is not None:
             self.intervals.forget(stream)
 
@@ -187,21 +185,31 @@ class ServerAdmission:
         p99 = self.intervals.observe(stream, self.version, now, records)
         if p99 is None:
             return
-        self.cluster.set_load_factors(self.load_factors())
-        self.cluster.set_spreads(self.spreads)
+        self._load_into_cluster()
         spread = max(0.0, p99 - placed.slo_ms - self.cluster.jitter_ms(placed))
-        self.spreads[stream] = self.intervals.remember(stream, now, spread)
+        self.cluster.spread[stream] = self.intervals.remember(stream, now, spread)
+
+    def _load_into_cluster(self) -> np.ndarray:
+        """Each worker's measured load factor, as the cluster's bound and caps must use it now."""
+        factors = np.array(self.load_factors())
+        self.cluster.set_load_factors(factors)
+        return factors
+
+    @property
+    def spreads(self) -> dict[str, float]:
+        """Per measured stream: what it showed beyond its bound (ms), as admission charges it."""
+        return self.cluster.spread
 
     def spread_ms(self, stream: str) -> float | None:
         """What ``stream`` was measured to vary beyond its bound (ms); None: not measured yet."""
-        return self.spreads.get(stream)
+        return self.cluster.spread.get(stream)
 
     def follow(self, factors: dict[int, float], spreads: dict[str, float] | None = None) -> None:
         """Take load factors and spreads measured elsewhere (a benchmark replaying a server's decisions)."""
         if self.calibration is not None:
             self.calibration.set_factors(factors)
         if self.intervals is not None and spreads:
-            self.spreads.update({s: max(0.0, v) for s, v in spreads.items() if s in self.admitted})
+            self.cluster.spread.update({s: max(0.0, v) for s, v in spreads.items() if s in self.admitted})
 
 
 def worker_headroom(headroom: float, device: str, reserve_cores: float, cores: int | None) -> float:
