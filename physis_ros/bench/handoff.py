@@ -18,7 +18,9 @@ is stamped at capture; its render, the sensor's own time, is reported beside it 
                          [--modes none,hard,soft] [--delays 0,2,4] [--json out.json] [--plot out.png]
 
 JSON: ``runs`` (per model, mode and delay: seam jump p50/p99, seam velocity jump p99, jerk RMS, late
-points and chunks, tracking error, ``target_tracking_error`` (closed loop: the arm against the expert's
+points and chunks, tracking error (and split: ``tracking_error_frozen_rows`` over the executed rows the
+hand-off froze to the previous chunk's, ``tracking_error_free_rows`` over the rows after them,
+``frozen_rows_executed_mean`` a chunk), ``target_tracking_error`` (closed loop: the arm against the expert's
 target pose at every executed step), the delay the hand-off assumed, the response overhead p50 per robot,
 from the frame and from its capture),
 ``tracking_error_trained`` / ``tracking_error_random``, ``targets`` (the issue's ratios), ``targets_met``
@@ -78,6 +80,10 @@ class RobotRun:
     frames: dict = dataclasses.field(default_factory=dict)      # chunk -> (captured, frame ready, arm there)
     seams: list = dataclasses.field(default_factory=list)       # (position jump, velocity jump) per chunk
     tracking: list = dataclasses.field(default_factory=list)    # RMS vs the expert over the executed rows
+    # The same, split: the executed rows the hand-off froze (the previous chunk's) and the free ones after
+    tracking_frozen: list = dataclasses.field(default_factory=list)
+    tracking_free: list = dataclasses.field(default_factory=list)
+    frozen_executed: list = dataclasses.field(default_factory=list)    # rows of the previous chunk's it ran
     overhead_ms: list = dataclasses.field(default_factory=list)            # from the frame being ready
     overhead_capture_ms: list = dataclasses.field(default_factory=list)    # from its capture (sensor included)
     sensor_ms: list = dataclasses.field(default_factory=list)              # the simulated camera's render
@@ -154,6 +160,10 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
             if k < len(out.output):
                 run.last_executed = out.chunk
                 run.tracking.append(rms(out.output[k:], expert[k:]))
+                split = k if timeline.handoff == "none" else max(k, rec.delay_steps)
+                run.tracking_frozen.append(rms(out.output[k:split], expert[k:split]))
+                run.tracking_free.append(rms(out.output[split:], expert[split:]))
+                run.frozen_executed.append(split - k)
             compute = sum(rec.stage_ms)
             run.overhead_ms.append((rec.emit - ready) * 1e3 - compute)
             run.overhead_capture_ms.append((rec.emit - captured) * 1e3 - compute)
@@ -174,6 +184,20 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
     return runs
 
 
+def _nanmean(values: list[float]) -> float | None:
+    """Mean of the finite values (a chunk with no row in a part gives nan); None if there are none."""
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.mean(finite)) if finite else None
+
+
+def _split(row: dict) -> str:
+    """The tracking error's split for the progress line ('' where nothing was frozen)."""
+    if not row["frozen_rows_executed_mean"]:
+        return ""
+    return (f"frozen rows {row['tracking_error_frozen_rows']:.4f} over {row['frozen_rows_executed_mean']:.2f} "
+            f"a chunk, free rows {row['tracking_error_free_rows']:.4f}; ")
+
+
 def summarize_run(mode: str, d: int, model: str, runs: dict[str, RobotRun], skip: int, skip_steps: int = 0) -> dict:
     """One row of ``runs``: metrics over every robot, the first ``skip`` chunks of each (``skip_steps`` control
     steps of the executed trajectory) left out (start-up)."""
@@ -189,6 +213,10 @@ def summarize_run(mode: str, d: int, model: str, runs: dict[str, RobotRun], skip
         "late_points": sum(r.robot.late_points for r in runs.values()),
         "late_chunks": sum(r.robot.late_chunks for r in runs.values()),
         "tracking_error": float(np.mean([t for r in runs.values() for t in r.tracking[skip:]])),
+        # split: over the executed rows the hand-off froze, and over the free rows after them (none: all free)
+        "tracking_error_frozen_rows": _nanmean([t for r in runs.values() for t in r.tracking_frozen[skip:]]),
+        "tracking_error_free_rows": _nanmean([t for r in runs.values() for t in r.tracking_free[skip:]]),
+        "frozen_rows_executed_mean": _nanmean([n for r in runs.values() for n in r.frozen_executed[skip:]]),
         # the arm against the moving target (closed loop), over the steps after the skipped chunks' period
         "target_tracking_error": float(np.mean([r.target_tracking(skip_steps)
                                                 for r in runs.values()])),
@@ -229,7 +257,7 @@ async def run_all(args: argparse.Namespace) -> dict:
             print(f"  {model:<7} {mode:<5} d={d}: seam p50/p99 {row['seam_jump_p50']:.4f}/{row['seam_jump_p99']:.4f}"
                   f" rad, velocity p99 {row['seam_velocity_jump_p99']:.3f} rad/s, jerk {row['jerk_rms']:.1f}, "
                   f"late points {row['late_points']} (chunks {row['late_chunks']}), tracking "
-                  f"{row['tracking_error']:.4f} (arm vs target {row['target_tracking_error']:.4f}), overhead p50 "
+                  f"{row['tracking_error']:.4f} ({_split(row)}arm vs target {row['target_tracking_error']:.4f}), overhead p50 "
                   f"{', '.join(f'{v:.2f}' for v in row['response_overhead_ms_p50'].values())} ms (from capture "
                   f"{', '.join(f'{v:.2f}' for v in row['response_overhead_from_capture_ms_p50'].values())})",
                   flush=True)

@@ -40,6 +40,14 @@ def test_small_handoff_run(tmp_path, capsys):
     assert not handed or sum(x["frozen_takeovers"] for x in handed) > 0, trained
     # without a hand-off nothing is frozen: the same takeovers jump (the check above can fail)
     assert any(x["frozen_takeover_jump_max"] > 0 for x in clean if x["mode"] == "none"), trained
+    # the tracking error split where the hand-off froze the executed rows and where it did not: without a
+    # hand-off every row is free; a takeover at a frozen row runs at least that row of the previous chunk
+    for x in trained:
+        if x["mode"] == "none":
+            assert x["frozen_rows_executed_mean"] == 0 and x["tracking_error_frozen_rows"] is None, x
+            assert math.isclose(x["tracking_error_free_rows"], x["tracking_error"]), x
+        elif x["frozen_takeovers"] > 0:
+            assert x["frozen_rows_executed_mean"] > 0 and x["tracking_error_frozen_rows"] >= 0, x
     # the shipped checkpoint has learned the expert; the random init has not
     assert r["tracking_error_trained"] < 0.3 * r["tracking_error_random"]
     # closed loop: the trained policy's arm follows the moving target, the random one's does not
