@@ -106,11 +106,11 @@ class ServerAdmission:
         self.admitted: dict[str, Admitted] = {}
         self.host = host
         if host is not None:   # CPU workers: they share the host's cores, less what the node keeps
-            self.cluster.shared_cores = max(1e-3, host.cores - host.reserve)
+            self.cluster.jitter.shared_cores = max(1e-3, host.cores - host.reserve)
         self.calibration = calibration   # measured load per worker (None: trust the profiles alone)
         self.bound_jitter = bound_jitter  # admit streams with their latency-jitter budget (slo - pace)
         # measured intervals per stream (None: the bound alone); what each showed beyond its bound is kept in
-        # the cluster, which charges it (Cluster.spread)
+        # the jitter bound, which charges it (JitterBound.spread)
         self.intervals = intervals
         self.version = 0   # placements on the host: every join and leave counts (restarts the interval windows)
 
@@ -153,7 +153,7 @@ class ServerAdmission:
         if self.admitted.pop(stream, None) is not None:
             self.scheduler.remove(stream)
             self.version += 1
-        self.cluster.spread.pop(stream, None)
+        self.cluster.jitter.spread.pop(stream, None)
         if self.intervals is not None:
             self.intervals.forget(stream)
 
@@ -178,7 +178,7 @@ class ServerAdmission:
         interval by beyond its jitter bound is a spread it has; the largest of the last minute is charged
         (:meth:`IntervalCalibration.remember`): later placements must keep its bound plus that spread within
         its budget, i.e. its measured p99 plus what they add within its SLO. A newcomer is charged the largest
-        spread measured (:meth:`Cluster.spread_ms`)."""
+        spread measured (:meth:`JitterBound.spread_ms`)."""
         placed = self.cluster.streams.get(stream)
         if self.intervals is None or placed is None or placed.phase_ms is None or placed.jitter_budget_ms is None:
             return   # only paced streams publish at their booked interval plus their chunks' jitter
@@ -186,8 +186,8 @@ class ServerAdmission:
         if p99 is None:
             return
         self._load_into_cluster()
-        spread = max(0.0, p99 - placed.slo_ms - self.cluster.jitter_ms(placed))
-        self.cluster.spread[stream] = self.intervals.remember(stream, now, spread)
+        spread = max(0.0, p99 - placed.slo_ms - self.cluster.jitter.bound_ms(placed))
+        self.cluster.jitter.spread[stream] = self.intervals.remember(stream, now, spread)
 
     def _load_into_cluster(self) -> np.ndarray:
         """Each worker's measured load factor, as the cluster's bound and caps must use it now."""
@@ -198,18 +198,18 @@ class ServerAdmission:
     @property
     def spreads(self) -> dict[str, float]:
         """Per measured stream: what it showed beyond its bound (ms), as admission charges it."""
-        return self.cluster.spread
+        return self.cluster.jitter.spread
 
     def spread_ms(self, stream: str) -> float | None:
         """What ``stream`` was measured to vary beyond its bound (ms); None: not measured yet."""
-        return self.cluster.spread.get(stream)
+        return self.cluster.jitter.spread.get(stream)
 
     def follow(self, factors: dict[int, float], spreads: dict[str, float] | None = None) -> None:
         """Take load factors and spreads measured elsewhere (a benchmark replaying a server's decisions)."""
         if self.calibration is not None:
             self.calibration.set_factors(factors)
         if self.intervals is not None and spreads:
-            self.cluster.spread.update({s: max(0.0, v) for s, v in spreads.items() if s in self.admitted})
+            self.cluster.jitter.spread.update({s: max(0.0, v) for s, v in spreads.items() if s in self.admitted})
 
 
 def worker_headroom(headroom: float, device: str, reserve_cores: float, cores: int | None) -> float:
@@ -217,7 +217,7 @@ def worker_headroom(headroom: float, device: str, reserve_cores: float, cores: i
     the node (ROS callbacks, image conversion, publishing) and whatever else runs there: one may use
     at most ``cores - reserve_cores`` of a core (and a worker process runs on one core), however fast one
     stage is alone. What they may use together is the host budget's (:class:`HostBudget`, ``host-cpu``),
-    and what two busy at once cost each other is the jitter bound's (``Cluster.shared_cores``); an equal
+    and what two busy at once cost each other is the jitter bound's (``JitterBound.shared_cores``); an equal
     split of the cores (``(cores - reserve) / workers`` each) would refuse the third robot a worker holds
     staggered while the other worker idles."""
     if device != "cpu":

@@ -201,7 +201,7 @@ class Engine:
         the inference delay measured over the last chunks and, if asked, the hand-off to its
         predecessor (physis_ros.model.handoff). ``release_phase_ms`` (with a release interval): the phase of
         the interval, counted from :attr:`phase_epoch`, at which it is released (admission's choice,
-        :meth:`physis_ros.scheduling.cluster.Cluster.release_phase`); without one the engine spreads it
+        :meth:`physis_ros.scheduling.jitter.JitterBound.release_phase`); without one the engine spreads it
         from the streams sharing its workers itself."""
         if not self._started:
             raise EngineError("start the engine before adding streams")

@@ -22,26 +22,8 @@ block b of model M placed on a device loads the block, later ones (other
 steps of the same stream, or other streams) share it, and the weights leave
 when the last stage using them does. Every placed stage holds its own KV slot.
 
-Latency jitter. A stream released every ``pace`` ms meets an interval SLO of ``slo`` ms only if
-its chunks' latencies vary by at most ``slo - pace`` (its jitter budget), and what varies them is
-the other chunks a device runs at the same time. A chunk of stream ``i`` on device ``w`` is
-fastest alone (its batch-1 work there) and slowest when it lands in one busy period with a chunk
-of every stream that runs with or ahead of it there, batches charged at the batch-cost curve: the
-difference, times the device's measured load factor, summed over ``i``'s devices, is its
-worst-case jitter (:meth:`Cluster.jitter_ms`). Which streams run ahead depends on the workers'
-dispatch: ``oldest`` finishes a chunk it started before a newer one, so every co-located
-stream counts; ``edf`` (``deadline_order``) runs the earliest deadline first, so only streams with
-a budget no larger than ``i``'s count in full, and each later one delays ``i`` by at most the one
-stage task one of them may be running (tasks are not preempted). Paced streams are released at a
-phase of their interval (:meth:`Cluster.release_phase`, :mod:`~physis_ros.scheduling.phases`): two at
-the same pace, each wholly on the same device, meet only at their relative phase, so one delays the
-other by the backlog its earlier chunk leaves there, not by all of its work. CPU workers on one host also share its
-cores (``shared_cores``): with more of them busy than there are cores, a device runs at
-``cores / busy devices`` of a core while another is busy, and a busy period stretches by that much for
-as long as the longest busy period elsewhere overlaps it. Streams without a budget (the simulator's)
-are not checked and count in full. What this model leaves out (a chunk's own compute spread, late releases,
-transport) is measured on the running server and charged per stream (:meth:`Cluster.set_spreads`): a
-stream's worst case is its bound plus its spread, and a phased co-runner's chunk may run its spread longer.
+How much the streams' chunk latencies may vary, and so whether a placement keeps their interval SLOs,
+is the jitter bound's (:mod:`~physis_ros.scheduling.jitter`, :attr:`Cluster.jitter`).
 
 State lives in numpy arrays so that scoring all devices for one rank is a few
 vector operations, which keeps a placement decision fast at 1024 devices.
@@ -49,13 +31,12 @@ vector operations, which keeps a placement decision fast at 1024 devices.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from physis_ros.scheduling.phases import choose_phase, wait_ms
+from physis_ros.scheduling.jitter import JitterBound
 from physis_ros.scheduling.profiles import CostProfile
 from physis_ros.scheduling.ranks import VirtualRank
 from physis_ros.scheduling.settings import DeviceSpec
@@ -119,12 +100,6 @@ class Cluster:
         # the device was measured running busier than its profiles say (set_load_factors).
         self.util_cap = np.full(self.n, 1.0 - headroom)
         self.load = np.ones(self.n)             # per device: measured busy / booked (set_load_factors)
-        self.deadline_order = deadline_order    # the devices dispatch earliest deadline first (edf)
-        # Cores the devices share (CPU workers on one host, less what the host keeps for itself); None: each
-        # device is its own (GPUs). More busy devices than that slow each other down (:meth:`_contention_ms`).
-        self.shared_cores: float | None = None
-        # Per stream: how much more its chunks vary than its bound explains, measured as it runs (set_spreads).
-        self.spread: dict[str, float] = {}
         self.profiles = profiles
         self.mem_cap = np.array([s.usable_bytes for s in self.specs], dtype=np.float64)
         self.util = np.zeros(self.n)
@@ -139,6 +114,8 @@ class Cluster:
         self.streams: dict[str, PlacedStream] = {}
         self.kind = np.array([hash(s) for s in self.specs])  # devices of one kind are interchangeable
         self.uniform = len(set(self.specs)) == 1
+        # how much the placed streams' chunk latencies may vary, given the workers' dispatch (edf or oldest)
+        self.jitter = JitterBound(self, deadline_order)
 
     # -------------------------------------------------------------- queries
 
@@ -154,18 +131,6 @@ class Cluster:
         booked to costs at most 1 - headroom of its time as it runs now."""
         self.load = np.maximum(1.0, np.asarray(factors, dtype=np.float64))
         self.util_cap = (1.0 - self.headroom) / self.load
-
-    def set_spreads(self, spreads: dict[str, float]) -> None:
-        """Per stream: the latency variation (ms) its published intervals showed beyond its jitter bound
-        (measured on the running server): a chunk's own compute spread, a late release, transport."""
-        self.spread = {s: max(0.0, float(v)) for s, v in spreads.items()}
-
-    def spread_ms(self, stream: str) -> float:
-        """What ``stream``'s chunks vary beyond its bound (ms): as measured, or for one not measured yet (a
-        newcomer) the largest measured among the placed streams: the host's noise is not the stream's."""
-        if stream in self.spread:
-            return self.spread[stream]
-        return max((v for s, v in self.spread.items() if s in self.streams), default=0.0)
 
     def batch_factor(self, model: str) -> np.ndarray:
         """[block, n] for n = 0..max_batch: what a task costs in a batch of n, as a fraction of its batch-1
@@ -221,133 +186,9 @@ class Cluster:
             out += (refs > 0).sum(axis=0) * float(self.profiles[model].block_weight_bytes)
         return out
 
-    # -------------------------------------------------------------- latency jitter
-
-    def _shares(self) -> dict[str, np.ndarray]:
+    def task_shares(self) -> dict[str, np.ndarray]:
         """model -> [block, device]: a task's cost as a fraction of batch 1, as the devices batch now."""
         return {m: self._per_task(m, np.arange(h.shape[0]), np.maximum(h, 1)) for m, h in self.hosts.items()}
-
-    def _chunk_ms(self, placed: PlacedStream, device: int, shares: dict[str, np.ndarray]
-                  ) -> tuple[float, float, float]:
-        """One chunk of ``placed`` on ``device``: (its work there batched as the device now batches, its
-        batch-1 work there, its longest stage task there), in ms."""
-        share = shares[placed.model]
-        batched = alone = stage = 0.0
-        for r, d in zip(placed.ranks, placed.devices):
-            if d == device:
-                batched += float((share[r.block_index, d] * r.work_array).sum()) + r.hop_ms
-                alone += r.work_ms
-                stage = max(stage, r.compute_ms / len(r.stages))
-        return batched, alone, stage
-
-    def _delays(self, i: PlacedStream, q: PlacedStream) -> bool:
-        """Whether a chunk of ``q`` running beside one of ``i`` may delay it by all of its work."""
-        if not self.deadline_order or q.jitter_budget_ms is None or i.jitter_budget_ms is None:
-            return True
-        return q.jitter_budget_ms <= i.jitter_budget_ms + 1e-9
-
-    def jitter_ms(self, placed: PlacedStream, also: Sequence[PlacedStream] = ()) -> float:
-        """Worst-case variation of ``placed``'s chunk latency (ms): on each of its devices, the busy period
-        of one chunk of every stream that may run with or ahead of it there (``also``: streams placed
-        but not yet added, a search's candidate), less its own chunk alone, times the device's load."""
-        return self._jitter_ms(placed, also, self._shares())
-
-    def _jitter_ms(self, placed: PlacedStream, also: Sequence[PlacedStream], shares: dict[str, np.ndarray]) -> float:
-        streams = [q for q in (*self.streams.values(), *also) if q is not placed and q.stream != placed.stream]
-        busy_on = self._busy_periods([*streams, placed], shares) if self.shared_cores is not None else None
-        total = 0.0
-        for w in set(placed.devices):
-            batched, alone, _ = self._chunk_ms(placed, w, shares)
-            busy, blocking, apart = batched - alone, 0.0, []
-            for q in streams:
-                if w not in q.devices:
-                    continue
-                q_batched, _, q_stage = self._chunk_ms(q, w, shares)
-                if not self._delays(placed, q):   # one later-deadline task may be running: no preemption
-                    blocking = max(blocking, q_stage)
-                elif self._phased_apart(placed, q):
-                    apart.append((q, q_batched))
-                else:
-                    busy += q_batched
-            if apart:   # the backlog those released before it leave (each of the rest can add all of its work),
-                # in ms as the device runs now
-                load = self.load[w]
-                busy += wait_ms(placed.slo_ms, placed.phase_ms, batched * load, self._released(placed, apart, load)) / load
-            if busy_on is not None:
-                busy += self._contention_ms(w, alone + busy + blocking, busy_on)
-            total += self.load[w] * max(0.0, busy + blocking)
-        return total
-
-    def _released(self, placed: PlacedStream, apart: list[tuple[PlacedStream, float]], load: float
-                  ) -> list[tuple[float, float]]:
-        """(phase, ms as the device runs now) of each phased co-runner's chunk: its work at the device's load
-        plus its spread, since it may run that much longer. Batching mates (one model, one phase) run in the
-        same forwards, so one slow forward delays them all once: a batch is charged its largest spread once,
-        and ``placed``'s own batch none (its own spread holds it)."""
-        out, charged = [], set()
-        for q, work in sorted(apart, key=lambda a: -self.spread_ms(a[0].stream)):
-            batch = (q.model, round(q.phase_ms, 6)) if self.max_batch > 1 else q.stream
-            own = batch == (placed.model, round(placed.phase_ms, 6))
-            out.append((q.phase_ms, work * load + (0.0 if own or batch in charged else self.spread_ms(q.stream))))
-            charged.add(batch)
-        return out
-
-    @staticmethod
-    def _phased_apart(i: PlacedStream, q: PlacedStream) -> bool:
-        """Whether ``q`` meets ``i`` only at their fixed relative phase: both released at one pace, each
-        wholly on one (the same) device, so that its chunk is there from its release on."""
-        return (i.phase_ms is not None and q.phase_ms is not None and math.isclose(i.slo_ms, q.slo_ms)
-                and len(set(i.devices)) == 1 and set(q.devices) == set(i.devices))
-
-    def release_phase(self, placed: PlacedStream) -> float:
-        """The phase of its interval (ms) at which a paced stream placed like ``placed`` should be released:
-        a batching mate's (same model and pace, from the same device) when the devices batch, so that their
-        tasks arrive together as the batch credit assumes; else the one farthest from the phases of the
-        streams of its pace released onto the same device."""
-        first = placed.devices[0]
-        same = [q for q in self.streams.values() if q.stream != placed.stream and q.phase_ms is not None
-                and math.isclose(q.slo_ms, placed.slo_ms) and q.devices[0] == first]
-        if self.max_batch > 1:
-            for q in same:
-                if q.model == placed.model:
-                    return q.phase_ms
-        return choose_phase(placed.slo_ms, [q.phase_ms for q in same])
-
-    def _busy_periods(self, streams: Sequence[PlacedStream], shares: dict[str, np.ndarray]) -> dict[int, float]:
-        """Per device with work: one chunk of every stream there, batched as it batches (ms)."""
-        out: dict[int, float] = {}
-        for q in streams:
-            for w in set(q.devices):
-                out[w] = out.get(w, 0.0) + self._chunk_ms(q, w, shares)[0]
-        return out
-
-    def _contention_ms(self, w: int, period_ms: float, busy_on: dict[int, float]) -> float:
-        """Devices that share ``shared_cores`` cores (CPU workers on one host): while the others run, device
-        ``w`` gets ``shared_cores / busy devices`` of a core, so a busy period of ``period_ms`` there
-        stretches by that much for as long as another device's busy period overlaps it."""
-        busy = len(busy_on.keys() | {w})
-        if busy <= self.shared_cores:
-            return 0.0
-        overlap = min(period_ms, max((ms for d, ms in busy_on.items() if d != w), default=0.0))
-        return overlap * (busy / self.shared_cores - 1.0)
-
-    def jitter_breaches(self, new: PlacedStream) -> list[tuple[str, float, float]]:
-        """(stream, worst-case jitter ms, budget ms) for every stream whose budget ``new`` (placed, its
-        ranks applied, not added) would break: itself and the budgeted streams sharing a device with it. A
-        stream's worst case is its bound plus the spread it was measured to have beyond it (:meth:`spread_ms`)."""
-        out, shares = [], self._shares()   # the devices' batching is the same for every stream checked
-        touched = self.streams.values() if self.shared_cores is not None else (
-            q for q in self.streams.values() if set(q.devices) & set(new.devices))   # sharing cores: everyone
-        for s in (new, *touched):
-            if s.jitter_budget_ms is not None:
-                j = self._jitter_ms(s, () if s is new else (new,), shares) + self.spread_ms(s.stream)
-                if j > s.jitter_budget_ms + 1e-9:
-                    out.append((s.stream, j, s.jitter_budget_ms))
-        return out
-
-    def checks_jitter(self, budget_ms: float | None) -> bool:
-        """Whether placing a stream with this budget needs the jitter check (someone has a budget)."""
-        return budget_ms is not None or any(q.jitter_budget_ms is not None for q in self.streams.values())
 
     # -------------------------------------------------------------- mutation (with undo for the search)
 

@@ -211,8 +211,8 @@ class JointScheduler(Scheduler):
         jitter within its budget; the closest breach is kept for the rejection's detail."""
         new = PlacedStream(req.stream, req.model, req.slo_ms, ranks, devices, jitter_budget_ms=req.jitter_budget_ms)
         if req.paced:
-            new.phase_ms = self.cluster.release_phase(new)
-        breaches = self.cluster.jitter_breaches(new)
+            new.phase_ms = self.cluster.jitter.release_phase(new)
+        breaches = self.cluster.jitter.breaches(new)
         for b in breaches:
             if self._jitter_miss is None or b[1] - b[2] < self._jitter_miss[1] - self._jitter_miss[2]:
                 self._jitter_miss = b   # the closest miss: what the rejection names
@@ -224,7 +224,7 @@ class JointScheduler(Scheduler):
         c = self.cluster
         slo = seq.slo_ms
         latency_slo_ms = req.latency_slo_ms
-        jitter = c.checks_jitter(req.jitter_budget_ms)
+        jitter = c.jitter.applies(req.jitter_budget_ms)
         empty0 = c.empty()
         max_ranks = len(seq.fewest) + (lds.max_extra_ranks if lds.split else 0)
         max_fresh = len(seq.fewest)      # never open more devices than the equal split's group
@@ -289,7 +289,7 @@ class JointScheduler(Scheduler):
             if d is None:
                 return None
             chosen.append(d)
-        if c.checks_jitter(req.jitter_budget_ms):
+        if c.jitter.applies(req.jitter_budget_ms):
             # empty devices, yet not free of jitter where devices share cores (CPU workers on one host)
             undos = [(r, c.apply(r, req.slo_ms, d)) for r, d in zip(ranks, chosen)]
             try:
@@ -329,7 +329,7 @@ class JointScheduler(Scheduler):
                     f"memory by at least {short / 1e9:.2f} GB (weights not yet loaded + KV + buffers)")
             if self._jitter_miss is not None:
                 stream, j, budget = self._jitter_miss
-                spread = c.spread_ms(stream)
+                spread = c.jitter.spread_ms(stream)
                 measured = f", plus the {spread:.1f} ms its intervals were measured to vary beyond that" if spread else ""
                 return "latency-jitter", (
                     f"every placement found would let stream '{stream}''s chunk latency vary by up to {j:.1f} ms "
@@ -373,7 +373,7 @@ class JointScheduler(Scheduler):
         placed = PlacedStream(req.stream, req.model, req.slo_ms, list(ranks), devices, method, req.latency_slo_ms,
                               req.jitter_budget_ms)
         if req.paced:
-            placed.phase_ms = self.cluster.release_phase(placed)
+            placed.phase_ms = self.cluster.jitter.release_phase(placed)
         assert placed.interval_alone_ms <= seq.budget + 1e-6, (placed.interval_alone_ms, seq.budget)
         self.cluster.add_stream(placed)
         return Decision(req, True, None, f"{method}: {len(ranks)} ranks on devices {devices}", placed,

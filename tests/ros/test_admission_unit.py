@@ -241,7 +241,7 @@ def test_the_engines_dispatch_policy_decides_whose_chunks_count_as_delay():
 
     for policy, deadline_order in (("oldest", False), ("edf", True)):
         cfg = serve_config({"engine": {"workers": 2, "policy": policy}})
-        assert server_admission(cfg, cores=2)[0].cluster.deadline_order is deadline_order
+        assert server_admission(cfg, cores=2)[0].cluster.jitter.deadline_order is deadline_order
 
 
 # ---- the hub's checks (what no placement can fix) -------------------------------------------------------

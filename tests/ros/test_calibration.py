@@ -192,14 +192,14 @@ def test_a_robot_measured_near_its_slo_refuses_a_world_model_the_bound_alone_adm
     r1 = adm.admit("r1", robot, 80.0, 100.0)
     assert r1.workers == ["w0"] and r1.placed.phase_ms == 40.0
     # the placements changed: r0's window starts over; the newcomer is charged r0's spread until measured
-    assert adm.cluster.spread_ms("r1") == pytest.approx(17.0)
+    assert adm.cluster.jitter.spread_ms("r1") == pytest.approx(17.0)
     adm.observe_intervals("r0", 9.5, paced_intervals(0.0, 9.5, [63.0, 97.0]))
     adm.observe_intervals("r0", 18.0, paced_intervals(0.0, 18.0, [70.0, 90.0]))
     assert adm.spread_ms("r0") == pytest.approx(17.0)               # measured 10 now: the minute's largest
     adm.observe_intervals("r0", 75.0, paced_intervals(0.0, 75.0, [70.0, 90.0]))
     assert adm.spread_ms("r0") == pytest.approx(10.0)               # a minute on, the 17 is forgotten
     adm.remove("r0")
-    assert adm.spread_ms("r0") is None and adm.cluster.spread_ms("r1") == 0.0
+    assert adm.spread_ms("r0") is None and adm.cluster.jitter.spread_ms("r1") == 0.0
 
 
 def test_a_replay_follows_the_spreads_a_server_published_for_its_streams_only():

@@ -451,7 +451,7 @@ def test_paced_streams_on_one_worker_are_spread_apart_unless_they_batch(batching
 
 def test_a_stream_given_a_release_phase_is_released_at_that_phase_of_its_interval():
     """Admission books streams sharing a worker at phases of their common interval
-    (Cluster.release_phase); the engine must release each at the phase it was booked at, counted from its
+    (JitterBound.release_phase); the engine must release each at the phase it was booked at, counted from its
     phase epoch, whatever else shares the worker, and not spread it on its own."""
     cfg = load_model_config("tiny-wam")
     scene = SyntheticScene(cfg.observation_shapes)
