@@ -257,7 +257,8 @@ async def run_all(args: argparse.Namespace) -> dict:
             print(f"  {model:<7} {mode:<5} d={d}: seam p50/p99 {row['seam_jump_p50']:.4f}/{row['seam_jump_p99']:.4f}"
                   f" rad, velocity p99 {row['seam_velocity_jump_p99']:.3f} rad/s, jerk {row['jerk_rms']:.1f}, "
                   f"late points {row['late_points']} (chunks {row['late_chunks']}), tracking "
-                  f"{row['tracking_error']:.4f} ({_split(row)}arm vs target {row['target_tracking_error']:.4f}), overhead p50 "
+                  f"{row['tracking_error']:.4f} ({_split(row)}arm vs target {row['target_tracking_error']:.4f}), "
+                  f"overhead p50 "
                   f"{', '.join(f'{v:.2f}' for v in row['response_overhead_ms_p50'].values())} ms (from capture "
                   f"{', '.join(f'{v:.2f}' for v in row['response_overhead_from_capture_ms_p50'].values())})",
                   flush=True)

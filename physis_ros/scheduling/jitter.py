@@ -134,7 +134,8 @@ class JitterBound:
             if apart:   # the backlog those released before it leave (each of the rest can add all of its work),
                 # in ms as the device runs now
                 load = load_of[w]
-                busy += wait_ms(placed.slo_ms, placed.phase_ms, batched * load, self._released(placed, apart, load)) / load
+                released = self._released(placed, apart, load)
+                busy += wait_ms(placed.slo_ms, placed.phase_ms, batched * load, released) / load
             if busy_on is not None:
                 busy += self._contention_ms(w, alone + busy + blocking, busy_on)
             total += load_of[w] * max(0.0, busy + blocking)
