@@ -153,7 +153,7 @@ class ServerAdmission:
         if self.admitted.pop(stream, None) is not None:
             self.scheduler.remove(stream)
             self.version += 1
-        self.cluster.jitter.spread.pop(stream, None)
+        self.cluster.jitter.forget(stream)
         if self.intervals is not None:
             self.intervals.forget(stream)
 
@@ -187,7 +187,7 @@ class ServerAdmission:
             return
         self._load_into_cluster()
         spread = max(0.0, p99 - placed.slo_ms - self.cluster.jitter.bound_ms(placed))
-        self.cluster.jitter.spread[stream] = self.intervals.remember(stream, now, spread)
+        self.cluster.jitter.charge(stream, self.intervals.remember(stream, now, spread))
 
     def _load_into_cluster(self) -> np.ndarray:
         """Each worker's measured load factor, as the cluster's bound and caps must use it now."""
@@ -209,7 +209,9 @@ class ServerAdmission:
         if self.calibration is not None:
             self.calibration.set_factors(factors)
         if self.intervals is not None and spreads:
-            self.cluster.jitter.spread.update({s: max(0.0, v) for s, v in spreads.items() if s in self.admitted})
+            for s, v in spreads.items():
+                if s in self.admitted:
+                    self.cluster.jitter.charge(s, v)
 
 
 def worker_headroom(headroom: float, device: str, reserve_cores: float, cores: int | None) -> float:

@@ -63,6 +63,14 @@ class JitterBound:
         (measured on the running server): a chunk's own compute spread, a late release, transport."""
         self.spread = {s: max(0.0, float(v)) for s, v in spreads.items()}
 
+    def charge(self, stream: str, spread_ms: float) -> None:
+        """Charge ``stream`` this measured spread (ms, at least 0) from now on."""
+        self.spread[stream] = max(0.0, float(spread_ms))
+
+    def forget(self, stream: str) -> None:
+        """``stream`` left: its spread no longer counts (nor sets a newcomer's)."""
+        self.spread.pop(stream, None)
+
     def spread_ms(self, stream: str) -> float:
         """What ``stream``'s chunks vary beyond its bound (ms): as measured, or for one not measured yet (a
         newcomer) the largest measured among the placed streams: the host's noise is not the stream's."""
