@@ -6,7 +6,7 @@ pace on one device then meet at the same relative phase every interval: a chunk 
 other only if that one's chunk, released earlier, is still running. With ``oldest`` dispatch (first
 released, first run) the wait is the backlog of the chunks released before it, which :func:`wait_ms`
 follows over the periodic schedule. Streams at other paces drift against each other and meet at every
-relative phase, so they get no such credit (:class:`~physis_ros.scheduling.cluster.Cluster` counts them
+relative phase, so they get no such credit (:class:`~physis_ros.scheduling.jitter.JitterBound` counts them
 in full).
 """
 
