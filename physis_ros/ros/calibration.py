@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from physis_ros.telemetry import percentile
 
@@ -83,6 +83,16 @@ class SpreadSettings:
     memory_s: float = 60.0     # a stream's spread is the largest measured over this long, whatever its placements
 
 
+@dataclass
+class _IntervalWindow:
+    """One stream's intervals since the host's placements last changed."""
+
+    samples: deque[tuple[float, float]] = field(default_factory=deque)   # (emit time, interval ms) in the window
+    last_emit: float = -math.inf     # the newest record seen (older ones are skipped)
+    version: int | None = None       # the host's placements' version the window belongs to
+    changed: float = 0.0             # when that version was first seen
+
+
 class IntervalCalibration:
     """Per stream: its published intervals since the host's placements last changed, and their p99 once a
     whole window of them is in.
@@ -103,10 +113,7 @@ class IntervalCalibration:
     def __init__(self, settings: SpreadSettings = SpreadSettings()):
         self.settings = settings
         self._lock = threading.Lock()
-        self._samples: dict[str, deque[tuple[float, float]]] = {}
-        self._last_emit: dict[str, float] = {}
-        self._version: dict[str, int] = {}
-        self._changed: dict[str, float] = {}
+        self._windows: dict[str, _IntervalWindow] = {}
         self._spreads: dict[str, deque[tuple[float, float]]] = {}
 
     def observe(self, stream: str, version: int, now: float, records: list[tuple[float, float]]) -> float | None:
@@ -115,19 +122,18 @@ class IntervalCalibration:
         p99 over the last ``window_s`` once the window since the change is whole, else None."""
         s = self.settings
         with self._lock:
-            samples = self._samples.setdefault(stream, deque())
-            if self._version.get(stream) != version:
-                samples.clear()
-                self._version[stream], self._changed[stream] = version, now
-            start = self._changed[stream] + s.settle_s
-            last = self._last_emit.get(stream, -math.inf)
+            w = self._windows.setdefault(stream, _IntervalWindow())
+            if w.version != version:
+                w.samples.clear()
+                w.version, w.changed = version, now
+            start = w.changed + s.settle_s
+            samples = w.samples
             for emit, interval in records:
-                if emit <= last:
+                if emit <= w.last_emit:
                     continue
-                last = emit
+                w.last_emit = emit
                 if emit >= start and math.isfinite(interval):
                     samples.append((emit, interval))
-            self._last_emit[stream] = last
             while samples and samples[0][0] <= now - s.window_s:
                 samples.popleft()
             if now - start < s.window_s or len(samples) < s.min_samples:
@@ -145,5 +151,5 @@ class IntervalCalibration:
 
     def forget(self, stream: str) -> None:
         with self._lock:
-            for d in (self._samples, self._last_emit, self._version, self._changed, self._spreads):
-                d.pop(stream, None)
+            self._windows.pop(stream, None)
+            self._spreads.pop(stream, None)

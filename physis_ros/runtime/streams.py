@@ -222,7 +222,7 @@ class StreamState:
             self.timeline_t0 = release
         f.first_step = round((release - self.timeline_t0) * tl.rate_hz)
         first = self.last_step is None     # nothing before it to hand off from
-        f.shift = f.first_step - (f.first_step if first else self.last_step)
+        f.shift = 0 if first else f.first_step - self.last_step
         self.last_step = f.first_step
         recent = self.delays[-tl.delay_window:]
         if first and not recent:
