@@ -15,12 +15,14 @@ is stamped at capture; its render, the sensor's own time, is reported beside it 
 ``sensor_ms_p50`` and counted in ``response_overhead_from_capture_ms_p50``).
 
     physis-bench handoff [--checkpoint config/checkpoints/tiny-wam-demo.safetensors] [--chunks 60]
-                         [--modes none,hard,soft] [--delays 0,2,4] [--json out.json] [--plot out.png]
+                         [--modes none,hard,soft] [--delays 0,2,4] [--capture-margin 0.3|off]
+                         [--json out.json] [--plot out.png]
 
 JSON: ``runs`` (per model, mode and delay: seam jump p50/p99, seam velocity jump p99, jerk RMS, late
 points and chunks, tracking error (and split: ``tracking_error_frozen_rows`` over the executed rows the
 hand-off froze to the previous chunk's, ``tracking_error_free_rows`` over the rows after them,
-``frozen_rows_executed_mean`` a chunk), ``target_tracking_error`` (closed loop: the arm against the expert's
+``frozen_rows_executed_mean`` a chunk, ``capture_lead_steps_p50`` how far ahead of row 0 the observation was
+taken, ``unfrozen_takeovers`` chunks the robot switched to past their frozen rows), ``target_tracking_error`` (closed loop: the arm against the expert's
 target pose at every executed step), the delay the hand-off assumed, the response overhead p50 per robot,
 from the frame and from its capture),
 ``tracking_error_trained`` / ``tracking_error_random``, ``targets`` (the issue's ratios), ``targets_met``
@@ -66,10 +68,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-rate-hz", type=float, default=50.0)
     p.add_argument("--execution-horizon", type=int, default=8, help="s: steps each chunk is executed for")
     p.add_argument("--socket", choices=("tcp", "ipc"), default="tcp")
+    p.add_argument("--capture-margin", type=_margin, default=Timeline.capture_margin,
+                   help="with a hand-off, take each observation ahead of its slot so that the estimated arrival "
+                        "lands this many steps before a control step ('off': at the slot)")
     p.add_argument("--wake-ahead-us", type=int, default=EngineConfig.wake_ahead_us,
                    help="engine.wake_ahead_us (0: the receivers are not woken ahead of a chunk)")
     p.add_argument("--json", help="write results here")
     p.add_argument("--plot", help="write a PNG: seam jumps per mode and delay, executed trajectory vs expert")
+
+
+def _margin(text: str) -> float | None:
+    if text == "off":
+        return None
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"--capture-margin must be in [0, 1) steps or 'off', got {text}")
+    return value
 
 
 @dataclasses.dataclass
@@ -91,6 +105,8 @@ class RobotRun:
     # Takeovers at a frozen row (the robot's first executed row < d, the previous chunk executed): with a
     # hand-off (hard, soft) such a seam is exactly 0 whatever the load (none freezes nothing); (chunk, jump)
     frozen_takeovers: list = dataclasses.field(default_factory=list)
+    unfrozen_takeovers: int = 0     # with a hand-off: came later than its frozen rows, the robot switched past them
+    capture_lead_steps: list = dataclasses.field(default_factory=list)   # observation taken ahead of row 0
     last_executed: int | None = None
     outputs: list = dataclasses.field(default_factory=list)     # (first_step, actions) for the plot
     resets: int = 0             # its stream was reset (a worker lost under load): its seams are not the hand-off's
@@ -157,6 +173,9 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
             run.seams.append((seam.position_jump, seam.velocity_jump))
             if k < rec.delay_steps and run.last_executed == out.chunk - 1:
                 run.frozen_takeovers.append((out.chunk, seam.position_jump))
+            elif timeline.handoff != "none" and run.last_executed == out.chunk - 1 and k < len(out.output):
+                run.unfrozen_takeovers += 1
+            run.capture_lead_steps.append((rec.step0 - captured) * timeline.rate_hz)
             if k < len(out.output):
                 run.last_executed = out.chunk
                 run.tracking.append(rms(out.output[k:], expert[k:]))
@@ -195,7 +214,8 @@ def _split(row: dict) -> str:
     if not row["frozen_rows_executed_mean"]:
         return ""
     return (f"frozen rows {row['tracking_error_frozen_rows']:.4f} over {row['frozen_rows_executed_mean']:.2f} "
-            f"a chunk, free rows {row['tracking_error_free_rows']:.4f}; ")
+            f"a chunk (captured {row['capture_lead_steps_p50']:.2f} steps ahead, {row['unfrozen_takeovers']} "
+            f"switched past them), free rows {row['tracking_error_free_rows']:.4f}; ")
 
 
 def summarize_run(mode: str, d: int, model: str, runs: dict[str, RobotRun], skip: int, skip_steps: int = 0) -> dict:
@@ -223,6 +243,8 @@ def summarize_run(mode: str, d: int, model: str, runs: dict[str, RobotRun], skip
         # takeovers at a row the hand-off froze, and the largest seam among them (0.0: every one exact)
         "frozen_takeovers": sum(len(r.frozen_takeovers) for r in runs.values()),
         "frozen_takeover_jump_max": max((j for r in runs.values() for _, j in r.frozen_takeovers), default=0.0),
+        "unfrozen_takeovers": sum(r.unfrozen_takeovers for r in runs.values()),
+        "capture_lead_steps_p50": percentile([x for r in runs.values() for x in r.capture_lead_steps[skip:]], 50),
         "assumed_delay_steps_p50": percentile([x for r in runs.values() for x in r.delays[skip:]], 50),
         "response_overhead_ms_p50": {name: percentile(r.overhead_ms[skip:], 50) for name, r in runs.items()},
         "response_overhead_from_capture_ms_p50": {name: percentile(r.overhead_capture_ms[skip:], 50)
@@ -248,7 +270,8 @@ async def run_all(args: argparse.Namespace) -> dict:
 
         async def one(served: ServedModel, mode: str, d: int, model: str) -> dict:
             nonlocal tag
-            timeline = Timeline(args.control_rate_hz, horizon, args.execution_horizon, handoff=mode, extra_delay=d)
+            timeline = Timeline(args.control_rate_hz, horizon, args.execution_horizon, handoff=mode, extra_delay=d,
+                                capture_margin=args.capture_margin)
             names = [f"r{tag}_{i}" for i in range(args.robots)]
             tag += 1
             runs = await serve_run(engine, admission, served, names, timeline, args.chunks, args)

@@ -138,6 +138,10 @@ class StreamConfig:
                                               "pulls the rest of the overlap toward it (real-time chunking)"))
     extra_delay_steps: int = field(default=0, metadata=bounded(
         ge=0, doc="control steps added to the measured inference delay d (benchmarks: a slower robot link)"))
+    capture_margin_steps: float | None = field(default=0.3, metadata=bounded(
+        ge=0.0, le=0.9, doc="with a hand-off, each observation is taken ahead of its chunk's slot (by under a step) "
+                            "so that the chunk's estimated arrival lands this many control steps before a step "
+                            "boundary: the robot then runs one of its frozen rows, not up to two (null: at the slot)"))
     # Row i of a chunk is due at row0 + i / control_rate_hz; rows already due when it is published are
     # dropped from the JointTrajectory (counted as late points), whose header stamp is its first row's time.
     trajectory_start: str = field(default="timeline", metadata=bounded(

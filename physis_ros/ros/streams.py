@@ -70,7 +70,8 @@ class RosStream:
         # Deterministic serving (replay equal to the reference) takes no hand-off: it depends on measured delays.
         self.timeline = Timeline(config.control_rate_hz, model_horizon(self.model), execution_steps(config, self.model),
                                  handoff="none" if serve.deterministic else config.handoff,
-                                 extra_delay=config.extra_delay_steps, lead_s=config.trajectory_min_lead_s)
+                                 extra_delay=config.extra_delay_steps, lead_s=config.trajectory_min_lead_s,
+                                 capture_margin=config.capture_margin_steps)
         paired = [k for k in self.model.observation_shapes if k != "image"]
         self.input = StreamInput(serve.deterministic, serve.deterministic_queue, serve.pair_timeout_s,
                                  config.max_age_s, node.now, paired)

@@ -98,6 +98,10 @@ class Timeline:
     delay_warmup: int = 5
     lead_s: float = 0.0            # rows due sooner than this after a chunk's emit are not sent (the node's
                                    # trajectory_min_lead_s): the delay counts it
+    # With a hand-off, take each observation ahead of its chunk's slot by the fraction of a step that makes the
+    # latest expected arrival land this far (steps) before a control step: the robot then switches at the
+    # row after the last one due, which the hand-off froze, instead of up to a step later (None: at the slot).
+    capture_margin: float | None = 0.3
 
     @property
     def max_delay(self) -> int:
@@ -150,7 +154,7 @@ class StreamState:
     timeline: Timeline | None = None
     timeline_t0: float | None = None   # engine clock of the stream's first release: control step 0
     last_step: int | None = None       # first step of the last chunk released
-    delays: list = field(default_factory=list)   # recent inference delays (s), newest last
+    latencies: list = field(default_factory=list)   # recent release -> robot take-over times (s), newest last
     release_interval_s: float | None = None  # pace: one release per interval, anchored at release_t0
     release_t0: float | None = None          # time.monotonic() of the first release (moved on after a late one)
     releases: int = 0
@@ -160,18 +164,19 @@ class StreamState:
 
     async def pace(self, wake: Callable[[], Awaitable[None]] | None = None, lead_s: float = 0.0) -> float | None:
         """Wait for the stream's next release on its schedule (one every release interval, anchored at its
-        first release); the time it was due (time.monotonic()), or None for an unpaced stream. ``wake`` is
-        awaited ``lead_s`` before a release it has to wait for (the engine wakes the first worker then)."""
+        first release), :meth:`capture_lead_s` ahead of it; the time it was due (time.monotonic()), or None
+        for an unpaced stream. ``wake`` is awaited ``lead_s`` before a release it has to wait for (the engine
+        wakes the first worker then)."""
         if self.release_interval_s is None:
             return None
         if self.release_t0 is None:
             return time.monotonic()
         due = self.release_t0 + self.releases * self.release_interval_s
-        delay = due - time.monotonic()
+        delay = due - self.capture_lead_s() - time.monotonic()
         if wake is not None and delay > lead_s:
             await asyncio.sleep(delay - lead_s)
             await wake()
-            delay = due - time.monotonic()
+            delay = due - self.capture_lead_s() - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         return due
@@ -205,16 +210,43 @@ class StreamState:
     def scheduled(self, chunk: int, now: float) -> float:
         """When chunk ``chunk``, released at ``now`` (engine clock), was due on its stream's pace: on the
         timeline a paced chunk starts at its slot (whole steps after the one before), not when the loop got
-        to it, so a release a few ms late shifts none of its rows. ``now`` for an unpaced stream, or a
-        release so late it left the schedule (:meth:`released`)."""
+        to it (a few ms late, or on purpose ahead: :meth:`capture_lead_s`), so its rows stay on the grid.
+        ``now`` for an unpaced stream, or a release so late it left the schedule (:meth:`released`)."""
         due = self.release_due.get(chunk)
-        return now if due is None else now - max(0.0, time.monotonic() - due)
+        return now if due is None else now - (time.monotonic() - due)
+
+    def _latency_steps(self) -> float | None:
+        """The hand-off's estimate of a chunk's latency, release to robot take-over, in control steps: the
+        largest of the recent ones (a percentile of them, if less); None while too few are known."""
+        tl = self.timeline
+        recent = self.latencies[-tl.delay_window:]
+        if len(recent) < tl.delay_warmup:
+            return None
+        return float(np.percentile(recent, tl.delay_quantile)) * tl.rate_hz
+
+    def capture_lead_s(self) -> float:
+        """How far ahead of its slot the next chunk's observation is taken (s). The robot switches to a chunk
+        at the first row due after it arrives, and the switch row must be one the hand-off froze; with the
+        latency spread over a step boundary (a 2-core host: 0.7-1.8 steps) a capture at the slot made the
+        robot run 1.5 frozen rows a chunk on average where one is enough. Taken ahead by the fraction of a
+        step that puts the estimated arrival ``capture_margin`` steps before a step boundary, it freezes
+        one row fewer whenever the estimate is not whole, and the robot runs about one: the chunk is built
+        on an observation up to a step older but acts on it sooner. 0 without a hand-off (nothing is frozen,
+        the robot takes a chunk whenever it lands) or while the latency is not known."""
+        tl = self.timeline
+        if tl is None or tl.handoff == "none" or tl.capture_margin is None or self.release_interval_s is None:
+            return 0.0
+        est = self._latency_steps()
+        if est is None:
+            return 0.0
+        return ((est + tl.capture_margin) % 1.0) / tl.rate_hz
 
     def place_on_timeline(self, f: InFlight, release: float) -> p.HandoffSpec | None:
         """Place a chunk released now on the control timeline (its first step, the shift since the last
-        one, the delay the hand-off assumes: the largest of the recent delays, in steps, plus any
-        injected extra; the largest it can honour while too few delays are known); its hand-off, if the
-        stream asks for one."""
+        one, the delay the hand-off assumes: the rows due before it is expected at the robot, from its
+        observation's place ahead of or behind its row 0 and the largest of the recent latencies, plus any
+        injected extra; the largest it can honour while too few latencies are known); its hand-off, if the
+        stream asks for one. ``release``: its slot (:meth:`scheduled`); ``f.enqueue``: when it was taken."""
         tl = self.timeline
         if tl is None:
             return None
@@ -224,30 +256,32 @@ class StreamState:
         first = self.last_step is None     # nothing before it to hand off from
         f.shift = 0 if first else f.first_step - self.last_step
         self.last_step = f.first_step
-        recent = self.delays[-tl.delay_window:]
-        if first and not recent:
+        est = self._latency_steps()
+        if first and not self.latencies:
             measured = 0
-        elif len(recent) < tl.delay_warmup:
+        elif est is None:
             measured = tl.max_delay
         else:
-            # Rows the robot takes from the previous chunk: those due before this one arrives (the delay in
-            # steps, rounded up, the largest of the recent ones) plus the row it switches at, so
-            # that the switch itself lands on a point the previous chunk committed to.
-            measured = math.ceil(float(np.percentile(recent, tl.delay_quantile)) * tl.rate_hz) + 1
+            # Rows the robot takes from the previous chunk: those due by the time this one arrives (x steps
+            # after row 0: the latency counted from the observation, less how far it was taken ahead of row
+            # 0; rows 0..floor(x)) plus the row it switches at, so that the switch itself lands on a point
+            # the previous chunk committed to; at least row 0 when it arrives before row 0 is due.
+            x = est - (self.timeline_t0 + f.first_step / tl.rate_hz - f.enqueue) * tl.rate_hz
+            measured = max(1, math.floor(x) + 2)
         f.delay_steps = min(tl.max_delay, measured + tl.extra_delay)
         if tl.handoff == "none":
             return None
         return p.HandoffSpec(tl.handoff, f.delay_steps, min(f.shift, 65535))
 
     def timeline_done(self, f: InFlight, emit: float) -> float:
-        """A chunk placed on the timeline left the pipeline at ``emit``: when its row 0 was due (step0), and
-        its delay recorded for the next chunks' hand-off. The delay runs from step0, not from the release:
-        the robot counts the rows it ran meanwhile from there (the two differ by up to half a step when a
-        release falls between steps, and a delay from the release then hands a chunk over past its
-        frozen rows)."""
+        """A chunk placed on the timeline left the pipeline at ``emit``: when its row 0 was due (step0). Its
+        latency (from its observation to the robot taking it, ``lead_s`` after the emit) is recorded for the
+        next chunks' hand-off. Counted from the observation, not from row 0: the compute starts there, and
+        the next chunk's observation may sit elsewhere relative to its row 0 (taken ahead by a different
+        :meth:`capture_lead_s`, or a release between steps), which :meth:`place_on_timeline` adds back."""
         step0 = self.timeline_t0 + f.first_step / self.timeline.rate_hz
-        self.delays.append(emit + self.timeline.lead_s - step0)
-        del self.delays[:-self.timeline.delay_window]
+        self.latencies.append(emit + self.timeline.lead_s - f.enqueue)
+        del self.latencies[:-self.timeline.delay_window]
         return step0
 
 

@@ -67,6 +67,7 @@ def test_namespaces_and_absolute_topics():
     (base(preprocess="crop"), "streams.robot0.preprocess", "unknown key"),
     (base(image={"preprocess": "crop"}), "streams.robot0.image.preprocess", "allowed values"),
     (base(slo_interval_ms=0), "streams.robot0.slo_interval_ms", "must be > 0"),
+    (base(capture_margin_steps=1.0), "streams.robot0.capture_margin_steps", "must be <= 0.9"),
     (base(joint_names=["a", "a"]), "streams.robot0.joint_names[1]", "listed twice"),
     (base(namespace="bad ns"), "streams.robot0.namespace", "not a valid ROS namespace"),
     (base(topics={"image": "cam//x"}), "streams.robot0.topics.image", "not a valid ROS topic"),

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import math
 import os
 import signal
 import time
@@ -390,6 +391,38 @@ def test_handoff_freezes_the_first_d_actions_and_the_reference_agrees(plan, work
     # warm-up holding the credits, on a loaded machine) leaves the grid.
     on_grid = [o.record.first_step % 6 == 0 for o in out]
     assert sum(on_grid) >= len(out) - 2, [o.record.first_step for o in out]
+
+
+def test_with_a_handoff_observations_are_taken_ahead_so_the_robot_switches_at_the_last_frozen_row():
+    """The engine takes each observation ahead of its chunk's slot (the estimate of its latency, the largest
+    of the last 20 observation-to-emit times known then, plus the 0.3-step margin, modulo a step), keeps
+    the chunk's rows on the grid, and freezes the rows due until it arrives: every chunk no later than
+    that estimate plus the margin reaches the robot while a frozen row is still ahead (the switch row)."""
+    from physis_ros.runtime.streams import Timeline
+    from physis_ros.timeline import first_due_row
+
+    cfg = load_model_config("tiny-wam")
+    scene = SyntheticScene(cfg.observation_shapes)
+    timeline = Timeline(rate_hz=50.0, horizon=16, execution=6, handoff="hard")
+    out = run_chunks(cfg, EngineConfig(plan="sequential", workers=1), ["robot0"], 14, scene.observation,
+                     timeline=timeline, release_interval_ms=120.0)["robot0"]
+    recs = [o.record for o in out]
+    checked = 0
+    for r in recs:
+        known = [x.emit - x.enqueue for x in recs if x.emit < r.enqueue][-timeline.delay_window:]
+        ahead = (r.step0 - r.enqueue) * 50.0
+        assert -0.5 < ahead < 1.0 + 0.15, (r.chunk, ahead)      # within a step of its slot
+        if len(known) < timeline.delay_warmup or r.first_step % 6:
+            continue                                          # warm-up, or a release that left the grid
+        est = max(known) * 50.0
+        lead = (est + timeline.capture_margin) % 1.0
+        late = (lead - ahead) % 1.0                           # the loop wakes a little late, never early
+        assert min(late, 1.0 - late) < 0.25, (r.chunk, ahead, lead)
+        assert r.delay_steps == max(1, math.floor(est - ahead) + 2), r.chunk
+        if (r.emit - r.enqueue) * 50.0 <= est + timeline.capture_margin - 0.05:
+            assert first_due_row(r.step0, 0.02, r.emit, 16) < r.delay_steps, r.chunk
+            checked += 1
+    assert checked >= 4
 
 
 def test_a_stream_slow_to_place_still_starts_on_its_release_grid(monkeypatch):
