@@ -9,10 +9,14 @@ view now plus the arm's commanded position now), and a chunk reaches it ``d`` ex
 after the server hands it out, the injected delay. For every hand-off mode (none, hard, soft) and
 ``d`` in ``--delays`` it reports the seam (position and velocity jump where a new chunk takes over),
 the jerk of what the arm executed, late points and chunks, the tracking error against the scene's
-scripted expert for the same observations, and the response overhead: from the moment the simulated
+scripted expert for the same observations (over the rows the robot is sent: from the first not yet due
+to the chunk's end), and the response overhead: from the moment the simulated
 camera's frame is ready to the chunk handed out, minus the chunk's compute on its workers (the frame
 is stamped at capture; its render, the sensor's own time, is reported beside it as
-``sensor_ms_p50`` and counted in ``response_overhead_from_capture_ms_p50``).
+``sensor_ms_p50`` and counted in ``response_overhead_from_capture_ms_p50``; of it, ``overhead_queue_ms_p50``
+waited in worker ready queues and ``overhead_hops_ms_p50`` was on the wire). Every run serves the same
+stream names, so modes and delays see the same sampler noise (drawn from seed, stream and chunk) as well
+as the same scene.
 
     physis-bench handoff [--checkpoint config/checkpoints/tiny-wam-demo.safetensors] [--chunks 60]
                          [--modes none,hard,soft] [--delays 0,2,4] [--capture-margin 0.3|off]
@@ -21,10 +25,10 @@ is stamped at capture; its render, the sensor's own time, is reported beside it 
 JSON: ``runs`` (per model, mode and delay: seam jump p50/p99, seam velocity jump p99, jerk RMS, late
 points and chunks, tracking error (and split: ``tracking_error_frozen_rows`` over the executed rows the
 hand-off froze to the previous chunk's, ``tracking_error_free_rows`` over the rows after them,
-``frozen_rows_executed_mean`` a chunk, ``capture_lead_steps_p50`` how far ahead of row 0 the observation was
-taken, ``unfrozen_takeovers`` chunks the robot switched to past their frozen rows), ``target_tracking_error`` (closed loop: the arm against the expert's
-target pose at every executed step), the delay the hand-off assumed, the response overhead p50 per robot,
-from the frame and from its capture),
+``frozen_rows_executed_mean`` a chunk), ``capture_lead_steps_p50`` (how far ahead of row 0 the observation
+was taken), ``unfrozen_takeovers`` (chunks the robot switched to past their frozen rows),
+``target_tracking_error`` (closed loop: the arm against the expert's target pose at every executed step),
+the delay the hand-off assumed, the response overhead p50 per robot, from the frame and from its capture),
 ``tracking_error_trained`` / ``tracking_error_random``, ``targets`` (the issue's ratios), ``targets_met``
 and ``passed``. Exit status: 0 every target met; 1 a target missed or a non-finite seam; 2 usage error.
 """
@@ -93,7 +97,7 @@ class RobotRun:
     robot: SimulatedRobot
     frames: dict = dataclasses.field(default_factory=dict)      # chunk -> (captured, frame ready, arm there)
     seams: list = dataclasses.field(default_factory=list)       # (position jump, velocity jump) per chunk
-    tracking: list = dataclasses.field(default_factory=list)    # RMS vs the expert over the executed rows
+    tracking: list = dataclasses.field(default_factory=list)    # RMS vs the expert over the rows sent (k on)
     # The same, split: the executed rows the hand-off froze (the previous chunk's) and the free ones after
     tracking_frozen: list = dataclasses.field(default_factory=list)
     tracking_free: list = dataclasses.field(default_factory=list)
@@ -101,6 +105,9 @@ class RobotRun:
     overhead_ms: list = dataclasses.field(default_factory=list)            # from the frame being ready
     overhead_capture_ms: list = dataclasses.field(default_factory=list)    # from its capture (sensor included)
     sensor_ms: list = dataclasses.field(default_factory=list)              # the simulated camera's render
+    # the overhead's parts: waits in worker ready queues, transfers (engine -> worker -> engine)
+    queue_ms: list = dataclasses.field(default_factory=list)
+    hops_ms: list = dataclasses.field(default_factory=list)
     delays: list = dataclasses.field(default_factory=list)      # d the hand-off assumed
     # Takeovers at a frozen row (the robot's first executed row < d, the previous chunk executed): with a
     # hand-off (hard, soft) such a seam is exactly 0 whatever the load (none freezes nothing); (chunk, jump)
@@ -187,6 +194,8 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
             run.overhead_ms.append((rec.emit - ready) * 1e3 - compute)
             run.overhead_capture_ms.append((rec.emit - captured) * 1e3 - compute)
             run.sensor_ms.append((ready - captured) * 1e3)
+            run.queue_ms.append(rec.queue_ms)
+            run.hops_ms.append(sum(rec.hops_ms))
             run.delays.append(rec.delay_steps)
             run.outputs.append((rec.first_step, np.array(out.output), expert))
 
@@ -250,6 +259,9 @@ def summarize_run(mode: str, d: int, model: str, runs: dict[str, RobotRun], skip
         "response_overhead_from_capture_ms_p50": {name: percentile(r.overhead_capture_ms[skip:], 50)
                                                   for name, r in runs.items()},
         "sensor_ms_p50": {name: percentile(r.sensor_ms[skip:], 50) for name, r in runs.items()},
+        # of the overhead, p50 over every robot: queued in workers, on the wire (the rest: the engine's own path)
+        "overhead_queue_ms_p50": percentile([x for r in runs.values() for x in r.queue_ms[skip:]], 50),
+        "overhead_hops_ms_p50": percentile([x for r in runs.values() for x in r.hops_ms[skip:]], 50),
     }
 
 
@@ -266,14 +278,14 @@ async def run_all(args: argparse.Namespace) -> dict:
     rows, examples = [], {}
     async with Engine(config) as engine:
         admission = ServerAdmission(args.workers, load_device("cpu"), load_scheduling(), max_batch=1)
-        tag = 0
 
         async def one(served: ServedModel, mode: str, d: int, model: str) -> dict:
-            nonlocal tag
             timeline = Timeline(args.control_rate_hz, horizon, args.execution_horizon, handoff=mode, extra_delay=d,
                                 capture_margin=args.capture_margin)
-            names = [f"r{tag}_{i}" for i in range(args.robots)]
-            tag += 1
+            # The same stream names in every run: a chunk's sampler noise is drawn from (seed, stream, chunk),
+            # so modes and delays are compared on the same noise as well as the same motion. Names new to
+            # each run drew new noise, which moved a run's tracking error by up to 10 % on its own.
+            names = [f"robot{i}" for i in range(args.robots)]
             runs = await serve_run(engine, admission, served, names, timeline, args.chunks, args)
             row = summarize_run(mode, d, model, runs, skip, skip * args.execution_horizon)
             examples[(model, mode, d)] = runs[names[0]]
@@ -283,7 +295,8 @@ async def run_all(args: argparse.Namespace) -> dict:
                   f"{row['tracking_error']:.4f} ({_split(row)}arm vs target {row['target_tracking_error']:.4f}), "
                   f"overhead p50 "
                   f"{', '.join(f'{v:.2f}' for v in row['response_overhead_ms_p50'].values())} ms (from capture "
-                  f"{', '.join(f'{v:.2f}' for v in row['response_overhead_from_capture_ms_p50'].values())})",
+                  f"{', '.join(f'{v:.2f}' for v in row['response_overhead_from_capture_ms_p50'].values())}; "
+                  f"queued {row['overhead_queue_ms_p50']:.2f}, wire {row['overhead_hops_ms_p50']:.2f})",
                   flush=True)
             return row
 

@@ -77,10 +77,10 @@ OutputFn = Callable[[ChunkOutput], None]
 @dataclass(frozen=True)
 class Timeline:
     """A stream's control timeline: row i of chunk c is control step sigma(c) + i, where sigma(c) is the
-    step at which the chunk was due for release (its observation taken then), counted from the stream's
-    first release at ``rate_hz``; a stream released every whole number of steps s' (the server's
-    timeline cadence, :func:`physis_ros.timeline.release_pace_ms`) has sigma(c) = c * s'. And the
-    hand-off between consecutive chunks (physis_ros.model.handoff)."""
+    step at which the chunk was due for release (its observation taken then, or up to a step ahead with a
+    hand-off), counted from the stream's first release at ``rate_hz``; a stream released every whole
+    number of steps s' (the server's timeline cadence, :func:`physis_ros.timeline.release_pace_ms`) has
+    sigma(c) = c * s'. And the hand-off between consecutive chunks (physis_ros.model.handoff)."""
 
     rate_hz: float                 # control steps per second
     horizon: int                   # rows of a chunk (H)
@@ -99,8 +99,8 @@ class Timeline:
     lead_s: float = 0.0            # rows due sooner than this after a chunk's emit are not sent (the node's
                                    # trajectory_min_lead_s): the delay counts it
     # With a hand-off, take each observation ahead of its chunk's slot by the fraction of a step that makes the
-    # latest expected arrival land this far (steps) before a control step: the robot then switches at the
-    # row after the last one due, which the hand-off froze, instead of up to a step later (None: at the slot).
+    # latest expected arrival land this far (steps) before a control step: the robot then runs one of the
+    # chunk's frozen rows (the one it switches at), not up to two (None: at the slot). StreamState.capture_lead_s.
     capture_margin: float | None = 0.3
 
     @property

@@ -26,6 +26,11 @@ def test_small_handoff_run(tmp_path, capsys):
         # the server's overhead runs from the frame being ready; from its capture it adds the camera's render
         for robot, server in x["response_overhead_ms_p50"].items():
             assert 0 < server <= x["response_overhead_from_capture_ms_p50"][robot] and x["sensor_ms_p50"][robot] > 0
+        assert x["overhead_queue_ms_p50"] >= 0 and x["overhead_hops_ms_p50"] > 0, x     # its parts
+        # observations are taken at the slot without a hand-off, up to a step ahead of it with one
+        lead = x["capture_lead_steps_p50"]
+        assert (abs(lead) < 0.5 if x["mode"] == "none" else -0.5 < lead < 1.05), x
+        assert x["unfrozen_takeovers"] + x["frozen_takeovers"] <= x["chunks"], x
     # Where a chunk takes over at a row the hand-off froze (the robot's first executed row < the delay it
     # assumed, the previous chunk executed), it continues the committed actions bit for bit: seam exactly 0,
     # however loaded the machine (exact on every plan in test_engine). A chunk later than its assumed delay (a
