@@ -407,22 +407,35 @@ def test_with_a_handoff_observations_are_taken_ahead_so_the_robot_switches_at_th
     out = run_chunks(cfg, EngineConfig(plan="sequential", workers=1), ["robot0"], 14, scene.observation,
                      timeline=timeline, release_interval_ms=120.0)["robot0"]
     recs = [o.record for o in out]
-    checked = 0
+
+    def lead(latencies: list[float]) -> float:
+        latencies = latencies[-timeline.delay_window:]
+        if len(latencies) < timeline.delay_warmup:
+            return 0.0
+        return (max(latencies) * 50.0 + timeline.capture_margin) % 1.0
+
+    on_time = 0
     for r in recs:
-        known = [x.emit - x.enqueue for x in recs if x.emit < r.enqueue][-timeline.delay_window:]
+        known = [x.emit - x.enqueue for x in recs if x.emit < r.enqueue]
         ahead = (r.step0 - r.enqueue) * 50.0
-        assert -0.5 < ahead < 1.0 + 0.15, (r.chunk, ahead)      # within a step of its slot
+        # The lead was set before the release's last sleep (the latest latency may have come in during it),
+        # and the loop may wake late (a release up to half an interval late keeps its slot), never early.
+        leads = [lead(known), lead(known[:-1])]
+        assert -3.0 <= ahead <= max(leads) + 0.02, (r.chunk, ahead, leads)
         if len(known) < timeline.delay_warmup or r.first_step % 6:
             continue                                          # warm-up, or a release that left the grid
-        est = max(known) * 50.0
-        lead = (est + timeline.capture_margin) % 1.0
-        late = (lead - ahead) % 1.0                           # the loop wakes a little late, never early
-        assert min(late, 1.0 - late) < 0.25, (r.chunk, ahead, lead)
-        assert r.delay_steps == max(1, math.floor(est - ahead) + 2), r.chunk
-        if (r.emit - r.enqueue) * 50.0 <= est + timeline.capture_margin - 0.05:
-            assert first_due_row(r.step0, 0.02, r.emit, 16) < r.delay_steps, r.chunk
-            checked += 1
-    assert checked >= 4
+        est = max(known[-timeline.delay_window:]) * 50.0
+        assert r.delay_steps == min(timeline.max_delay, max(1, math.floor(est - ahead) + 2)), r.chunk
+        woke_late = leads[0] - ahead       # steps; a few ms when a busy CPU delays the loop
+        if 0.0 <= woke_late < 0.25 and r.delay_steps < timeline.max_delay:
+            on_time += 1
+            # the estimate lands the margin (less the wake's lateness) before the step boundary of the switch
+            # row, so a chunk that much later than the largest recent one still reaches the robot there
+            margin = r.delay_steps - 1 - (est - ahead)
+            assert margin == pytest.approx(timeline.capture_margin - woke_late, abs=0.02), r.chunk
+            if (r.emit - r.enqueue) * 50.0 <= est + margin - 0.02:
+                assert first_due_row(r.step0, 0.02, r.emit, 16) < r.delay_steps, r.chunk
+    assert on_time >= 1, [((r.step0 - r.enqueue) * 50.0, r.delay_steps) for r in recs]
 
 
 def test_a_stream_slow_to_place_still_starts_on_its_release_grid(monkeypatch):
