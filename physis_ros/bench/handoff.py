@@ -85,8 +85,8 @@ def _margin(text: str) -> float | None:
     if text == "off":
         return None
     value = float(text)
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"--capture-margin must be in [0, 1) steps or 'off', got {text}")
+    if not 0.0 <= value <= 0.9:     # as a stream's capture_margin_steps
+        raise argparse.ArgumentTypeError(f"--capture-margin must be 0-0.9 steps or 'off', got {text}")
     return value
 
 
