@@ -10,6 +10,9 @@ import numpy as np
 
 from physis_ros.telemetry import percentile
 
+SEAM_EVENT_RAD = 0.01     # a seam jump above this is listed (chunk by chunk) in the run's summary
+SEAM_EVENTS_KEPT = 50
+
 
 @dataclass
 class StreamWindow:
@@ -21,9 +24,13 @@ class StreamWindow:
     late_chunks: int = 0
     # (emit_s, interval_ms, latency_ms, delay_steps, seam_jump, tracking_error)
     rows: deque = field(default_factory=lambda: deque(maxlen=400))
+    # the chunks whose seam jumped: where a hand-off normally makes it 0, which ones did not, and why
+    seam_events: int = 0
+    seam_event_rows: list = field(default_factory=list)
 
     def add(self, chunk: int, emit: float, interval_ms: float, latency_ms: float, miss: bool, delay_steps: int = 0,
-            late: bool = False, seam_jump: float = math.nan, tracking_error: float = math.nan) -> None:
+            late: bool = False, seam_jump: float = math.nan, tracking_error: float = math.nan,
+            late_points: int = 0) -> None:
         if self.last_chunk is not None and chunk != self.last_chunk + 1:
             self.gaps += 1
         if self.first_chunk is None:
@@ -34,6 +41,13 @@ class StreamWindow:
         self.late_chunks += bool(late)
         self.rows.append((emit, interval_ms if interval_ms > 0 else math.nan, latency_ms, delay_steps, seam_jump,
                           tracking_error))
+        if seam_jump > SEAM_EVENT_RAD:
+            self.seam_events += 1
+            if len(self.seam_event_rows) < SEAM_EVENTS_KEPT:
+                # late_points: the row the robot switched at; past the frozen rows when >= delay_steps
+                self.seam_event_rows.append({"chunk": chunk, "seam_jump": round(float(seam_jump), 4),
+                                             "delay_steps": delay_steps, "late_points": late_points,
+                                             "latency_ms": round(float(latency_ms), 2)})
 
     def summary(self, window_s: float = 5.0) -> dict:
         rows = list(self.rows)
@@ -80,7 +94,8 @@ class TelemetryMonitor:
         w = self.streams.setdefault(msg.stream, StreamWindow())
         emit = msg.emit_stamp.sec + msg.emit_stamp.nanosec * 1e-9
         w.add(int(msg.chunk_index), emit, msg.output_interval_ms, msg.response_latency_ms, msg.deadline_miss,
-              int(msg.inference_delay_steps), msg.late, msg.seam_position_jump, msg.tracking_error)
+              int(msg.inference_delay_steps), msg.late, msg.seam_position_jump, msg.tracking_error,
+              int(msg.late_points))
 
     @property
     def total(self) -> int:
@@ -101,6 +116,7 @@ class TelemetryMonitor:
         out = {}
         for name, w in self.streams.items():
             s = w.summary(window_s=math.inf)
-            s.update(first_chunk=w.first_chunk, last_chunk=w.last_chunk, gaps=w.gaps)
+            s.update(first_chunk=w.first_chunk, last_chunk=w.last_chunk, gaps=w.gaps, seam_events=w.seam_events,
+                     seam_event_chunks=w.seam_event_rows)
             out[name] = {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in s.items()}
         return out
