@@ -18,4 +18,5 @@ def test_seam_jumps_are_listed_chunk_by_chunk_with_where_the_robot_switched():
                                   "latency_ms": 71.0}]     # switched at row 2 of d = 2: past the frozen rows
     for c in range(10, 10 + 2 * SEAM_EVENTS_KEPT):
         w.add(c, 0.12 * c, 120.0, 40.0, False, seam_jump=0.05)
-    assert w.seam_events == 1 + 2 * SEAM_EVENTS_KEPT and len(w.seam_event_rows) == SEAM_EVENTS_KEPT  # counted, list bounded
+    # every jump is counted; the list is bounded
+    assert w.seam_events == 1 + 2 * SEAM_EVENTS_KEPT and len(w.seam_event_rows) == SEAM_EVENTS_KEPT
