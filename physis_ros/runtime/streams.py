@@ -228,7 +228,7 @@ class StreamState:
         """How far ahead of its slot the next chunk's observation is taken (s). The robot switches to a chunk
         at the first row due after it arrives, and the switch row must be one the hand-off froze; with the
         latency spread over a step boundary (a 2-core host: 0.7-1.8 steps) a capture at the slot made the
-        robot run 1.5 frozen rows a chunk on average where one is enough. Taken ahead by the fraction of a
+        robot run 1.2-1.6 frozen rows a chunk on average where one is enough. Taken ahead by the fraction of a
         step that puts the estimated arrival ``capture_margin`` steps before a step boundary, it freezes
         one row fewer whenever the estimate is not whole, and the robot runs about one: the chunk is built
         on an observation up to a step older but acts on it sooner. 0 without a hand-off (nothing is frozen,
