@@ -41,6 +41,7 @@ class ChunkRecord:
     late: bool = False               # every row was due: not executed at all
     seam_position_jump: float = math.nan   # max |new - previous| at the first executed step (nan: none)
     seam_velocity_jump: float = math.nan
+    seam_blended_rows: int = 0             # rows eased from the previous chunk onto this one (the jump above)
     tracking_error: float = math.nan       # RMS vs an expert's chunk for the same observation (nan: none)
 
     @classmethod

@@ -88,6 +88,31 @@ class SeamTracker:
         return Seam(float(np.max(np.abs(positions[row] - self._pos[j]))),
                     float(np.max(np.abs(velocities[row] - self._vel[j]))))
 
+    def blend(self, first_step: int, row: int, positions: np.ndarray, rows: int, keep_from: int
+              ) -> tuple[np.ndarray, int]:
+        """A chunk the robot takes over at ``row`` where it differs from what the previous chunk prescribed
+        for that step (a jump), eased from the previous chunk onto its own rows: row ``row`` is the previous
+        chunk's, and the weight of the previous chunk fades out (cosine) over ``rows`` rows, never at or past
+        row ``keep_from`` (the next chunk's first step: its hand-off keeps this chunk's rows from there as
+        computed). Returns (the rows to send, how many were eased). A takeover that agrees at ``row`` (a
+        frozen row of the hand-off) is returned as it is: its later rows are the chunk's own, not a seam. So
+        is one with no previous chunk, or a window shorter than two rows (one row would only move the jump a
+        row later)."""
+        if self._pos is None or rows < 2:
+            return positions, 0
+        j = first_step + row - self._first_step
+        n = min(rows, keep_from - row, len(self._pos) - j, len(positions) - row)
+        if j < 0 or n < 2:
+            return positions, 0
+        new = np.asarray(positions[row:row + n], dtype=np.float64)
+        diff = self._pos[j:j + n] - new
+        if not diff[0].any():
+            return positions, 0
+        weight = 0.5 * (1.0 + np.cos(np.pi * np.arange(n) / n))   # 1 at the takeover row, to 0 after the window
+        out = np.array(positions, dtype=np.float64)
+        out[row:row + n] = new + weight[:, None] * diff
+        return out, n
+
     def executed(self, first_step: int, positions: np.ndarray, velocities: np.ndarray) -> None:
         """The robot now follows this chunk (a chunk sent as a trajectory)."""
         self._first_step = first_step

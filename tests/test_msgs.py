@@ -121,7 +121,8 @@ def test_field_types():
     assert fields["deadline_miss"] == fields["late"] == "boolean"
     assert fields["first_step"] == "uint64" and fields["late_points"] == "uint32"
     assert fields["seam_position_jump"] == fields["tracking_error"] == "double"
-    assert len(fields) == 24
+    assert fields["seam_blended_rows"] == "uint32"
+    assert len(fields) == 25
 
 
 @pytest.fixture

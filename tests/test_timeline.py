@@ -51,6 +51,46 @@ def test_seam_compares_the_same_control_step():
     assert math.isnan(seams.seam(108, 3, new, v1).position_jump)
 
 
+def running(first_step: int = 100, rows: int = 16, dof: int = 2) -> SeamTracker:
+    """A tracker whose robot runs a chunk from ``first_step`` with position = step number."""
+    seams = SeamTracker()
+    pos = (first_step + np.arange(rows, dtype=np.float64))[:, None] * np.ones((1, dof))
+    seams.executed(first_step, pos, kinematics(pos, 0.02)[0])
+    return seams
+
+
+def test_a_takeover_that_jumps_starts_where_the_robot_is_and_eases_onto_the_new_chunk():
+    """Was: a chunk later than its frozen rows (a latency spike) went out as computed, a 0.2-0.3 rad step in
+    the command at its first point (make demo, 2 to 4 of 10 robot-runs)."""
+    seams = running()
+    new = (106 + np.arange(16, dtype=np.float64))[:, None] * np.ones((1, 2)) + 0.3
+    sent, changed = seams.blend(106, 2, new, rows=4, keep_from=8)
+    assert changed == 4
+    np.testing.assert_array_equal(sent[2], [108.0, 108.0])                 # the first row run: where the robot is
+    eased = 0.3 * (1 - 0.5 * (1 + np.cos(np.pi * np.arange(4) / 4)))        # 0, 0.044, 0.15, 0.256 of the 0.3
+    np.testing.assert_allclose(sent[2:6, 0] - (new[2:6, 0] - 0.3), eased, atol=1e-9)
+    np.testing.assert_array_equal(sent[:2], new[:2])                       # rows not run: as computed
+    np.testing.assert_array_equal(sent[6:], new[6:])                       # from the window's end: as computed
+    steps = np.abs(np.diff(sent[2:7, 0]))
+    assert steps.max() < 1.0 + 0.3 / 4 * 2 and np.all(np.diff(sent[2:7, 0]) > 0)   # no step, still moving on
+
+
+def test_the_blend_stops_before_the_next_chunks_first_step_and_leaves_agreeing_takeovers_alone():
+    seams = running()
+    new = (106 + np.arange(16, dtype=np.float32))[:, None] * np.ones((1, 2), np.float32) + 0.3
+    sent, changed = seams.blend(106, 3, new, rows=4, keep_from=6)         # the next chunk keeps rows 6.. as computed
+    assert changed == 3
+    np.testing.assert_array_equal(sent[6:], new[6:])
+    assert seams.blend(106, 5, new, rows=4, keep_from=6)[1] == 0           # one row: would only move the jump
+    assert seams.blend(106, 2, new, rows=0, keep_from=8)[1] == 0           # off
+    agreeing = (106 + np.arange(16, dtype=np.float32))[:, None] * np.ones((1, 2), np.float32)
+    agreeing[3:] += 0.1      # a takeover at the last frozen row (row 2): the rows after it are the chunk's own
+    sent, changed = seams.blend(106, 2, agreeing, rows=4, keep_from=8)
+    assert changed == 0 and sent is agreeing                               # bit for bit as computed
+    assert SeamTracker().blend(0, 0, new, rows=4, keep_from=8)[1] == 0     # nothing running yet
+    assert seams.blend(130, 0, new, rows=4, keep_from=8)[1] == 0           # beyond what the robot had
+
+
 def test_rms():
     assert rms(np.ones((3, 2)), np.zeros((3, 2))) == 1.0
     assert math.isnan(rms(np.zeros((0, 2)), np.zeros((0, 2))))

@@ -129,7 +129,7 @@ def telemetry_row(m, log_ns: int) -> dict:
            "emit_ns": _ns(m.emit_stamp), "batch_sizes": [int(b) for b in m.batch_sizes],
            "deadline_miss": bool(m.deadline_miss), "first_step": int(m.first_step),
            "inference_delay_steps": int(m.inference_delay_steps), "late_points": int(m.late_points),
-           "late": bool(m.late)}
+           "late": bool(m.late), "seam_blended_rows": int(m.seam_blended_rows)}
     row.update({f: float(getattr(m, f)) for f in TELEMETRY_FIELDS + CONTROL_FIELDS})
     return row
 

@@ -33,6 +33,7 @@ COLUMNS = [  # key, header, format: appended to the report's table
     ("delay_steps_p50", "d p50 (steps)", "{:.0f}"), ("late_points", "late points", "{:.0f}"),
     ("late_chunks", "late chunks", "{:.0f}"), ("seam_jump_p50", "seam p50 (rad)", "{:.4f}"),
     ("seam_jump_p99", "seam p99 (rad)", "{:.4f}"), ("seam_velocity_jump_p99", "seam vel p99", "{:.3f}"),
+    ("seam_blended_chunks", "eased seams", "{:.0f}"),
     ("jerk_rms", "jerk rms", "{:.0f}"), ("tracking_error", "tracking (rad)", "{:.4f}"),
 ]
 
@@ -105,6 +106,7 @@ def control_summary(rows: list[dict], run: Executed | None) -> dict[str, float]:
            "late_points": sum(r["late_points"] for r in rows), "late_chunks": sum(r["late"] for r in rows),
            "seam_jump_p50": pct(seams, 50), "seam_jump_p99": pct(seams, 99),
            "seam_velocity_jump_p99": pct([r["seam_velocity_jump"] for r in rows], 99),
+           "seam_blended_chunks": sum(r["seam_blended_rows"] > 0 for r in rows),
            "tracking_error_chunks_p50": pct([r["tracking_error"] for r in rows], 50)}
     if run is not None:
         out.update({"executed_steps": len(run.steps), "jerk_rms": run.jerk_rms(), "tracking_error": run.tracking_error()})

@@ -138,11 +138,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(s['chunks_per_s'])} chunks/s, interval p50/p99 {fmt(s['interval_p50'])}/"
               f"{fmt(s['interval_p99'])} ms, latency p50/p99 {fmt(s['latency_p50'])}/{fmt(s['latency_p99'])} ms, "
               f"deadline misses {s['misses']}, late chunks {s['late_chunks']}, seam jumps over 0.01 rad "
-              f"{s['seam_events']}, tracking error vs the expert "
+              f"{s['seam_events']} ({s['seam_blended_chunks']} sent eased onto the chunk, "
+              f"{s['past_frozen_chunks']} taken over at or past row d), tracking error vs the expert "
               f"{'n/a' if s['tracking_error'] is None else format(s['tracking_error'], '.4f')}")
         for e in s["seam_event_chunks"][:5]:   # with a hand-off, row >= d: it came later than its frozen rows
             print(f"    chunk {e['chunk']}: seam {e['seam_jump']:.3f} rad, the robot switched at row {e['late_points']}"
-                  f" (d = {e['delay_steps']}), latency {e['latency_ms']:.1f} ms")
+                  f" (d = {e['delay_steps']}), latency {e['latency_ms']:.1f} ms"
+                  + (f", eased over {e['blended_rows']} rows" if e["blended_rows"] else ""))
     if args.json:
         write_json(args.json, {"config": str(config), "exit": code, "streams": summaries})
     return code

@@ -142,6 +142,12 @@ class StreamConfig:
         ge=0.0, le=0.9, doc="with a hand-off, each observation is taken ahead of its chunk's slot (by under a step) "
                             "so that the chunk's estimated arrival lands this many control steps before a step "
                             "boundary: the robot then runs one of its frozen rows, not up to two (null: at the slot)"))
+    seam_blend_steps: int = field(default=4, metadata=bounded(
+        ge=0, le=64, doc="world-action models: a chunk the robot takes over where it differs from the chunk it was "
+                         "executing (a latency spike past the hand-off's frozen rows, the first chunk after a reset, "
+                         "every chunk with handoff none) starts from the previous chunk's position and eases onto its "
+                         "own rows over this many rows (cosine; not past the next chunk's first step; "
+                         "ChunkTelemetry.seam_blended_rows counts them); 0: sent as computed"))
     # Row i of a chunk is due at row0 + i / control_rate_hz; rows already due when it is published are
     # dropped from the JointTrajectory (counted as late points), whose header stamp is its first row's time.
     trajectory_start: str = field(default="timeline", metadata=bounded(

@@ -102,6 +102,7 @@ def window_stats(records: Sequence[ChunkRecord], now: float, window_s: float,
         "seam_jump_p50": percentile([r.seam_position_jump for r in recent], 50),
         "seam_jump_p99": percentile([r.seam_position_jump for r in recent], 99),
         "seam_velocity_jump_p99": percentile([r.seam_velocity_jump for r in recent], 99),
+        "seam_blended_chunks_window": sum(r.seam_blended_rows > 0 for r in recent),   # sent eased from a jump
         "tracking_error_p50": percentile([r.tracking_error for r in recent], 50),
     }
 
@@ -156,7 +157,7 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
         "action_chunk_subscribers": inputs.get("action_chunk_subscribers", 0),
         "joint_trajectory_subscribers": inputs.get("joint_trajectory_subscribers", 0),
     }
-    for key in ("inference_delay_steps", "late_points_window", "late_chunks_window"):
+    for key in ("inference_delay_steps", "late_points_window", "late_chunks_window", "seam_blended_chunks_window"):
         values[key] = stats.get(key, 0)
     for key in ("seam_jump_p50", "seam_jump_p99", "seam_velocity_jump_p99", "tracking_error_p50"):
         values[key] = float(stats.get(key, math.nan))
@@ -165,6 +166,7 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
     values["admission_spread_ms"] = round(float(spread), 3) if spread is not None else "none"
     values["late_points_total"] = inputs.get("late_points", 0)
     values["late_chunks_total"] = inputs.get("late_chunks", 0)
+    values["seam_blended_chunks_total"] = inputs.get("blended_chunks", 0)
     late = int(stats.get("late_chunks_window", 0))
     values.update({f"rejected.{reason}": n for reason, n in sorted(rejected.items())})
     values.update({f"resets.{cause}": n for cause, n in sorted(inputs.get("resets", {}).items())})

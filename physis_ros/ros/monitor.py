@@ -27,10 +27,12 @@ class StreamWindow:
     # the chunks whose seam jumped: where a hand-off normally makes it 0, which ones did not, and why
     seam_events: int = 0
     seam_event_rows: list = field(default_factory=list)
+    blended_chunks: int = 0   # sent eased from the previous chunk's position (their seam, as computed, jumped)
+    past_frozen: int = 0      # taken over at or past row d (with a hand-off: later than the rows frozen for it)
 
     def add(self, chunk: int, emit: float, interval_ms: float, latency_ms: float, miss: bool, delay_steps: int = 0,
             late: bool = False, seam_jump: float = math.nan, tracking_error: float = math.nan,
-            late_points: int = 0) -> None:
+            late_points: int = 0, blended_rows: int = 0) -> None:
         if self.last_chunk is not None and chunk != self.last_chunk + 1:
             self.gaps += 1
         if self.first_chunk is None:
@@ -39,6 +41,8 @@ class StreamWindow:
         self.total += 1
         self.misses += bool(miss)
         self.late_chunks += bool(late)
+        self.blended_chunks += blended_rows > 0
+        self.past_frozen += not late and delay_steps > 0 and late_points >= delay_steps
         self.rows.append((emit, interval_ms if interval_ms > 0 else math.nan, latency_ms, delay_steps, seam_jump,
                           tracking_error))
         if seam_jump > SEAM_EVENT_RAD:
@@ -47,7 +51,8 @@ class StreamWindow:
                 # late_points: the row the robot switched at; past the frozen rows when >= delay_steps
                 self.seam_event_rows.append({"chunk": chunk, "seam_jump": round(float(seam_jump), 4),
                                              "delay_steps": delay_steps, "late_points": late_points,
-                                             "latency_ms": round(float(latency_ms), 2)})
+                                             "latency_ms": round(float(latency_ms), 2),
+                                             "blended_rows": blended_rows})
 
     def summary(self, window_s: float = 5.0) -> dict:
         rows = list(self.rows)
@@ -95,7 +100,7 @@ class TelemetryMonitor:
         emit = msg.emit_stamp.sec + msg.emit_stamp.nanosec * 1e-9
         w.add(int(msg.chunk_index), emit, msg.output_interval_ms, msg.response_latency_ms, msg.deadline_miss,
               int(msg.inference_delay_steps), msg.late, msg.seam_position_jump, msg.tracking_error,
-              int(msg.late_points))
+              int(msg.late_points), int(msg.seam_blended_rows))
 
     @property
     def total(self) -> int:
@@ -117,6 +122,7 @@ class TelemetryMonitor:
         for name, w in self.streams.items():
             s = w.summary(window_s=math.inf)
             s.update(first_chunk=w.first_chunk, last_chunk=w.last_chunk, gaps=w.gaps, seam_events=w.seam_events,
-                     seam_event_chunks=w.seam_event_rows)
+                     seam_event_chunks=w.seam_event_rows, seam_blended_chunks=w.blended_chunks,
+                     past_frozen_chunks=w.past_frozen)
             out[name] = {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in s.items()}
         return out

@@ -158,5 +158,6 @@ def telemetry_msg(record: ChunkRecord, obs_stamp: Time | None = None, handover: 
     msg.late = record.late
     msg.seam_position_jump = record.seam_position_jump
     msg.seam_velocity_jump = record.seam_velocity_jump
+    msg.seam_blended_rows = record.seam_blended_rows
     msg.tracking_error = record.tracking_error
     return msg

@@ -36,7 +36,8 @@ from physis_ros.ros.config import ServeConfig, deep_merge, serve_config, unflatt
 
 # Per stream (``streams.<name>.<key>``) and node-wide keys that take effect while the node runs.
 RUNTIME_STREAM_KEYS = frozenset({"slo_interval_ms", "trajectory_start", "trajectory_start_offset_s",
-                                 "image.preprocess", "image.pad_value", "max_future_s", "max_age_s"})
+                                 "seam_blend_steps", "image.preprocess", "image.pad_value", "max_future_s",
+                                 "max_age_s"})
 RUNTIME_KEYS = frozenset({"warn_throttle_s", "diagnostics_window_s", "diagnostics_miss_rate_warn",
                           "diagnostics_starved_s"})
 # Parameters rclpy declares for every node; not serve-config keys handled here.

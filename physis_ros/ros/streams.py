@@ -35,8 +35,8 @@ from physis_ros.ros.stream_model import execution_steps, model_horizon, slo_inte
 from physis_ros.ros.inputs import Sample, StreamInput
 from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
 from physis_ros.runtime.engine import ChunkOutput, Observation, ServedModel, StreamEvent, Timeline
-from physis_ros.telemetry import RollingStats
-from physis_ros.timeline import SeamTracker, kinematics, rms
+from physis_ros.telemetry import ChunkRecord, RollingStats
+from physis_ros.timeline import SeamTracker, kinematics, release_pace_ms, rms
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
@@ -87,7 +87,12 @@ class RosStream:
         self.publish_ms: deque = deque(maxlen=200)
         self.seams = SeamTracker()
         self.experts: dict[int, Any] = {}   # observation stamp (ns) -> the expert's actions for it
-        self.late_points = self.late_chunks = 0
+        self.late_points = self.late_chunks = self.blended_chunks = 0
+        # Steps between two releases on the timeline (as the hub paces it; 0: cadence free): the next chunk starts
+        # that far into this one, and its hand-off keeps this chunk's rows from there.
+        self.release_steps = 0 if config.cadence != "timeline" else round(
+            release_pace_ms(self.slo_interval_ms, serve.admission.pace_margin, config.control_rate_hz)
+            * config.control_rate_hz / 1e3)
         self._publishers = []
         self._subscriptions = []
         self._make_outputs()
@@ -242,6 +247,11 @@ class RosStream:
             self.handover_ms.append((handover - rec.emit) * 1e3)
             self.publish_ms.append(publish_ms)
 
+    def keep_from(self, rec: ChunkRecord) -> int:
+        """The row of a chunk at which the next one starts: one release later on the timeline; with cadence
+        free, as far as this chunk came after the last (the horizon for the first)."""
+        return self.release_steps or rec.shift or self.horizon
+
     def _publish_actions(self, out: ChunkOutput, now: float, start: float) -> float:
         """A world-action model's chunk: the ActionChunk, then the rows still ahead of the robot as a
         JointTrajectory (none if all are due: a late chunk); fills the record's timeline fields. While
@@ -259,15 +269,22 @@ class RosStream:
             rec.tracking_error = rms(positions[k:], expert[k:])
         if not self.node.armed:
             return math.nan
-        # ActionChunk first: the smallest message, on the shortest path.
+        # ActionChunk first: the smallest message, on the shortest path. It is the chunk as computed (a replay
+        # compares it with the reference bit for bit), like the seam and tracking error in the telemetry.
         self.pub_chunk.publish(self.raw_chunk.render(out.chunk, positions, stamp, placement))
         publish_ms = (time.perf_counter() - start) * 1e3
         if not placement.late:
             vel, acc = kinematics(positions, s.control_period)
             seam = self.seams.seam(rec.first_step, k, positions, vel)
             rec.seam_position_jump, rec.seam_velocity_jump = seam.position_jump, seam.velocity_jump
-            self.pub_traj.publish(self.raw_traj.render(positions[k:], vel[k:], acc[k:], conv.time_msg(placement.start)))
-            self.seams.executed(rec.first_step, positions, vel)
+            # Where the seam is a jump, the robot is sent rows that ease onto the chunk from where it is.
+            sent, rec.seam_blended_rows = self.seams.blend(rec.first_step, k, positions, s.seam_blend_steps,
+                                                           self.keep_from(rec))
+            if rec.seam_blended_rows:
+                self.blended_chunks += 1
+                vel, acc = kinematics(sent, s.control_period)
+            self.pub_traj.publish(self.raw_traj.render(sent[k:], vel[k:], acc[k:], conv.time_msg(placement.start)))
+            self.seams.executed(rec.first_step, sent, vel)
         else:
             self.warn("late", f"stream {self.name}: chunk {out.chunk} arrived after its last step was due "
                               f"({self.late_chunks} so far); not sent as a trajectory")

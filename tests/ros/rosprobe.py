@@ -6,6 +6,7 @@ pid), so that concurrent runs on one machine do not hear each other.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -134,3 +135,31 @@ def diag_values(array_msg, what: str) -> dict[str, str] | None:
             out["_hardware_id"] = status.hardware_id
             return out
     return None
+
+
+@contextlib.contextmanager
+def served_stream(*ros_args: str, armed: bool = False):
+    """The real node (config/serve.yaml, then ``ros_args``) and the ROS side of its first config stream, no
+    engine: the tests play its events and outputs. ``armed``: the stream joins an active node (its outputs
+    publish)."""
+    import rclpy
+
+    from physis_ros.ros.node import PhysisServer
+    from physis_ros.ros.streams import RosStream
+    from physis_ros.runtime.streams import ServedModel
+
+    context = rclpy.Context()
+    rclpy.init(args=["physis-serve", "--ros-args", "--params-file", str(repo_config_dir() / "serve.yaml"), *ros_args],
+               context=context, domain_id=DOMAIN)
+    try:
+        node = PhysisServer(context=context)
+        try:
+            node.armed = armed
+            name, cfg = next(iter(node.config.streams.items()))
+            st = node.streams[name] = RosStream(node, name, cfg, ServedModel(node.model), "config", ["w0"])
+            node.state = "serving"
+            yield node, name, st
+        finally:
+            node.destroy_node()
+    finally:
+        rclpy.try_shutdown(context=context)

@@ -1,7 +1,6 @@
 """/diagnostics statuses from snapshots (no ROS graph needed): levels, windowed rates that decay,
 hardware ids, and no STALE from the node itself."""
 
-import contextlib
 import math
 import time
 
@@ -9,6 +8,8 @@ from diagnostic_msgs.msg import DiagnosticStatus
 
 from physis_ros.ros import diagnostics as diag
 from physis_ros.telemetry import ChunkRecord, RollingStats
+
+from rosprobe import served_stream
 
 OK, WARN, ERROR, STALE = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR, DiagnosticStatus.STALE
 INPUTS = {"received": {"images": 60, "joints": 60}, "rejected": {"encoding": 2, "queue_full": 1},
@@ -30,11 +31,11 @@ def records(n: int, interval_s: float, end: float, miss_every: int = 0, latency_
     return out
 
 
-def status(stats, **kw):
+def status(stats, inputs=INPUTS, **kw):
     args = dict(slo_interval_ms=100.0, new_rejects=0, engine_state="serving", idle_s=None, armed=True,
                 hardware_id="host:cpu", miss_rate_warn=0.05, starved_s=2.0, since_s=60.0)
     args.update(kw)
-    return diag.stream_status("r0", stats, INPUTS, **args)
+    return diag.stream_status("r0", stats, inputs, **args)
 
 
 def test_stalled_stream_decays_to_error_instead_of_staying_ok_forever():
@@ -159,45 +160,19 @@ def test_timeline_metrics_and_late_chunks_reach_diagnostics():
     for i, r in enumerate(recs):
         r.delay_steps, r.late_points = 3, 3
         r.seam_position_jump, r.seam_velocity_jump, r.tracking_error = 0.01 * (i % 5), 0.2, 0.05
+        r.seam_blended_rows = 3 if i % 10 == 4 else 0
     stats = diag.window_stats(recs, now, 5.0, 100.0)
-    ok = status(stats)
+    ok = status(stats, inputs={**INPUTS, "blended_chunks": 9})
     v = values(ok)
     assert ok.level == OK, ok.message
     assert v["inference_delay_steps"] == "3" and v["late_points_window"] == "120" and v["late_chunks_window"] == "0"
+    assert v["seam_blended_chunks_window"] == "4" and v["seam_blended_chunks_total"] == "9"
     assert float(v["seam_jump_p99"]) > 0.039 and float(v["tracking_error_p50"]) == 0.05
     recs[-2].late = True
     late = status(diag.window_stats(recs, now, 5.0, 100.0))
     assert late.level == WARN and "1 chunk(s)" in late.message and "not sent" in late.message, late.message
     assert values(late)["late_chunks_window"] == "1"
 
-
-
-@contextlib.contextmanager
-def served_stream():
-    """The real node and the ROS side of its first config stream (no engine: the tests play its events)."""
-    import rclpy
-
-    from physis_ros.config import repo_config_dir
-    from physis_ros.ros.node import PhysisServer
-    from physis_ros.ros.streams import RosStream
-    from physis_ros.runtime.streams import ServedModel
-
-    from rosprobe import DOMAIN
-
-    context = rclpy.Context()
-    rclpy.init(args=["physis-serve", "--ros-args", "--params-file", str(repo_config_dir() / "serve.yaml")],
-               context=context, domain_id=DOMAIN)
-    try:
-        node = PhysisServer(context=context)
-        try:
-            name, cfg = next(iter(node.config.streams.items()))
-            st = node.streams[name] = RosStream(node, name, cfg, ServedModel(node.model), "config", ["w0"])
-            node.state = "serving"
-            yield node, name, st
-        finally:
-            node.destroy_node()
-    finally:
-        rclpy.try_shutdown(context=context)
 
 
 def test_a_reset_stream_is_error_until_it_publishes_again_and_its_resets_by_cause_are_reported():

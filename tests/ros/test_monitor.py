@@ -12,10 +12,11 @@ def test_seam_jumps_are_listed_chunk_by_chunk_with_where_the_robot_switched():
     for c in range(10):
         jump = 0.213 if c == 7 else (math.nan if c == 0 else 0.0)
         w.add(c, 0.12 * c, 120.0, 71.0 if c == 7 else 40.0, False, delay_steps=2, seam_jump=jump,
-              late_points=2 if c == 7 else 1)
-    assert w.seam_events == 1
+              late_points=2 if c == 7 else 1, blended_rows=4 if c == 7 else 0)
+    assert w.seam_events == 1 and w.blended_chunks == 1
     assert w.seam_event_rows == [{"chunk": 7, "seam_jump": 0.213, "delay_steps": 2, "late_points": 2,
-                                  "latency_ms": 71.0}]     # switched at row 2 of d = 2: past the frozen rows
+                                  "latency_ms": 71.0, "blended_rows": 4}]   # switched at row 2 of d = 2: past the
+                                                                             # frozen rows, and sent eased
     for c in range(10, 10 + 2 * SEAM_EVENTS_KEPT):
         w.add(c, 0.12 * c, 120.0, 40.0, False, seam_jump=0.05)
     # every jump is counted; the list is bounded

@@ -24,8 +24,8 @@ from rosprobe import DOMAIN, JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, dia
 SERVE_YAML = repo_config_dir() / "serve.yaml"
 RELIABLE = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
 BEST_EFFORT = QoSProfile(depth=100, reliability=ReliabilityPolicy.BEST_EFFORT)
-RUNTIME = {"slo_interval_ms", "trajectory_start", "trajectory_start_offset_s", "image.preprocess", "image.pad_value",
-           "max_future_s", "max_age_s"}
+RUNTIME = {"slo_interval_ms", "trajectory_start", "trajectory_start_offset_s", "seam_blend_steps", "image.preprocess",
+           "image.pad_value", "max_future_s", "max_age_s"}
 START_TIMEOUT = 90.0
 
 
