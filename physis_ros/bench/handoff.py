@@ -20,17 +20,20 @@ as the same scene.
 
     physis-bench handoff [--checkpoint config/checkpoints/tiny-wam-demo.safetensors] [--chunks 60]
                          [--modes none,hard,soft] [--delays 0,2,4] [--capture-margin 0.3|off]
+                         [--seam-blend-steps 4]
                          [--json out.json] [--plot out.png]
 
-JSON: ``runs`` (per model, mode and delay: seam jump p50/p99, seam velocity jump p99, jerk RMS, late
-points and chunks, tracking error (and split: ``tracking_error_frozen_rows`` over the executed rows the
-hand-off froze to the previous chunk's, ``tracking_error_free_rows`` over the rows after them,
-``frozen_rows_executed_mean`` a chunk), ``capture_lead_steps_p50`` (how far ahead of row 0 the observation
-was taken), ``unfrozen_takeovers`` (chunks the robot switched to past their frozen rows),
-``target_tracking_error`` (closed loop: the arm against the expert's target pose at every executed step),
-the delay the hand-off assumed, the response overhead p50 per robot, from the frame and from its capture),
-``tracking_error_trained`` / ``tracking_error_random``, ``targets`` (the issue's ratios), ``targets_met``
-and ``passed``. Exit status: 0 every target met; 1 a target missed or a non-finite seam; 2 usage error.
+JSON: ``runs`` (per model, mode and delay: seam jump p50/p99 (as computed), seam velocity jump p99, jerk
+RMS and ``max_command_step`` of what the arm was commanded (a seam that jumps is eased over
+``--seam-blend-steps`` rows, as the node sends it; ``eased_chunks``), late points and chunks, tracking
+error (and split: ``tracking_error_frozen_rows`` over the executed rows the hand-off froze to the previous
+chunk's, ``tracking_error_free_rows`` over the rows after them, ``frozen_rows_executed_mean`` a chunk),
+``capture_lead_steps_p50`` (how far ahead of row 0 the observation was taken), ``unfrozen_takeovers``
+(chunks the robot switched to past their frozen rows), ``target_tracking_error`` (closed loop: the arm
+against the expert's target pose at every executed step), the delay the hand-off assumed, the response
+overhead p50 per robot, from the frame and from its capture), ``tracking_error_trained`` /
+``tracking_error_random``, ``targets`` (the issue's ratios), ``targets_met`` and ``passed``. Exit status: 0
+every target met; 1 a target missed or a non-finite seam; 2 usage error.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from physis_ros.cli.common import write_json
 from physis_ros.model.handoff import MODES
 from physis_ros.observations import ScriptedExpert, SyntheticScene
 from physis_ros.ros.admission import ServerAdmission
-from physis_ros.ros.config import AdmissionConfig
+from physis_ros.ros.config import AdmissionConfig, StreamConfig
 from physis_ros.ros.models import ModelCatalog
 from physis_ros.runtime.engine import ChunkOutput, Engine, Observation, ServedModel, Timeline
 from physis_ros.runtime.settings import EngineConfig
@@ -77,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "lands this many steps before a control step ('off': at the slot)")
     p.add_argument("--wake-ahead-us", type=int, default=EngineConfig.wake_ahead_us,
                    help="engine.wake_ahead_us (0: the receivers are not woken ahead of a chunk)")
+    p.add_argument("--seam-blend-steps", type=_blend_steps, default=StreamConfig.seam_blend_steps,
+                   help="the robot is sent a takeover that jumps eased over this many rows, as the node sends it "
+                        "(the stream key seam_blend_steps; 0: as computed)")
     p.add_argument("--json", help="write results here")
     p.add_argument("--plot", help="write a PNG: seam jumps per mode and delay, executed trajectory vs expert")
 
@@ -87,6 +93,13 @@ def _margin(text: str) -> float | None:
     value = float(text)
     if not 0.0 <= value <= 0.9:     # as a stream's capture_margin_steps
         raise argparse.ArgumentTypeError(f"--capture-margin must be 0-0.9 steps or 'off', got {text}")
+    return value
+
+
+def _blend_steps(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 64:        # as a stream's seam_blend_steps
+        raise argparse.ArgumentTypeError(f"--seam-blend-steps must be 0-64 rows, got {text}")
     return value
 
 
@@ -163,7 +176,10 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
         # compared on the same motion, not on paths of different difficulty.
         scenario = Scenario(f"robot{i}", cfg.observation_shapes, timeline.horizon, timeline.rate_hz)
         q0 = SyntheticScene.joints(cfg.observation_shapes["state"][0], 0.0, scenario.phase)
-        run = runs[name] = RobotRun(SimulatedRobot(q0, timeline.rate_hz, timeline.extra_delay), scenario=scenario)
+        pace = release_pace_ms(interval_ms, AdmissionConfig().pace_margin, timeline.rate_hz)
+        robot = SimulatedRobot(q0, timeline.rate_hz, timeline.extra_delay, blend_steps=args.seam_blend_steps,
+                               keep_from=round(pace * timeline.rate_hz / 1e3))   # the next chunk's first row
+        run = runs[name] = RobotRun(robot, scenario=scenario)
 
         def observe(c: int, run: RobotRun = run, scenario: Scenario = scenario) -> Observation:
             now = engine.clock()
@@ -199,7 +215,6 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
             run.delays.append(rec.delay_steps)
             run.outputs.append((rec.first_step, np.array(out.output), expert))
 
-        pace = release_pace_ms(interval_ms, AdmissionConfig().pace_margin, timeline.rate_hz)
         admitted = admission.admit(name, served, pace, interval_ms)   # as the server paces a timeline stream (hub.py)
         await engine.add_stream(name, observe, on_output, model=served, plan=admitted.plan, chunks=chunks,
                                 slo_interval_ms=interval_ms, timeline=timeline, release_interval_ms=pace,
@@ -239,6 +254,9 @@ def summarize_run(mode: str, d: int, model: str, runs: dict[str, RobotRun], skip
         "seam_jump_p50": percentile(pos, 50), "seam_jump_p99": percentile(pos, 99),
         "seam_velocity_jump_p99": percentile([s[1] for s in seams], 99),
         "jerk_rms": float(np.mean([r.robot.jerk_rms() for r in runs.values()])),
+        # what the arm was commanded: its largest step between two control steps, and the takeovers eased
+        "max_command_step": max(r.robot.max_command_step() for r in runs.values()),
+        "eased_chunks": sum(r.robot.eased_chunks for r in runs.values()),
         "late_points": sum(r.robot.late_points for r in runs.values()),
         "late_chunks": sum(r.robot.late_chunks for r in runs.values()),
         "tracking_error": float(np.mean([t for r in runs.values() for t in r.tracking[skip:]])),
@@ -290,7 +308,8 @@ async def run_all(args: argparse.Namespace) -> dict:
             row = summarize_run(mode, d, model, runs, skip, skip * args.execution_horizon)
             examples[(model, mode, d)] = runs[names[0]]
             print(f"  {model:<7} {mode:<5} d={d}: seam p50/p99 {row['seam_jump_p50']:.4f}/{row['seam_jump_p99']:.4f}"
-                  f" rad, velocity p99 {row['seam_velocity_jump_p99']:.3f} rad/s, jerk {row['jerk_rms']:.1f}, "
+                  f" rad, velocity p99 {row['seam_velocity_jump_p99']:.3f} rad/s, jerk {row['jerk_rms']:.1f}, largest "
+                  f"command step {row['max_command_step']:.3f} rad ({row['eased_chunks']} eased), "
                   f"late points {row['late_points']} (chunks {row['late_chunks']}), tracking "
                   f"{row['tracking_error']:.4f} ({_split(row)}arm vs target {row['target_tracking_error']:.4f}), "
                   f"overhead p50 "
@@ -309,7 +328,8 @@ async def run_all(args: argparse.Namespace) -> dict:
         "benchmark": "handoff", "workers": args.workers, "robots": args.robots, "chunks": args.chunks,
         "control_rate_hz": args.control_rate_hz, "execution_horizon": args.execution_horizon, "horizon": horizon,
         "checkpoint": str(args.checkpoint), "skipped_chunks": skip, "torch_threads": torch.get_num_threads(),
-        "wake_ahead_us": args.wake_ahead_us,
+        "wake_ahead_us": args.wake_ahead_us, "capture_margin_steps": args.capture_margin,
+        "seam_blend_steps": args.seam_blend_steps,
         "runs": rows,
         "tracking_error_trained": trained_none[0]["tracking_error"] if trained_none else rows[0]["tracking_error"],
         "tracking_error_random": random_row["tracking_error"],

@@ -4,7 +4,9 @@ It stands in for joint_trajectory_controller with a perfect arm: a chunk reaches
 control steps after the server handed it out (a slower link or controller, the benchmarks' injected
 delay), replaces the running one on arrival (what JTC does, docs/ros2_control.md) and from then on
 the arm is, at each control step, where the chunk's row for that step says; rows already due on
-arrival are skipped (late points); past its last row it holds it. Why simulated: no arm or
+arrival are skipped (late points); past its last row it holds it. A chunk that takes over where it
+differs from the running one is eased from it over ``blend_steps`` rows, as the node sends it (the
+stream key ``seam_blend_steps``; ``keep_from``: the next chunk's first row). Why simulated: no arm or
 ros2_control hardware loop runs on these machines; the arithmetic is the node's own
 (:mod:`physis_ros.timeline`).
 """
@@ -30,8 +32,11 @@ class Executed:
 
 
 class SimulatedRobot:
-    def __init__(self, q0: np.ndarray, rate_hz: float, link_delay_steps: int = 0):
+    def __init__(self, q0: np.ndarray, rate_hz: float, link_delay_steps: int = 0, blend_steps: int = 0,
+                 keep_from: int = 0):
         self.q0 = np.asarray(q0, dtype=np.float64)
+        self.blend_steps, self.keep_from = blend_steps, keep_from
+        self.eased_chunks = 0
         self.period = 1.0 / rate_hz
         self.link_delay_s = link_delay_steps * self.period
         self.t0: float | None = None     # when control step 0 is due (the timeline's origin)
@@ -53,6 +58,10 @@ class SimulatedRobot:
             return k, Seam()
         vel, _ = kinematics(rows, self.period)
         seam = self.seams.seam(first_step, k, rows, vel)
+        rows, eased = self.seams.blend(first_step, k, rows, self.blend_steps, self.keep_from or len(rows))
+        if eased:
+            self.eased_chunks += 1
+            vel, _ = kinematics(rows, self.period)
         self.seams.executed(first_step, rows, vel)
         self.chunks.append(Executed(arrival, first_step, k, rows))
         return k, seam
@@ -87,6 +96,11 @@ class SimulatedRobot:
             return np.zeros((0, len(self.q0)))
         last = self.chunks[-1].first_step + len(self.chunks[-1].rows)
         return np.array([self.command(n) for n in range(self.first_executed_step, last)])
+
+    def max_command_step(self) -> float:
+        """The largest change of any joint's command from one control step to the next (rad)."""
+        steps = np.abs(np.diff(self.trajectory(), axis=0))
+        return float(steps.max()) if steps.size else math.nan
 
     def jerk_rms(self) -> float:
         """RMS of the commanded trajectory's third derivative (finite differences at the control rate)."""

@@ -43,8 +43,11 @@ def test_small_handoff_run(tmp_path, capsys):
     for x in handed:
         assert x["frozen_takeover_jump_max"] == 0.0, x
     assert not handed or sum(x["frozen_takeovers"] for x in handed) > 0, trained
-    # without a hand-off nothing is frozen: the same takeovers jump (the check above can fail)
+    # without a hand-off nothing is frozen: the same takeovers jump (the check above can fail), and the robot is
+    # sent them eased (as the node sends them, seam_blend_steps 4 by default)
     assert any(x["frozen_takeover_jump_max"] > 0 for x in clean if x["mode"] == "none"), trained
+    assert all(x["eased_chunks"] > 0 for x in clean if x["mode"] == "none" and x["frozen_takeover_jump_max"] > 0)
+    assert r["seam_blend_steps"] == 4 and all(math.isfinite(x["max_command_step"]) for x in r["runs"])
     # the tracking error split where the hand-off froze the executed rows and where it did not: without a
     # hand-off every row is free; a takeover at a frozen row runs at least that row of the previous chunk
     for x in trained:
