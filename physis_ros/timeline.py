@@ -94,10 +94,12 @@ class SeamTracker:
         for that step (a jump), eased from the previous chunk onto its own rows: row ``row`` is the previous
         chunk's, and the weight of the previous chunk fades out (cosine) over ``rows`` rows, never at or past
         row ``keep_from`` (the next chunk's first step: its hand-off keeps this chunk's rows from there as
-        computed). Returns (the rows to send, how many were eased). A takeover that agrees at ``row`` (a
-        frozen row of the hand-off) is returned as it is: its later rows are the chunk's own, not a seam. So
-        is one with no previous chunk, or a window shorter than two rows (one row would only move the jump a
-        row later)."""
+        computed). The rows before ``row`` (not sent: the robot ran the previous chunk's) become the previous
+        chunk's too, so the kinematics at the first row sent continue what the robot did rather than point
+        back at the rows it never ran. Returns (the rows, how many were eased). A takeover that agrees at
+        ``row`` (a frozen row of the hand-off) is returned as it is: its later rows are the chunk's own, not a
+        seam. So is one with no previous chunk, or a window shorter than two rows (one row would only move
+        the jump a row later)."""
         if self._pos is None or rows < 2:
             return positions, 0
         j = first_step + row - self._first_step
@@ -111,6 +113,8 @@ class SeamTracker:
         weight = 0.5 * (1.0 + np.cos(np.pi * np.arange(n) / n))   # 1 at the takeover row, to 0 after the window
         out = np.array(positions, dtype=np.float64)
         out[row:row + n] = new + weight[:, None] * diff
+        lo = max(0, row - j)            # rows before the takeover that the previous chunk covers
+        out[lo:row] = self._pos[j - row + lo:j]
         return out, n
 
     def executed(self, first_step: int, positions: np.ndarray, velocities: np.ndarray) -> None:

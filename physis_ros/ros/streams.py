@@ -247,7 +247,7 @@ class RosStream:
             self.handover_ms.append((handover - rec.emit) * 1e3)
             self.publish_ms.append(publish_ms)
 
-    def keep_from(self, rec: ChunkRecord) -> int:
+    def _keep_from(self, rec: ChunkRecord) -> int:
         """The row of a chunk at which the next one starts: one release later on the timeline; with cadence
         free, as far as this chunk came after the last (the horizon for the first)."""
         return self.release_steps or rec.shift or self.horizon
@@ -279,7 +279,7 @@ class RosStream:
             rec.seam_position_jump, rec.seam_velocity_jump = seam.position_jump, seam.velocity_jump
             # Where the seam is a jump, the robot is sent rows that ease onto the chunk from where it is.
             sent, rec.seam_blended_rows = self.seams.blend(rec.first_step, k, positions, s.seam_blend_steps,
-                                                           self.keep_from(rec))
+                                                           self._keep_from(rec))
             if rec.seam_blended_rows:
                 self.blended_chunks += 1
                 vel, acc = kinematics(sent, s.control_period)

@@ -1,4 +1,5 @@
-"""Test helpers: an out-of-process ROS observer/publisher and the server/synthetic child processes.
+"""Test helpers: an out-of-process ROS observer/publisher, the server/synthetic child processes, and the
+server node in this process with one stream's ROS side and no engine (:func:`served_stream`).
 
 Each test process uses a ROS domain and topic namespaces of its own (from its
 pid), so that concurrent runs on one machine do not hear each other.
