@@ -24,10 +24,15 @@ def release_pace_ms(slo_ms: float, pace_margin: float, rate_hz: float, timeline:
     for the chunks' latency jitter; on the control timeline, in the largest whole number of control steps
     (at least one) within that, so consecutive chunks start exactly that many steps apart and chunk ``c``
     is for steps ``[c * s', c * s' + H)`` (``s' = s`` with no margin)."""
-    pace = slo_ms * (1.0 - pace_margin)
     if not timeline:
-        return pace
-    return max(1, math.floor(pace * rate_hz / 1e3 + 1e-9)) / rate_hz * 1e3
+        return slo_ms * (1.0 - pace_margin)
+    return release_steps(slo_ms, pace_margin, rate_hz) / rate_hz * 1e3
+
+
+def release_steps(slo_ms: float, pace_margin: float, rate_hz: float) -> int:
+    """The whole control steps s' between two releases of a timeline stream (:func:`release_pace_ms`): chunk
+    ``c + 1`` starts at row s' of chunk ``c``."""
+    return max(1, math.floor(slo_ms * (1.0 - pace_margin) * rate_hz / 1e3 + 1e-9))
 
 
 def first_due_row(step0: float, period: float, now: float, horizon: int) -> int:

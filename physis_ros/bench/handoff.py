@@ -59,7 +59,7 @@ from physis_ros.runtime.engine import ChunkOutput, Engine, Observation, ServedMo
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.scheduling.settings import load_device, load_scheduling
 from physis_ros.telemetry import percentile
-from physis_ros.timeline import release_pace_ms, rms
+from physis_ros.timeline import release_pace_ms, release_steps, rms
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_CHECKPOINT = ROOT / "config" / "checkpoints" / "tiny-wam-demo.safetensors"
@@ -176,9 +176,10 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
         # compared on the same motion, not on paths of different difficulty.
         scenario = Scenario(f"robot{i}", cfg.observation_shapes, timeline.horizon, timeline.rate_hz)
         q0 = SyntheticScene.joints(cfg.observation_shapes["state"][0], 0.0, scenario.phase)
-        pace = release_pace_ms(interval_ms, AdmissionConfig().pace_margin, timeline.rate_hz)
+        margin = AdmissionConfig().pace_margin
+        pace = release_pace_ms(interval_ms, margin, timeline.rate_hz)
         robot = SimulatedRobot(q0, timeline.rate_hz, timeline.extra_delay, blend_steps=args.seam_blend_steps,
-                               keep_from=round(pace * timeline.rate_hz / 1e3))   # the next chunk's first row
+                               keep_from=release_steps(interval_ms, margin, timeline.rate_hz))  # the next chunk's row 0
         run = runs[name] = RobotRun(robot, scenario=scenario)
 
         def observe(c: int, run: RobotRun = run, scenario: Scenario = scenario) -> Observation:

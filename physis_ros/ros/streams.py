@@ -36,7 +36,7 @@ from physis_ros.ros.inputs import Sample, StreamInput
 from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
 from physis_ros.runtime.engine import ChunkOutput, Observation, ServedModel, StreamEvent, Timeline
 from physis_ros.telemetry import ChunkRecord, RollingStats
-from physis_ros.timeline import SeamTracker, kinematics, release_pace_ms, rms
+from physis_ros.timeline import SeamTracker, kinematics, release_steps, rms
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
@@ -90,9 +90,8 @@ class RosStream:
         self.late_points = self.late_chunks = self.blended_chunks = 0
         # Steps between two releases on the timeline (as the hub paces it; 0: cadence free): the next chunk starts
         # that far into this one, and its hand-off keeps this chunk's rows from there.
-        self.release_steps = 0 if config.cadence != "timeline" else round(
-            release_pace_ms(self.slo_interval_ms, serve.admission.pace_margin, config.control_rate_hz)
-            * config.control_rate_hz / 1e3)
+        self.release_steps = 0 if config.cadence != "timeline" else release_steps(
+            self.slo_interval_ms, serve.admission.pace_margin, config.control_rate_hz)
         self._publishers = []
         self._subscriptions = []
         self._make_outputs()
