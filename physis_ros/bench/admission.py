@@ -50,12 +50,15 @@ JSON (``--json``), every number raw; times in s, durations in ms:
     ``measured_busy`` = compute time / wall time from the worker's own counters on /diagnostics,
     ``cpu``, ``stages``, ``batches``, ``mean_batch``), ``all_meet_slo``, ``gaps``.
   - ``streams``: per stream over its whole life: chunks, first/last index, gaps, misses, the goal's
-    result (outcome, chunks_emitted, chunks_lost); ``raw``: per chunk rows (``raw_columns``).
+    result (outcome, chunks_emitted, chunks_lost).
   - ``admitted``: count of the first model, the second model's SLO (or null), ``rejections``;
     ``slo_held`` (every phase, every stream), ``gaps``.
 - ``summary``: per mode (first round): admitted counts, slo_held, gaps, worst interval p99 / SLO.
 - ``targets`` and ``passed``: every admitted stream's interval p99 within its SLO in every phase, no
   gaps, and at least as many first-model streams admitted as ``physis-bench streams`` (3).
+
+Raw rows (``--raw``, a separate file: hundreds of kB a run): ``raw_columns`` and ``runs``, one per run
+with ``mode``, ``round`` and ``streams``: stream -> per chunk rows.
 
 Exit status: 0 the targets were met; 1 the benchmark ran and a target was missed, or the server or a
 robot process failed; 2 usage or input error; 70 internal error; 130 interrupted.
@@ -71,6 +74,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from physis_ros.bench.admission_observe import RAW_COLUMNS
 from physis_ros.bench.admission_run import JOINTS, SECOND, Interrupted, Run, RunFailed, _say
 
 STREAMS_BENCH_ADMITS = 3   # what `physis-bench streams` admits (bench/RESULTS.md, joint scheduling live)
@@ -110,7 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout", type=float, default=120.0, help="wait this long for the server, a decision "
                                                                       "or a first chunk")
     p.add_argument("--logs", default=None, help="keep the server's and robots' logs here")
-    p.add_argument("--json", help="write results here")
+    p.add_argument("--json", help="write results here (summaries: no per-chunk rows)")
+    p.add_argument("--raw", help="write the per-chunk rows of every stream here (large: keep out of git)")
     p.add_argument("--plot", help="write a PNG: interval p99 per stream and phase vs SLO, predicted vs measured "
                                   "worker load")
 
@@ -312,6 +317,11 @@ def run(args: argparse.Namespace) -> int:
     out["host"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     out["wall_s"] = round(time.monotonic() - wall0, 1)
     _conclude(out, args.slo_ms)
+    raw = {"raw_columns": RAW_COLUMNS,
+           "runs": [{"mode": run["mode"], "round": run["round"],
+                     "streams": {name: s.pop("raw") for name, s in run["streams"].items()}} for run in out["runs"]]}
+    if args.raw:
+        write_json(args.raw, raw)
     if args.json:
         write_json(args.json, out)
     if args.plot and out["runs"]:

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from physis_ros.bench.admission_observe import (RAW_COLUMNS, Mirror, Recorder, _cpu_delta, _cpu_snapshot, _gaps, _r,
+from physis_ros.bench.admission_observe import (Mirror, Recorder, _cpu_delta, _cpu_snapshot, _gaps, _r,
                                                   stream_window)
 from physis_ros.timeline import release_pace_ms
 
@@ -290,7 +290,7 @@ class Run:
         second = next((e["slo_ms"] for e in admitted if e["stream"] == SECOND), None)
         return {"mode": self.mode, "round": self.round, "config": self.config_path.read_text(),
                 "server_exit": self.exit, "max_batch_credited": self.mirror.max_batch,
-                "events": self.events, "phases": self.phases, "streams": streams, "raw_columns": RAW_COLUMNS,
+                "events": self.events, "phases": self.phases, "streams": streams,
                 "admitted": {"first_model": len(before_leave), "second_model_slo_ms": second,
                              "rejections": [{k: e[k] for k in ("stream", "model", "slo_ms", "reason", "detail")}
                                             for e in self.events if e["kind"] == "join" and not e["admitted"]]},

@@ -70,7 +70,7 @@ def check_args(args: argparse.Namespace) -> None:
     if values.get("headroom") is not None and values["headroom"] >= 1:
         raise CliError(f"--headroom is the fraction of device time kept free: give a value in [0, 1), "
                        f"got {values['headroom']}")
-    for dest in ("json", "plot"):
+    for dest in ("json", "raw", "plot"):
         check_writable(values.get(dest), _flag(dest))
     if values.get("config"):
         check_yaml_file(values["config"], "--config")

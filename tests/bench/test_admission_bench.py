@@ -24,7 +24,7 @@ def test_quick_admission_run_writes_every_phase(tmp_path):
     env = {**os.environ, "PHYSIS_TEST_MARKER": marker, "PYTHONUNBUFFERED": "1"}
     domain = str(1 + (os.getpid() + 50) % 99)
     proc = subprocess.run([sys.executable, "-m", "physis_ros.cli.bench", "admission", "--quick", "--workers", "1",
-                           "--modes", "off", "--slo-ms", "150", "--domain", domain, "--json", str(out),
+                           "--modes", "off", "--slo-ms", "150", "--domain", domain, "--json", str(out), "--raw", str(tmp_path / "raw.json"),
                            "--logs", str(tmp_path / "logs")], env=env, capture_output=True, text=True, timeout=170)
     text = proc.stdout + proc.stderr
     assert proc.returncode in (0, 1), text        # 1: ran, a target missed (this VM is shared and busy)
@@ -74,8 +74,11 @@ def test_quick_admission_run_writes_every_phase(tmp_path):
                 assert s["latency_ms"]["p50"] > 0 and s["measured_compute_ms"]["w0"] > 0
                 assert s["meets_slo"] == (s["interval_ms"]["p99"] <= s["slo_ms"])
             assert s["gaps"] >= 0 and s["deadline_misses"] >= 0 and s["lost_to_robot"] >= 0
+    raw = json.loads((tmp_path / "raw.json").read_text())   # per-chunk rows apart from the summary
+    assert [(x["mode"], x["round"]) for x in raw["runs"]] == [("off", 0)]
     for name, s in run["streams"].items():
-        assert len(s["raw"]) == s["chunks"] and len(s["raw"][0]) == len(run["raw_columns"])
+        rows = raw["runs"][0]["streams"][name]
+        assert "raw" not in s and len(rows) == s["chunks"] and len(rows[0]) == len(raw["raw_columns"])
         assert s["goal"]["outcome"] == "cancelled", (name, s["goal"])
     assert r["summary"]["off"]["admitted_first_model"] == len(robots)
     deadline = time.monotonic() + 5
