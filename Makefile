@@ -2,6 +2,7 @@
 #
 #   make setup      .venv with pinned deps, msg code generated, package editable
 #   make test       run the test suite (PYTEST_ARGS="-k foo -x" to pass options)
+#   make test-fast  the pure-logic tier for the edit loop (no programs, workers or ROS nodes; ~1 min)
 #   make demo       the main job: action server (tiny-wam, 2 CPU workers) fed by synthetic
 #                   robots, live table; 20 s (DEMO_ARGS="--duration 0": until Ctrl-C)
 #   make clean      remove build/ and generated msg code (keeps .venv)
@@ -30,7 +31,7 @@ MSG_FILES := $(wildcard msg/*.msg srv/*.srv action/*.action)
 PYTEST_ARGS ?=
 DEMO_ARGS   ?= --duration 20
 
-.PHONY: setup test demo clean distclean
+.PHONY: setup test test-fast demo clean distclean
 
 setup: $(REQ_STAMP) $(MSG_STAMP) $(EDITABLE_STAMP)
 
@@ -56,6 +57,11 @@ $(EDITABLE_STAMP): $(REQ_STAMP) setup.py
 
 test: setup
 	$(VPY) -m pytest -q -rs tests $(PYTEST_ARGS)
+
+# Tests marked `slow` start programs, workers or ROS nodes; with PHYSIS_TEST_FAST=1 anything else that
+# tries to start one fails naming itself (tests/conftest.py).
+test-fast: setup
+	PHYSIS_TEST_FAST=1 $(VPY) -m pytest -q -rs -m "not slow" tests $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/physis-demo $(DEMO_ARGS)

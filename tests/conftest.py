@@ -1,6 +1,16 @@
-"""Shared test set-up: single-threaded torch (as the workers run) and small helpers."""
+"""Shared test set-up: single-threaded torch (as the workers run), the fast tier's guard and small helpers.
+
+Two tiers. ``make test`` runs everything. ``make test-fast`` (``PHYSIS_TEST_FAST=1``, ``-m "not slow"``)
+runs the pure logic only: a test that starts a program, a worker process or a ROS context carries the
+``slow`` marker, and in the fast tier anything that tries to start one fails at once, naming the test to
+mark, so the fast tier cannot quietly grow into the slow one.
+"""
 
 from __future__ import annotations
+
+import multiprocessing.process
+import os
+import subprocess
 
 import pytest
 import torch
@@ -8,6 +18,31 @@ import torch
 torch.set_num_threads(1)
 
 TEST_TIMEOUT_S = 600   # per test, its fixtures' set-up included: the slowest takes about 75 s on a slow CI host
+FAST_ENV = "PHYSIS_TEST_FAST"
+
+
+class StartsAProcess(RuntimeError):
+    """Raised in the fast tier where a test starts something that only the full tier may start."""
+
+
+def _refuse(what: str):
+    def refuse(*args, **kwargs):
+        raise StartsAProcess(f"{what} in the fast tier (PHYSIS_TEST_FAST=1): mark this test or its module "
+                             f"`pytest.mark.slow` (args {str(args[1:2])[:120]})")
+    return refuse
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts a program, worker process or ROS context, or computes for "
+                                       "seconds; left out by `make test-fast`")
+    if os.environ.get(FAST_ENV) == "1":
+        subprocess.Popen.__init__ = _refuse("a program started (subprocess.Popen)")
+        multiprocessing.process.BaseProcess.start = _refuse("a process started (multiprocessing)")
+        try:
+            import rclpy
+        except ImportError:
+            return
+        rclpy.init = _refuse("a ROS context started (rclpy.init)")
 
 
 def pytest_collection_modifyitems(items):

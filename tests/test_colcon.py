@@ -52,8 +52,9 @@ def _missing_tools() -> list[str]:
 
 
 _MISSING = _missing_tools()
-pytestmark = pytest.mark.skipif(
-    bool(_MISSING), reason=f"colcon's CMake build cannot run: not on PATH: {', '.join(_MISSING)}")
+pytestmark = [pytest.mark.slow,   # starts programs: not in `make test-fast`
+              pytest.mark.skipif(bool(_MISSING),
+                                 reason=f"colcon's CMake build cannot run: not on PATH: {', '.join(_MISSING)}")]
 
 
 def _env(home: Path) -> dict[str, str]:

@@ -39,6 +39,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_settle_freezes_what_is_alive_and_collects_only_when_asked():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -136,6 +136,7 @@ def ros_context():
         rclpy.shutdown(context=context)
 
 
+@pytest.mark.slow
 def test_pubsub_action_chunk(ros_context):
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.qos import QoSProfile, ReliabilityPolicy

@@ -76,6 +76,7 @@ def mixed_check(mixed, tmp_path_factory, ros_domain):
 
 # ---------------------------------------------------------------------------- the whole harness
 
+@pytest.mark.slow
 def test_mixed_bag_passes_the_deterministic_check(mixed_check):
     print("\n" + mixed_check.summary())
     assert mixed_check.ok, mixed_check.summary()
@@ -94,6 +95,7 @@ def test_mixed_bag_passes_the_deterministic_check(mixed_check):
     assert mixed_check.replay["counts"]["/robot1/actions"] == TICKS          # actions replayed, all of them
 
 
+@pytest.mark.slow
 def test_mixed_check_recorded_predicted_frames(mixed_check):
     """The check's recording holds robot1's PredictedFrames with their definition, exact CDR, readable by
     rclpy, rosbags and the mcap library; robot1 publishes no actions of its own."""
@@ -254,6 +256,7 @@ def test_actions_replay_reliable_into_the_servers_subscription():
                 assert verdict != QoSCompatibility.ERROR, why   # (WARNING: a policy left at the RMW default)
 
 
+@pytest.mark.slow
 def test_record_cli_records_an_acwm_streams_inputs(mixed, tmp_path):
     """physis-bag record --config (a separate process) subscribes robot1's actions topic with its type from
     the config and records every replayed ActionChunk (reliable: exact count), byte for byte (as a recorder

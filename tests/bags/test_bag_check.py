@@ -13,6 +13,7 @@ from physis_ros.bags.inputs import input_observations
 from physis_ros.bags.serveconf import load_serve_info
 
 
+@pytest.mark.slow
 def test_bundled_bag_passes_the_deterministic_check(bag_check):
     print("\n" + bag_check.summary())
     assert bag_check.error is None, bag_check.summary()
@@ -32,6 +33,7 @@ def test_bundled_bag_passes_the_deterministic_check(bag_check):
     assert json.loads(json.dumps(bag_check.as_dict()))["ok"]     # what --out DIR/check.json holds
 
 
+@pytest.mark.slow
 def test_recorded_outputs_open_with_both_readers(bag_check):
     from rclpy.serialization import deserialize_message
 
@@ -49,6 +51,7 @@ def test_recorded_outputs_open_with_both_readers(bag_check):
     assert chunk.stream == "robot1" and (chunk.horizon, chunk.dof) == (16, 7)
 
 
+@pytest.mark.slow
 def test_recorded_outputs_are_exact_cdr(bag_check):
     """Every message the server published decodes with rosbags, which rejects bytes after the message
     (the raw JointTrajectory once carried 8 stray bytes per point), and its outputs re-serialize to the
@@ -66,6 +69,7 @@ def test_recorded_outputs_are_exact_cdr(bag_check):
     assert [raw for *_, raw in theirs] == [raw for *_, raw in ours]
 
 
+@pytest.mark.slow
 def test_report_from_the_recorded_run(bag_check, tmp_path, capsys):
     from physis_ros.cli import report as report_cli
 
@@ -176,6 +180,7 @@ def test_checker_applies_the_servers_acceptance_rule(fault_bag):
     assert len(refs) == 4 and all(np.all(np.isfinite(r)) for r in refs)
 
 
+@pytest.mark.slow
 def test_fault_bag_passes_and_rejections_agree_with_the_server(fault_bag, tmp_path):
     """The real server in deterministic mode: it rejects exactly what the checker excluded (its
     --summary-json counters), and every accepted observation gets its chunk, equal to the reference."""
@@ -285,6 +290,7 @@ except (KeyboardInterrupt, ExternalShutdownException):
 '''
 
 
+@pytest.mark.slow
 def test_check_fails_a_run_with_nan_outputs(tmp_path, capsys):
     """A server whose chunks are NaN must fail the check, through the CLI (exit 1).
 

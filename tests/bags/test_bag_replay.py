@@ -47,6 +47,7 @@ def _bag_cli(*args) -> list[str]:
     return [sys.executable, "-m", "physis_ros.cli.bag", *map(str, args)]
 
 
+@pytest.mark.slow
 def test_replay_cli_skips_unknown_topic_and_keeps_timing(tmp_path):
     bag = tmp_path / "with_unknown"
     messages = _short_bag(bag, with_unknown=True)
@@ -93,6 +94,7 @@ def test_replay_cli_skips_unknown_topic_and_keeps_timing(tmp_path):
     assert p50 < 3.0
 
 
+@pytest.mark.slow
 def test_record_cli_sqlite3_with_remap_clock_offset_and_loop(tmp_path):
     bag = tmp_path / "short"
     messages = _short_bag(bag, with_unknown=False)
@@ -131,6 +133,7 @@ def test_record_cli_sqlite3_with_remap_clock_offset_and_loop(tmp_path):
     assert "/arm/joint_states" in stdout and "wrote" in stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, message", [
     (["--clock", "0"], "--clock rate must be > 0"),
     (["--start-offset", "99"], "past the end of the bag"),

@@ -60,6 +60,7 @@ def test_no_sent_chunk_executes_nothing():
     assert executed([(only_late, rows_from(0), 1)], None) is None
 
 
+@pytest.mark.slow
 def test_report_of_a_bag_with_chunks_telemetry_and_expert(tmp_path, capsys):
     from physis_ros.cli import report as report_cli
 

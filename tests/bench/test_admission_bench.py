@@ -12,12 +12,15 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from physis_ros.cli import bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ros"))
 from rosprobe import processes_with_marker  # noqa: E402  (the ROS tests' helper: orphans by marker)
 
 
+@pytest.mark.slow
 def test_quick_admission_run_writes_every_phase(tmp_path):
     out = tmp_path / "admission.json"
     marker = uuid.uuid4().hex

@@ -8,7 +8,11 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from physis_ros.cli import bench
+
+pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
 
 
 def test_small_handoff_run(tmp_path, capsys):

@@ -19,6 +19,7 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow
 def test_small_hop_run(tmp_path, capsys):
     out, png = tmp_path / "hop.json", tmp_path / "hop.png"
     code = bench.main(["hop", "--sizes", "64K,1M", "--repeats", "5", "--json", str(out), "--plot", str(png)])

@@ -3,7 +3,11 @@ chosen from the command line, every entry is verified against the sequential ref
 
 import json
 
+import pytest
+
 from physis_ros.cli import bench
+
+pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
 
 
 def pipeline(tmp_path, workers: int, chunks: int, *variant: str) -> dict:

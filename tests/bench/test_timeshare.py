@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
 from physis_ros.cli import bench
+
+pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
 
 
 def test_timeshare_writes_every_mode_with_prediction_and_drift(tmp_path):

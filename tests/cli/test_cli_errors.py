@@ -244,6 +244,7 @@ def outcomes(tmp_path_factory):
     return dict(zip(cases, results))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("c", CASES)
 def test_error_contract(c: Case, outcomes):
     out = outcomes[c]

@@ -28,6 +28,8 @@ from rosprobe import JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, diag_values
 
 from physis_ros.ros.launcher import Child, serve_command  # noqa: E402
 
+pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
+
 BIN = Path(sys.executable).parent / "physis-stream"
 SERVER = f"/{NODE}"
 START_TIMEOUT = 90.0

@@ -594,6 +594,7 @@ def goal_server():
         rclpy.try_shutdown(context=context)
 
 
+@pytest.mark.slow
 def test_a_goal_cancelled_while_removed_does_not_end_the_next_goal_of_its_name(goal_server):
     """Bug found: a goal cancelled by its robot in the same turn as an operator removed its stream left the
     removal's outcome behind under the stream's name, and the next goal of that name was ended with it the
@@ -620,6 +621,7 @@ def test_a_goal_cancelled_while_removed_does_not_end_the_next_goal_of_its_name(g
     assert task.result().outcome == "cancelled" and task.result().accepted and "x" not in g.node.streams
 
 
+@pytest.mark.slow
 def test_a_stale_goal_never_removes_the_stream_a_newer_goal_of_its_name_serves(goal_server):
     from physis_ros.srv import RemoveStream
 
@@ -691,6 +693,7 @@ def test_a_first_profile_with_nothing_served_is_measured_at_normal_priority(monk
     assert seen == [normal, 19]     # the start-up measurement as is, a later one (streams served) yielding
 
 
+@pytest.mark.slow
 def test_an_unexpected_error_in_admission_still_answers_with_a_reason(goal_server):
     """Bug found: an exception other than a rejection (a corrupt checkpoint's safetensors error was one)
     left rclpy to answer the goal with an empty result: accepted false, no outcome, no reason."""

@@ -9,9 +9,12 @@ import sys
 import time
 import uuid
 
+import pytest
+
 from rosprobe import JOINTS, TAG, child_env, processes_with_marker, write_config
 
 
+@pytest.mark.slow
 def test_demo_runs_and_exits_cleanly(tmp_path):
     marker = uuid.uuid4().hex
     config = write_config(tmp_path / "serve.yaml", {

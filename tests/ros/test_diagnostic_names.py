@@ -9,6 +9,8 @@ import pytest
 
 from physis_ros.config import repo_config_dir
 
+pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
+
 
 def statuses_of(*ros_args: str, namespace: str | None = None) -> tuple[str, list[str]]:
     import rclpy

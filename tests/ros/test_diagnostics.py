@@ -4,6 +4,7 @@ hardware ids, and no STALE from the node itself."""
 import math
 import time
 
+import pytest
 from diagnostic_msgs.msg import DiagnosticStatus
 
 from physis_ros.ros import diagnostics as diag
@@ -175,6 +176,7 @@ def test_timeline_metrics_and_late_chunks_reach_diagnostics():
 
 
 
+@pytest.mark.slow
 def test_a_reset_stream_is_error_until_it_publishes_again_and_its_resets_by_cause_are_reported():
     """Bug found: the node cleared a stream's failure when the engine re-admitted it, so /diagnostics could
     say OK before the stream published again (the requirement: ERROR until it publishes again); and the
@@ -211,6 +213,7 @@ def test_a_reset_stream_is_error_until_it_publishes_again_and_its_resets_by_caus
         assert report["resets"] == {"chunk_timeout": 1, "task_lost": 1} and report["failures"] == 2
 
 
+@pytest.mark.slow
 def test_a_storm_of_resets_logs_one_line_per_cause_per_period():
     """Each reset and re-admission was logged: a fault storm (a worker dropping every task) was a log flood."""
     from physis_ros.runtime.streams import StreamEvent

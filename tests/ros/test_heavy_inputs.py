@@ -52,6 +52,8 @@ from physis_ros.ros.launcher import Child, serve_command, synthetic_command
 
 from rosprobe import JOINTS, NODE_ARGS, TAG, Probe, child_env, diag_values, processes_with_marker, write_config
 
+pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
+
 NS = {"a": f"{TAG}_ha", "b": f"{TAG}_hb"}
 RELIABLE = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
 START_TIMEOUT = 90.0

@@ -88,6 +88,7 @@ def test_launch_arguments_for_lifecycle_autostart_and_trajectory_topic():
     assert p.parse_args(["--trajectory-topic", ""]).trajectory_topic == ""
 
 
+@pytest.mark.slow
 def test_trajectory_topic_applies_to_a_single_stream_config(tmp_path, capsys):
     import os
 

@@ -22,6 +22,8 @@ import rosprobe
 from rosprobe import (JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, diag_values, processes_with_marker,
                       write_config)
 
+pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
+
 STREAMS = {"r0": f"{TAG}_r0", "r1": f"{TAG}_r1"}
 TELEMETRY = f"/{TAG}_telemetry"
 RELIABLE = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)

@@ -21,6 +21,8 @@ from physis_ros.ros.launcher import Child, serve_command, synthetic_command
 
 from rosprobe import DOMAIN, JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, diag_values, write_config
 
+pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
+
 SERVE_YAML = repo_config_dir() / "serve.yaml"
 RELIABLE = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
 BEST_EFFORT = QoSProfile(depth=100, reliability=ReliabilityPolicy.BEST_EFFORT)

@@ -157,6 +157,7 @@ def test_render_returns_a_snapshot():
     assert first == copy
 
 
+@pytest.mark.slow
 def test_recorded_outputs_decode_strictly(store, tmp_path, monkeypatch):
     """Raw outputs published over DDS and written by the project's recorder: every message decodes with
     rosbags (strict size) and reads back with the mcap library, byte for byte what was published."""

@@ -157,6 +157,7 @@ def test_serve_config_is_frozen():
     assert isinstance(cfg, ServeConfig) and Path(repo_config_dir() / "serve.yaml").is_file()
 
 
+@pytest.mark.slow
 def test_node_takes_its_config_from_ros_parameters(tmp_path):
     """What `ros2 launch` does: the YAML as a --params-file, overrides with -p, no --config."""
     import os

@@ -13,6 +13,8 @@ import pytest
 
 from rosprobe import served_stream
 
+pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
+
 PERIOD = 0.02     # serve.yaml: 50 Hz
 
 

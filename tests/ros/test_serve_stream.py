@@ -27,6 +27,8 @@ from physis_ros.ros.launcher import Child, serve_command
 
 from rosprobe import JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, diag_values, processes_with_marker
 
+pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
+
 RELIABLE = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
 LATCHED = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 TELEMETRY = f"/{TAG}_ss_telemetry"

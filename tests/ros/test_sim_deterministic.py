@@ -22,6 +22,8 @@ from physis_ros.ros.launcher import Child, serve_command
 from rosprobe import (JOINTS, NODE_ARGS, TAG, Probe, child_env, diag_values, processes_with_marker,
                       write_config)
 
+pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
+
 STREAM = "d0"
 NS = f"{TAG}_d0"
 CLOCK = f"/{TAG}/clock"          # the server's /clock is remapped here: no other test can drive it

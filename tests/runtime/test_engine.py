@@ -24,6 +24,8 @@ from physis_ros.runtime.planner import resolve_plan
 from physis_ros.runtime.plans import Plan, pipeline_order
 from physis_ros.scheduling.profiles import CostProfile
 
+pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
+
 STREAMS = ["robot0", "robot1"]
 
 

@@ -56,6 +56,7 @@ def _state(block: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
     return state
 
 
+@pytest.mark.slow
 def test_hops_go_over_links_and_a_restarted_worker_rejoins():
     async def main():
         async with Served(heartbeat_timeout_s=0.5) as run:
@@ -79,6 +80,7 @@ def test_hops_go_over_links_and_a_restarted_worker_rejoins():
     assert status["epoch"] >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("declared", ["dtype", "shape", "names"])
 def test_a_header_declaring_other_tensors_is_refused_before_any_byte_is_received(declared):
     """A wrong dtype (same byte count: float16 for bfloat16 would read garbage), shape or set of tensors in a
@@ -109,6 +111,7 @@ def test_a_header_declaring_other_tensors_is_refused_before_any_byte_is_received
     assert status_b["resets"] == {} and b == list(range(b[0], b[0] + len(b)))  # the other robot lost nothing
 
 
+@pytest.mark.slow
 def test_a_transfer_that_never_comes_fails_its_link_which_is_rebuilt():
     """A well-formed header whose bytes never come (a forged tag; a sender that died) times out, closes the
     pair, resets the streams on it and the next start builds a new generation; both streams come back."""

@@ -15,6 +15,8 @@ from physis_ros.observations import SyntheticScene
 from physis_ros.reference import reference_rollout
 from physis_ros.runtime.security import generate_keys
 
+pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
+
 HERE = Path(__file__).resolve().parent
 ENGINE_IP, WORKER_IP, PORT = "169.254.77.1", "169.254.77.2", 47123
 

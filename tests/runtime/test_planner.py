@@ -39,6 +39,7 @@ def test_workers_sharing_a_hosts_cores_are_bound_by_total_cpu():
     assert shared.interval_ms == pytest.approx(32.2 + 2.0, rel=0.01)
 
 
+@pytest.mark.slow
 def test_adaptive_never_predicts_worse_than_off():
     for per_extra in (0.1, 0.5, 1.0, 1.5):
         prof = synthetic(4, 8, 1.0, per_extra)

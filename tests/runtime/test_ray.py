@@ -125,6 +125,7 @@ def test_launcher_config_and_the_spawn_workers_alias():
     assert from_mapping(EngineConfig, {"launcher": "ray", "bind_host": "10.0.0.2"}).launcher == "ray"
 
 
+@pytest.mark.slow
 def test_a_stream_on_actors_on_two_nodes_matches_the_reference(cluster):
     chunks = 3 * CFG.window + 1  # past the KV window
 
@@ -156,6 +157,7 @@ def test_a_stream_on_actors_on_two_nodes_matches_the_reference(cluster):
     assert all(len(o.record.hops_ms) == 3 for o in outputs)
 
 
+@pytest.mark.slow
 def test_a_killed_actor_is_recreated_in_its_bundle_and_its_stream_readmitted(cluster):
     """Killed like the OOM killer would: Ray sees the actor die (the heartbeat timeout is set far longer, so
     the loss is Ray's news); its stream resets and is re-admitted under a new epoch, the other loses nothing."""
@@ -198,6 +200,7 @@ def test_a_killed_actor_is_recreated_in_its_bundle_and_its_stream_readmitted(clu
     assert new_node == node and restarts == 1 and failure is None  # same bundle, same node
 
 
+@pytest.mark.slow
 def test_a_peer_without_a_granted_key_gets_nothing_through(cluster):
     async def main():
         engine = Engine(ray_config(cluster, plan="stage"))
@@ -261,6 +264,7 @@ def test_a_peer_without_a_granted_key_gets_nothing_through(cluster):
     assert stats.bad_messages == 0 and stats.stale == 0  # nor at the worker
 
 
+@pytest.mark.slow
 def test_a_lost_node_moves_its_worker_to_a_spare_node(cluster):
     """A node goes away with its worker (last in this module: it changes the cluster): Ray re-places the
     worker's bundle on a spare node, the worker is re-created there and its stream re-admitted."""

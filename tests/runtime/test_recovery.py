@@ -32,6 +32,7 @@ def gaps_equal_lost(idx: list[int], lost: int) -> bool:
     return idx == sorted(idx) and sum(y - x - 1 for x, y in zip(idx, idx[1:])) == lost
 
 
+@pytest.mark.slow
 def test_an_output_without_its_tensor_resets_only_its_stream():
     """Was: the engine's output loop died on such a message, and both robots stopped for good."""
     async def main():
@@ -75,6 +76,7 @@ def test_an_output_without_its_tensor_resets_only_its_stream():
     assert health.dropped.get("malformed", 0) >= 1 and health.failure is None
 
 
+@pytest.mark.slow
 def test_wakes_for_outputs_that_never_come_stall_nothing():
     """After a worker's Wake the engine's output loop polls without sleeping until that chunk's output is in, for
     a few ms at most, yielding to the other tasks between polls. A flood of Wakes whose outputs never come (a
@@ -103,6 +105,7 @@ def test_wakes_for_outputs_that_never_come_stall_nothing():
     assert health.failure is None and not health.dropped.get("malformed")
 
 
+@pytest.mark.slow
 def test_a_silently_dropped_task_resets_its_stream_within_its_bound():
     """Was: a task a worker dropped left its chunk missing forever; the stream's credits never came back."""
     async def main():
@@ -124,6 +127,7 @@ def test_a_silently_dropped_task_resets_its_stream_within_its_bound():
     assert bound == pytest.approx(1.0)  # 3 x 2 in flight x 100 ms SLO = 0.6 s, raised to the 1 s floor
 
 
+@pytest.mark.slow
 def test_a_ready_queue_burst_is_reported_and_resets_the_stream():
     """Was: the worker dropped the oldest task on a full queue and the stream waited forever."""
     async def main():
@@ -157,6 +161,7 @@ def test_in_flight_credits_beyond_the_ready_queue_are_refused_at_load():
         from_mapping(EngineConfig, {"max_in_flight": 2000})
 
 
+@pytest.mark.slow
 def test_a_non_finite_chunk_is_never_delivered_and_resets_its_stream():
     """Was: a 1e30 joint state became inf in float32 and the server published chunks full of NaN."""
     def observe(name, c):
@@ -177,6 +182,7 @@ def test_a_non_finite_chunk_is_never_delivered_and_resets_its_stream():
     assert status["resets"] == {"nonfinite_output": 1} and contiguous(b)
 
 
+@pytest.mark.slow
 def test_a_fault_during_restart_is_survived():
     """Was: a second fault while a worker restarted took the whole engine down (one attempt only)."""
     async def main():
@@ -200,6 +206,7 @@ def test_a_fault_during_restart_is_survived():
     assert contiguous(a) and gaps_equal_lost(b, status["lost_chunks"])
 
 
+@pytest.mark.slow
 def test_a_worker_that_cannot_come_back_ends_the_engine_saying_why(monkeypatch):
     async def main():
         async with TwoStreams(EngineConfig(workers=2, restart_budget_s=1.5)) as run:
@@ -225,6 +232,7 @@ def test_a_worker_that_cannot_come_back_ends_the_engine_saying_why(monkeypatch):
     assert a_kept_going  # the stream on the healthy worker still runs; the server decides to exit
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["output", "control", "worker data"])
 def test_a_flood_of_garbage_slows_but_never_stalls(target):
     """Was: a one-second flood at the output port froze both robots for 34 s (every bad message logged

@@ -31,6 +31,7 @@ def rogue_task(stream: str) -> list:
     return wire.encode(p.Task(stream=stream, chunk=0, stage=(4, 0), epoch=0), obs)
 
 
+@pytest.mark.slow
 def test_curve_engine_serves_and_refuses_strangers(tmp_path):
     keys_dir = generate_keys(tmp_path / "keys")
     stranger_dir = generate_keys(tmp_path / "other")  # a valid key pair, but not authorized here
@@ -74,6 +75,7 @@ def test_curve_engine_serves_and_refuses_strangers(tmp_path):
     assert emitted == 4
 
 
+@pytest.mark.slow
 def test_non_loopback_binding_requires_keys():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
     with pytest.raises(ConfigError, match="curve_keys.*requires CurveZMQ keys"):

@@ -163,6 +163,7 @@ def test_rings_of_a_dead_process_are_removed(tmp_path):
     assert HEADER == 64
 
 
+@pytest.mark.slow
 def test_engine_over_shm_survives_a_killed_worker_and_leaves_no_ring():
     from physis_ros.model import load_model_config
     from physis_ros.observations import SyntheticScene
@@ -211,6 +212,7 @@ def test_shm_is_for_cpu_workers_on_this_host():
 
 
 
+@pytest.mark.slow
 def test_workers_give_every_region_back_as_chunks_move_on():
     """A worker that kept a view of what it read (a queued job, a pass-through tensor) would fill a 1 MB
     ring within a few dozen hops; hops would then go as frames (``ring_full``)."""
@@ -244,6 +246,7 @@ def test_workers_give_every_region_back_as_chunks_move_on():
     assert sum(s.link_hops for s in stats) >= hops * 0.9 and all(s.ring_full == 0 for s in stats), [(s.link_hops, s.ring_full, s.tasks) for s in stats]
 
 
+@pytest.mark.slow
 def test_the_sender_never_reads_a_tail_lower_than_one_already_written(tmp_path):
     """The receiver advances the tail while the sender reads it. A tail read low (struct.pack_into zeroes the
     bytes before writing them) made a 1 MB ring look full for a hop now and then on a busy host."""

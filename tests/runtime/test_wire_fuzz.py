@@ -6,6 +6,7 @@ import random
 
 import msgpack
 import numpy as np
+import pytest
 import torch
 import uvloop
 import zmq
@@ -104,6 +105,7 @@ def hostile(seed: int):
     return channel, [raw, *frames]
 
 
+@pytest.mark.slow
 @settings(max_examples=12_000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(st.integers(min_value=0, max_value=2**32 - 1))
 def test_typed_decoders_never_crash_or_overallocate(seed):
@@ -133,6 +135,7 @@ def test_mutations_reach_both_outcomes():
     assert rejected > 2000
 
 
+@pytest.mark.slow
 def test_worker_fed_garbage_keeps_serving():
     cfg = load_model_config("tiny-wam")
     scene = SyntheticScene(cfg.observation_shapes)

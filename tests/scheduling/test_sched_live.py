@@ -3,7 +3,10 @@
 from physis_ros.runtime.plans import pipeline_order
 from physis_ros.scheduling.live import admit_until_rejected, plan_of
 
+import pytest
 
+
+@pytest.mark.slow
 def test_admission_on_cpu_workers_and_its_runtime_plans():
     cfg, profile, cluster, placed, rejection = admit_until_rejected("tiny-wam", 2, 90.0, 0.3)
     assert profile.source.startswith("measured:")

@@ -4,6 +4,7 @@ setting and the calibrated one); the arithmetic of the report's counts; physis-s
 import json
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -114,6 +115,7 @@ def test_implied_workload_arithmetic():
     assert w["both"]["by_need"] == [1000, 1200]
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(models=st.lists(st.sampled_from(REPORT24_MODELS), min_size=1, max_size=3, unique=True),
        xs=st.lists(st.floats(0.2, 4.5), min_size=3, max_size=3),

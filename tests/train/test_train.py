@@ -107,6 +107,7 @@ def test_sequence_velocities_equal_the_servers_kv_tables(config, sink):
 SMALL = dict(batch=4, episodes=4, chunks=6, lr=1e-3, warmup=2)
 
 
+@pytest.mark.slow
 def test_training_is_deterministic_from_the_seed(config):
     data = training_episodes(config, SMALL["episodes"], SMALL["chunks"])
     a = train(config, TrainSettings(steps=3, seed=5, **SMALL), data=data)
@@ -119,6 +120,7 @@ def test_training_is_deterministic_from_the_seed(config):
     assert not torch.equal(sa["io.action_out.weight"], build_model(config).state_dict()["io.action_out.weight"])
 
 
+@pytest.mark.slow
 def test_loss_falls(config):
     settings = TrainSettings(steps=40, seed=0, batch=8, episodes=8, chunks=8, lr=1e-3, warmup=5)
     losses = train(config, settings).losses
