@@ -37,13 +37,16 @@ def test_bundled_bag_passes_the_deterministic_check(bag_check):
 def test_recorded_outputs_open_with_both_readers(bag_check):
     from rclpy.serialization import deserialize_message
 
-    from physis_ros.msg import ActionChunk
+    from physis_ros.msg import ActionChunk, ChunkTelemetry
 
     rec = bag_check.recorded
     topics = {t.topic: t for t in bag_info(rec).topics}
     assert topics["/robot0/action_chunk"].msgtype == "physis_ros/msg/ActionChunk"
-    assert topics["/telemetry"].count == 80 and topics["/robot1/joint_trajectory"].count == 40
     ours, theirs = read_all(rec), read_with_mcap(rec)
+    telemetry = [deserialize_message(raw, ChunkTelemetry) for t, *_, raw in ours if t == "/telemetry"]
+    # a chunk whose every row was due when it came out (a busy host) is not sent as a trajectory
+    late = sum(m.late for m in telemetry if m.stream == "robot1")
+    assert topics["/telemetry"].count == 80 and topics["/robot1/joint_trajectory"].count == 40 - late
     assert [(t, ns, raw) for t, _, ns, raw in ours] == [(t, ns, raw) for t, _, _, ns, raw in theirs]
     schemas = {t: name for t, name, *_ in theirs}
     assert schemas["/telemetry"] == "physis_ros/msg/ChunkTelemetry"
@@ -99,13 +102,25 @@ def few_observations(scene_bag):
     return serve, inputs, reference_outputs(inputs, serve)["robot0"]
 
 
-def _outputs(serve, inputs, actions, indices) -> Outputs:
+def _outputs(serve, inputs, actions, indices, late=(), trajectories=None) -> Outputs:
     obs = inputs["robot0"]
     joints = serve.streams[0].joint_names
     chunks = [OutputChunk("robot0", i, obs[i].stamp_ns, actions[i], 0, joints) for i in indices]
     tele = [{"stream": "robot0", "chunk": i, "response_latency_ms": 1.0, "output_interval_ms": 1.0,
-             "observation_age_ms": 1.0} for i in indices]
-    return Outputs({"robot0": chunks}, {"robot0": [(0, 16)] * len(chunks)}, tele, 0)
+             "observation_age_ms": 1.0, "late": i in late} for i in indices]
+    sent = len(chunks) if trajectories is None else trajectories
+    return Outputs({"robot0": chunks}, {"robot0": [(0, 16)] * sent}, tele, 0)
+
+
+def test_a_late_chunk_owes_no_trajectory_and_a_missing_one_is_flagged(few_observations):
+    """A chunk whose every row was due when it came out is not sent as a trajectory (the node's rule): the
+    check excuses it by its telemetry, and only it."""
+    serve, inputs, refs = few_observations
+    name = "robot0: one joint_trajectory per chunk"
+    late = analyse(inputs, _outputs(serve, inputs, refs, [0, 1, 2, 3], late={2}, trajectories=3), serve)
+    assert late.ok and "1 of them late" in next(i.detail for i in late.items if i.name == name)
+    lost = analyse(inputs, _outputs(serve, inputs, refs, [0, 1, 2, 3], trajectories=3), serve)
+    assert [i.name for i in lost.items if not i.ok] == [name]
 
 
 def test_analysis_detects_missing_reordered_and_wrong_chunks(few_observations):

@@ -90,8 +90,10 @@ def test_replay_cli_skips_unknown_topic_and_keeps_timing(tmp_path):
     print(f"replay timing at the recorder: |error| p50 {p50:.3f} ms, max {worst:.3f} ms; "
           f"publisher side {report['timing']}")
     # The median says whether replay keeps the bag's timing; single late messages say how busy this shared
-    # machine is (the replay benchmark reports them), not whether the timing is right.
-    assert p50 < 3.0
+    # machine is, not whether the timing is right. The bound tells kept timing (about 0.1 ms on a quiet
+    # host, a few ms beside a CPU hog) from lost timing (off by the scene's 100 ms spacing); how precise
+    # replay is belongs to the replay benchmark (bench/RESULTS.md), not to this test.
+    assert p50 < 25.0
 
 
 @pytest.mark.slow

@@ -234,14 +234,15 @@ def test_burst_of_large_frames_on_one_robot(heavy):
     baseline = h.baseline_rss()
     before_b = h.rate("b", t0, time.time())
     received0 = int(h.fresh_diag("a").get("images_received", 0))
-    assert before_b > 2.0, f"b too slow before the burst: {before_b:.1f} chunks/s"
+    assert before_b > 0.0, "b produced no chunks before the burst"
 
     b0, _ = h.publish_frames(frame(1920, 1080), BURST_1080P, BURST_HZ)
     time.sleep(1.0)    # what was queued gets processed
     received1 = int(h.fresh_diag("a").get("images_received", 0))
     h.publish_frames(frame(3840, 2160), BURST_4K, 2.0)
-    # (30 s: the whole suite pinned to one core once took more than 10)
-    h.probe.wait(lambda: int(h.diag("a").get("images_received", 0)) > received1, 30, "a 4K frame to get through")
+    # (a bound, not a speed: the whole suite pinned to one core once took more than 10 s, and a burst
+    # beside a CPU hog more than 30)
+    h.probe.wait(lambda: int(h.diag("a").get("images_received", 0)) > received1, 120, "a 4K frame to get through")
     time.sleep(0.5)
     b1 = time.time()
     during_b, during_a = h.rate("b", b0, b1), h.rate("a", b0, b1)

@@ -25,7 +25,8 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
 from physis_ros.ros.launcher import Child, serve_command
 
-from rosprobe import JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, diag_values, processes_with_marker
+from rosprobe import (JOINTS, NODE, NODE_ARGS, SHIPPED_PROFILES, TAG, Probe, child_env, diag_values,
+                      processes_with_marker)
 
 pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
 
@@ -152,8 +153,11 @@ class Live:
             "engine": {"workers": 2, "max_streams": MAX_STREAMS, "chunk_timeout_floor_s": 3.0},
             # The workers' time is what this module fills up: no host budget and no latency-jitter bound (both
             # tested in test_admission_unit and tests/scheduling), so the capacity checks do not depend on how
-            # many cores the CI host has, and several robots share a worker at these short SLOs.
-            "admission": {"host_reserve_cores": 0.0, "host_cores_per_stream": 0.0, "bound_jitter": False}}}}))
+            # many cores the CI host has, and several robots share a worker at these short SLOs. Admission
+            # books the shipped CPU profiles, not a measurement taken now: deterministic serving decides from
+            # profiles alone, so what fits is the same on a quiet and on a busy machine.
+            "admission": {"profiles": SHIPPED_PROFILES, "host_reserve_cores": 0.0, "host_cores_per_stream": 0.0,
+                          "bound_jitter": False}}}}))
         self.probe = Probe("physis_serve_stream_probe")
         self.probe.subscribe("diagnostics", DiagnosticArray, "/diagnostics", QoSProfile(depth=50))
         self.probe.subscribe("telemetry", ChunkTelemetry, TELEMETRY, LATCHED)
