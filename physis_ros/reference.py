@@ -47,6 +47,18 @@ class ReferenceRollout:
             self._next_chunk[stream] = 0
         return self._tables[stream]
 
+    def restart(self, stream: str, chunk: int) -> None:
+        """Fresh K/V for ``stream`` from ``chunk`` on, as the server's reset does (a new epoch: the chunks
+        in flight are lost, the next one is computed with no history)."""
+        self._tables.pop(stream, None)
+        self._stream_tables(stream)
+        self._next_chunk[stream] = chunk
+
+    def next_chunk(self, stream: str) -> int:
+        """The index :meth:`step` computes next for ``stream``."""
+        self._stream_tables(stream)
+        return self._next_chunk[stream]
+
     @torch.no_grad()
     def step(self, stream: str, obs: dict[str, np.ndarray], handoff: Handoff | None = None) -> ReferenceChunk:
         """The stream's next chunk; ``handoff`` guides it towards the previous chunk (as the server did)."""

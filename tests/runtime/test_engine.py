@@ -16,7 +16,7 @@ import zmq
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import build_model, load_model_config
 from physis_ros.observations import SyntheticScene
-from physis_ros.reference import reference_rollout
+from physis_ros.reference import ReferenceRollout, reference_rollout
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime.engine import Engine, EngineError, Observation, ServedModel
 from physis_ros.runtime.offline import run_chunks
@@ -52,7 +52,8 @@ def run(model_name, chunks, **engine):
     return run_chunks(cfg, EngineConfig(**engine), STREAMS, chunks, scene.observation)
 
 
-CASES = [("sequential", 1)] + [(p, w) for p in ("step", "block", "stage") for w in (2, 3, 4)]
+# Every plan on 2 and 3 workers; the large corners (4 workers, torch hops on 3) run in bench/equivalence.sh.
+CASES = [("sequential", 1)] + [(p, w) for p in ("step", "block", "stage") for w in (2, 3)]
 
 
 @pytest.mark.parametrize("model_name", ["tiny-wam", "tiny-acwm"])
@@ -68,8 +69,8 @@ def test_pipeline_is_bit_identical_to_reference(model_name, plan, workers):
             assert len(o.record.stage_ms) == 32 and all(b == 1 for b in o.record.batch_sizes)
 
 
-@pytest.mark.parametrize("hops, plan, workers", [("torch", p, w) for p in ("step", "block", "stage") for w in (2, 3)]
-                         + [("shm", "step", 2), ("shm", "block", 3), ("shm", "stage", 3)])
+@pytest.mark.parametrize("hops, plan, workers", [("torch", "step", 2), ("torch", "block", 2), ("torch", "stage", 3),
+                                                ("shm", "step", 2), ("shm", "block", 3), ("shm", "stage", 3)])
 def test_out_of_band_hops_are_bit_identical_to_reference(hops, plan, workers):
     """Hidden states over torch.distributed (gloo here; NCCL on GPUs) or shared-memory rings, headers over
     ZeroMQ."""
@@ -277,7 +278,8 @@ def test_lost_worker_fails_only_its_streams_and_they_come_back(fault):
             await engine.stop()
 
     detect_s, a_at_failure, got, events, status = uvloop.run(main())
-    assert detect_s < 2.0   # the heartbeat timeout plus a monitor period or two
+    # a bound, not a speed: the heartbeat timeout plus a monitor period or two (more beside a CPU hog)
+    assert detect_s < 5.0
     assert [e.stream for e in events] == ["b", "b"] and "w1" in events[0].reason
     assert len(got["a"]) > a_at_failure  # stream a kept running through the fault
     assert [o.chunk for o in got["a"]] == list(range(len(got["a"])))  # and lost nothing
@@ -285,6 +287,21 @@ def test_lost_worker_fails_only_its_streams_and_they_come_back(fault):
     assert b == sorted(b) and status["epoch"] == 1
     gap = [y - x for x, y in zip(b, b[1:]) if y - x > 1]
     assert sum(g - 1 for g in gap) == status["lost_chunks"] == events[0].lost_chunks
+    # What b computed is exact in both epochs: before the reset the uninterrupted reference, after it the
+    # reference restarted (fresh K/V) at b's first chunk of the new epoch (what the device check compares with)
+    model = build_model(cfg)
+    before = [o for o in got["b"] if o.record.enqueue < events[0].time]
+    after = [o for o in got["b"] if o.record.enqueue >= events[0].time]
+    assert before and after and [o.chunk for o in before + after] == b
+    ref = ReferenceRollout(model)
+    for o in before:
+        assert ref.next_chunk("b") == o.chunk and np.array_equal(ref.step("b", scene.observation("b", o.chunk)).output, o.output)
+    unbroken = ReferenceRollout(model)      # (which differs: the reset is visible in the outputs)
+    first_after = [unbroken.step("b", scene.observation("b", c)) for c in range(after[0].chunk + 1)][-1]
+    assert not np.array_equal(first_after.output, after[0].output)
+    ref.restart("b", after[0].chunk)
+    for o in after:
+        assert ref.next_chunk("b") == o.chunk and np.array_equal(ref.step("b", scene.observation("b", o.chunk)).output, o.output)
 
 
 def test_slow_worker_shows_as_deadline_misses_not_silence():
