@@ -247,6 +247,12 @@ def run(args: argparse.Namespace) -> int:
         plot(series, result, args.plot)
     print(json.dumps({n: {k: e[k] for k in ("interval_ms_p50", "chunks_per_s", "efficiency")}
                       for n, e in result["plans"].items()}, indent=1))
+    differ = {n: e["max_abs_diff_vs_reference"] for n, e in result["plans"].items()
+              if e["max_abs_diff_vs_reference"] not in (None, 0.0)}
+    if differ:   # no batching here: every plan must reproduce the reference bit for bit
+        print(f"physis-bench: pipeline: not bit-identical to the reference: "
+              f"{', '.join(f'{n} (max |diff| {d:.3g})' for n, d in differ.items())}", file=sys.stderr)
+        return 1
     return 0
 
 
