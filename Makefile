@@ -29,6 +29,9 @@ EDITABLE_STAMP := $(STAMPS)/editable
 MSG_FILES := $(wildcard msg/*.msg srv/*.srv action/*.action)
 
 PYTEST_ARGS ?=
+# Test files run this many at a time (pytest-xdist; a file's tests stay together, so a module's server
+# fixture starts once). Each test process has ROS domains of its own (tests/domains.py). 0: one at a time.
+TEST_JOBS   ?= 2
 DEMO_ARGS   ?= --duration 20
 
 .PHONY: setup test test-fast demo clean distclean
@@ -56,7 +59,7 @@ $(EDITABLE_STAMP): $(REQ_STAMP) setup.py
 	@mkdir -p $(STAMPS) && touch $@
 
 test: setup
-	$(VPY) -m pytest -q -rs tests $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -rs -n $(TEST_JOBS) --dist loadfile tests $(PYTEST_ARGS)
 
 # Tests marked `slow` start programs, workers or ROS nodes; with PHYSIS_TEST_FAST=1 anything else that
 # tries to start one fails naming itself (tests/conftest.py).

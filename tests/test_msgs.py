@@ -5,7 +5,6 @@ it), that every field survives CDR serialization, and that an ActionChunk goes
 through a real publisher/subscription pair.
 """
 
-import os
 import time
 import uuid
 
@@ -16,6 +15,7 @@ from builtin_interfaces.msg import Time
 from rclpy.serialization import deserialize_message, serialize_message
 
 from physis_ros.msg import ActionChunk, ChunkTelemetry
+from domains import domain
 
 H, DOF = 16, 7
 JOINTS = [f"joint_{i}" for i in range(DOF)]
@@ -129,7 +129,7 @@ def test_field_types():
 def ros_context():
     context = rclpy.Context()
     # A domain of its own so that concurrent test runs do not cross-talk.
-    rclpy.init(context=context, domain_id=100 + os.getpid() % 100)
+    rclpy.init(context=context, domain_id=domain("msgs"))
     try:
         yield context
     finally:

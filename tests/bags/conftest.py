@@ -12,10 +12,11 @@ import os
 from pathlib import Path
 
 import pytest
+from domains import domain
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 SCENE_BAG = DATA / "scene_bag"
-DOMAIN_ID = str(50 + os.getpid() % 50)
+DOMAIN_ID = str(domain("bags"))
 
 
 @contextlib.contextmanager

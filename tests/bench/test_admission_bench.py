@@ -18,6 +18,7 @@ from physis_ros.cli import bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ros"))
 from rosprobe import processes_with_marker  # noqa: E402  (the ROS tests' helper: orphans by marker)
+from domains import domain as domain_of  # noqa: E402
 
 
 @pytest.mark.slow
@@ -25,7 +26,7 @@ def test_quick_admission_run_writes_every_phase(tmp_path):
     out = tmp_path / "admission.json"
     marker = uuid.uuid4().hex
     env = {**os.environ, "PHYSIS_TEST_MARKER": marker, "PYTHONUNBUFFERED": "1"}
-    domain = str(1 + (os.getpid() + 50) % 99)
+    domain = str(domain_of("bench"))
     proc = subprocess.run([sys.executable, "-m", "physis_ros.cli.bench", "admission", "--quick", "--workers", "1",
                            "--modes", "off", "--slo-ms", "150", "--domain", domain, "--json", str(out), "--raw", str(tmp_path / "raw.json"),
                            "--logs", str(tmp_path / "logs")], env=env, capture_output=True, text=True, timeout=170)
@@ -72,7 +73,9 @@ def test_quick_admission_run_writes_every_phase(tmp_path):
             assert s["workers"] == ["w0"] and s["compute_split"] == "exact"
             if s["model"] == "tiny-wam":
                 assert s["chunks"] >= 2, (name, s)
-                assert 0.5 * s["pace_ms"] <= s["interval_ms"]["p50"] <= 2.5 * s["pace_ms"], (name, s)
+                # released on its pace, never faster (how much slower a busy host makes it is measured,
+                # in interval p99 against the SLO, not asserted here)
+                assert s["interval_ms"]["p50"] >= 0.5 * s["pace_ms"], (name, s)
                 assert s["interval_ms"]["p50"] <= s["interval_ms"]["p99"] <= s["interval_ms"]["max"]
                 assert s["latency_ms"]["p50"] > 0 and s["measured_compute_ms"]["w0"] > 0
                 assert s["meets_slo"] == (s["interval_ms"]["p99"] <= s["slo_ms"])

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from domains import domain
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -232,7 +233,7 @@ def _run(c: Case, tmp: Path, env: dict) -> Outcome:
 def outcomes(tmp_path_factory):
     """Every row at once, in parallel; {case: Outcome}."""
     env = {k: v for k, v in os.environ.items() if k != "PHYSIS_DEBUG"}
-    env.update(ROS_DOMAIN_ID=str(150 + os.getpid() % 80), ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST")
+    env.update(ROS_DOMAIN_ID=str(domain("cli")), ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST")
     base = tmp_path_factory.mktemp("cli-errors")
     cases = [p.values[0] for p in CASES]
     start = time.monotonic()

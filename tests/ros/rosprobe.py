@@ -17,9 +17,10 @@ from pathlib import Path
 import yaml
 
 from physis_ros.config import repo_config_dir
+from domains import domain
 
 TAG = f"t{os.getpid()}"
-DOMAIN = 1 + os.getpid() % 99
+DOMAIN = domain("servers")
 NODE = f"physis_server_{TAG}"                       # servers run under this name: /diagnostics are ours
 NODE_ARGS = ("--ros-args", "-r", f"__node:={NODE}")
 JOINTS = [f"joint{i}" for i in range(1, 8)]

@@ -33,6 +33,7 @@ from physis_ros.scheduling.settings import GB
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scheduling"))
 from sched_helpers import make_config, make_device, make_profile  # noqa: E402
+from domains import domain  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 JOINTS = [f"joint{i}" for i in range(1, 8)]
@@ -556,7 +557,7 @@ def goal_server():
     from physis_ros.ros.streams import StreamHealthState
 
     context = rclpy.Context()
-    rclpy.init(context=context, domain_id=230)
+    rclpy.init(context=context, domain_id=domain("unit"))
     node = rclpy.create_node(f"serve_action_unit_{id(context)}", context=context)
     node.streams, node.config = {}, ServeConfig()
     node.now = time.time

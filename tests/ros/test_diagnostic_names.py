@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from physis_ros.config import repo_config_dir
+
+from rosprobe import DOMAIN
 
 pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
 
@@ -20,7 +20,7 @@ def statuses_of(*ros_args: str, namespace: str | None = None) -> tuple[str, list
 
     context = rclpy.Context()
     args = ["physis-serve", "--ros-args", "--params-file", str(repo_config_dir() / "serve.yaml"), *ros_args]
-    rclpy.init(args=args, context=context, domain_id=1 + os.getpid() % 99)
+    rclpy.init(args=args, context=context, domain_id=DOMAIN)
     try:
         node = PhysisServer(None, {"engine": {"plan": "sequential"}}, context=context, namespace=namespace)
         try:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from rosprobe import DOMAIN
+
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch" / "serve.launch.py"
 
@@ -90,7 +92,6 @@ def test_launch_arguments_for_lifecycle_autostart_and_trajectory_topic():
 
 @pytest.mark.slow
 def test_trajectory_topic_applies_to_a_single_stream_config(tmp_path, capsys):
-    import os
 
     import rclpy
     import yaml
@@ -108,7 +109,7 @@ def test_trajectory_topic_applies_to_a_single_stream_config(tmp_path, capsys):
     assert main(["--config", str(bad), "--trajectory-topic", "arm//jt"]) == 2
     assert "topics.joint_trajectory" in capsys.readouterr().err
     context = rclpy.Context()
-    rclpy.init(args=["physis-serve"], context=context, domain_id=1 + os.getpid() % 99)
+    rclpy.init(args=["physis-serve"], context=context, domain_id=DOMAIN)
     try:
         node = PhysisServer(single, None, context=context, trajectory_topic="/arm_controller/joint_trajectory")
         try:

@@ -23,6 +23,7 @@ from physis_ros.ros import outputs
 from physis_ros.ros.config import serve_config
 from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
 from physis_ros.timeline import kinematics
+from domains import domain
 
 JOINTS = ["shoulder", "elbow", "wrist_a", "wrist_b", "j5", "j6", "gripper_joint"]
 MSG_DIR = Path(__file__).resolve().parents[2] / "msg"
@@ -167,7 +168,7 @@ def test_recorded_outputs_decode_strictly(store, tmp_path, monkeypatch):
     from physis_ros.bags.record import Recorder, wait_until
     from physis_ros.bags.rosnode import RosSession
 
-    monkeypatch.setenv("ROS_DOMAIN_ID", str(100 + uuid.uuid4().int % 100))
+    monkeypatch.setenv("ROS_DOMAIN_ID", str(domain("raw")))
     monkeypatch.setenv("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
     tag = f"raw_{uuid.uuid4().hex[:8]}"
     cases = [("", 1, 7), ("a", 16, 6), ("base_link", 50, 7), ("abc", 16, 1)]

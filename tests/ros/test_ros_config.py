@@ -12,6 +12,8 @@ from physis_ros.ros.config import (ServeConfig, deep_merge, load_serve_config, l
 from physis_ros.ros.models import model_config_of
 from physis_ros.ros.stream_model import check_stream_model, slo_interval_ms
 
+from rosprobe import DOMAIN
+
 JOINTS = [f"joint{i}" for i in range(1, 8)]
 
 
@@ -160,7 +162,6 @@ def test_serve_config_is_frozen():
 @pytest.mark.slow
 def test_node_takes_its_config_from_ros_parameters(tmp_path):
     """What `ros2 launch` does: the YAML as a --params-file, overrides with -p, no --config."""
-    import os
 
     import rclpy
 
@@ -169,7 +170,7 @@ def test_node_takes_its_config_from_ros_parameters(tmp_path):
     context = rclpy.Context()
     args = ["physis-serve", "--ros-args", "--params-file", str(repo_config_dir() / "serve.yaml"),
             "-p", "engine.workers:=1", "-p", "streams.robot1.slo_interval_ms:=33.0", "-p", "use_sim_time:=true"]
-    rclpy.init(args=args, context=context, domain_id=1 + os.getpid() % 99)
+    rclpy.init(args=args, context=context, domain_id=DOMAIN)
     try:
         node = PhysisServer(None, {"engine": {"plan": "sequential"}}, context=context)
         try:

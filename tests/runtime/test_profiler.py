@@ -12,8 +12,9 @@ def small():
 
 def test_worker_overhead_is_what_a_real_worker_spends_beyond_the_model():
     ms = measure_worker_overhead(small(), chunks=5)
-    # decode, noise, pick, trace, encode: tens of microseconds per forward, never the model's milliseconds
-    assert 0.0 < ms < 2.0
+    # decode, noise, pick, trace, encode: tens of microseconds per forward on a quiet host; the bound only
+    # tells overhead from a model forward counted in it (its size is bench/RESULTS.md's)
+    assert 0.0 < ms < 10.0
 
 
 def test_pipeline_pass_times_the_whole_model_without_the_waits():

@@ -223,8 +223,9 @@ def test_a_chunk_alone_runs_its_local_stages_in_one_turn_with_a_trace_entry_each
         trace = [(e.step, e.block, e.worker, e.batch) for e in rec.msg.trace]
         assert trace == [(4, 0, "w0", 1), (4, 1, "w0", 1)]
         assert all(e.compute_ms > 0 and e.queue_ms >= 0 for e in rec.msg.trace)
-        # the second stage queued for nothing: it ran as the first ended
-        assert rec.msg.trace[1].queue_ms < 1.0
+        # the second stage queued for nothing: it ran as the first ended (a bound that tells "ran next" from
+        # "waited behind something", which takes a model forward; the host may preempt in between)
+        assert rec.msg.trace[1].queue_ms < 50.0
         want = _reference_state(5)
         assert set(rec.tensors) == set(want)
         assert all(torch.equal(rec.tensors[k], want[k]) for k in want)   # the same forwards: bit-identical
