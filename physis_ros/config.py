@@ -157,6 +157,14 @@ def to_mapping(obj: Any) -> dict[str, Any]:
     return plain(obj)
 
 
+def yaml_problem(exc: Exception) -> str:
+    """Where and what is wrong in a YAML text, without quoting it (an error message never echoes a file's
+    content: the file may hold what the sender of a request must not read back)."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + (getattr(exc, "problem", None) or type(exc).__name__)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping, with errors that name the file."""
     path = Path(path)
@@ -169,7 +177,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError("<file>", f"{path} is not valid YAML: {exc}") from exc
+        raise ConfigError("<file>", f"{path} is not valid YAML ({yaml_problem(exc)})") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -45,6 +45,12 @@ def test_file_errors_name_the_file(tmp_path):
     path.write_text("name: m\nkind: wam\nhidden: [1\n")
     with pytest.raises(ConfigError, match="bad.yaml is not valid YAML"):
         load(ModelConfig, path)
+    # where it is broken, never what it holds (a server answering a goal with a model path must not read a
+    # file back to whoever sent it: the reason echoed the offending line before)
+    path.write_text("name: m\nsecret: TOPSECRET [1\n  - : {\n")
+    with pytest.raises(ConfigError) as info:
+        load(ModelConfig, path)
+    assert "line 3" in str(info.value) and "TOPSECRET" not in str(info.value) and "- :" not in str(info.value)
     path.write_text("name: m\nkind: wam\nhidden: 32\nheads: 2\nblocks: 2\nsteps: -1\nwam: {}\n")
     with pytest.raises(ConfigError, match=r"'steps' in .*bad.yaml: -1 is out of range"):
         load(ModelConfig, path)

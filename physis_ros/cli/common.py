@@ -205,14 +205,13 @@ def check_yaml_file(path: str | Path, what: str = "YAML file") -> Path:
     """A readable, non-empty YAML mapping (CliError otherwise); the detailed keys are checked by the loader."""
     import yaml
 
+    from physis_ros.config import yaml_problem
+
     text = read_text_file(path, what)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or one_line(str(exc))
-        raise CliError(f"{what} {path} is not valid YAML{where}: {problem}") from None
+        raise CliError(f"{what} {path} is not valid YAML ({yaml_problem(exc)})") from None
     if not isinstance(data, dict):
         raise CliError(f"{what} {path} must hold a YAML mapping at top level, not {type(data).__name__}")
     return Path(path)

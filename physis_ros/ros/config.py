@@ -16,6 +16,7 @@ Errors name the dotted key (``streams.robot0.joint_names``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,17 @@ from physis_ros.runtime.settings import EngineConfig
 PREPROCESS_MODES = ("resize", "center_crop", "pad")
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _TOPIC = re.compile(r"^/?[A-Za-z~][A-Za-z0-9_/{}~]*$")
+MAX_STREAM_NAME = 64        # characters of a stream's name (it names its parameters, diagnostics, namespace)
+ROS_TOPIC_MAX = 247         # characters of a full topic name (rmw's RMW_TOPIC_MAX_NAME_LENGTH, 255 - 8)
+
+
+def check_stream_name(name: str, key: str) -> None:
+    """ConfigError naming ``key`` unless ``name`` can name a stream."""
+    if not _NAME.match(name or ""):
+        raise ConfigError(key, f"{name[:80]!r}{'...' if len(name) > 80 else ''}: letters, digits and '_', "
+                               f"starting with a letter")
+    if len(name) > MAX_STREAM_NAME:
+        raise ConfigError(key, f"{len(name)} characters; a stream name has at most {MAX_STREAM_NAME}")
 
 
 @dataclass(frozen=True)
@@ -79,11 +91,13 @@ class TopicsConfig:
         "camera image's), if one is known; telemetry then carries the tracking error against it"))
 
     def check(self, prefix: str) -> None:
-        for name in ("image", "compressed_image", "joint_states", "action_chunk", "joint_trajectory", "telemetry",
-                     "actions", "predicted_frames", "expert"):
+        for name in TOPIC_KEYS:
             value = getattr(self, name)
             if not _TOPIC.match(value) or "//" in value or value.endswith("/"):
-                raise ConfigError(f"{prefix}.{name}", f"{value!r} is not a valid ROS topic name")
+                raise ConfigError(f"{prefix}.{name}", f"{value[:80]!r} is not a valid ROS topic name")
+
+
+TOPIC_KEYS = tuple(f.name for f in dataclasses.fields(TopicsConfig))
 
 
 @dataclass(frozen=True)
@@ -112,10 +126,11 @@ class StreamConfig:
         choices=("action_chunk", "joint_trajectory"), doc="world models (ACWM): message type of topics.actions"))
     namespace: str = field(default="", metadata=described("namespace of the stream's topics (empty: its name)"))
     slo_interval_ms: float | None = field(default=None, metadata=bounded(
-        gt=0.0, doc="output interval target: telemetry deadline_miss, /diagnostics verdicts, task deadlines "
-                    "(unset: none)"))
+        gt=0.0, le=600_000.0, doc="output interval target (ms, at most 10 minutes): telemetry deadline_miss, "
+                                  "/diagnostics verdicts, task deadlines (unset: none)"))
     control_rate_hz: float = field(default=50.0, metadata=bounded(
-        gt=0.0, doc="action steps per second: ActionChunk.control_period and trajectory point timing"))
+        ge=0.1, le=10_000.0, doc="action steps per second (0.1 to 10000): ActionChunk.control_period and "
+                                 "trajectory point timing"))
     execution_horizon: int = field(default=0, metadata=bounded(
         ge=0, doc="control steps each chunk is executed for (s; 0: half the model's horizon): the stream's "
                   "interval is s / control_rate_hz; with cadence timeline chunk c covers steps [c*s', c*s' + H), "
@@ -184,8 +199,19 @@ class StreamConfig:
             raise ConfigError(f"{prefix}.max_joints", f"{self.max_joints} is below the {len(self.joint_names)} "
                                                       f"joint names the stream needs")
         if self.namespace and not all(_NAME.match(p) for p in self.namespace.strip("/").split("/")):
-            raise ConfigError(f"{prefix}.namespace", f"{self.namespace!r} is not a valid ROS namespace")
+            raise ConfigError(f"{prefix}.namespace", f"{self.namespace[:80]!r} is not a valid ROS namespace")
         self.topics.check(f"{prefix}.topics")
+
+    def check_topics(self, name: str, prefix: str) -> None:
+        """Every topic of stream ``name`` (namespace and overrides resolved) fits ROS's topic-name length, so
+        that no publisher or subscription fails after admission."""
+        for which in TOPIC_KEYS:
+            full = stream_topic(name, self, which)
+            full = full if full.startswith("/") else "/" + full
+            if len(full) > ROS_TOPIC_MAX:
+                raise ConfigError(f"{prefix}.topics.{which}", f"{full[:60]}... is {len(full)} characters; ROS "
+                                                              f"takes at most {ROS_TOPIC_MAX} (shorten the "
+                                                              f"namespace or the topic)")
 
     @property
     def control_period(self) -> float:
@@ -275,10 +301,9 @@ class ServeConfig:
     def validate(self) -> None:
         namespaces: dict[str, str] = {}
         for name, stream in self.streams.items():
-            if not _NAME.match(name):
-                raise ConfigError(f"streams.{name}", "stream names are letters, digits and '_' "
-                                                     "(starting with a letter)")
+            check_stream_name(name, f"streams.{name[:80]}")
             stream.check(f"streams.{name}")
+            stream.check_topics(name, f"streams.{name}")
             ns = self.namespace_of(name)
             if ns in namespaces:
                 raise ConfigError(f"streams.{name}.namespace",

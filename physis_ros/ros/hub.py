@@ -12,14 +12,13 @@ Leaving frees its capacity; the other streams never move.
 
 from __future__ import annotations
 
-import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from physis_ros.config import ConfigError
 from physis_ros.ros import health
 from physis_ros.ros.admission import Admitted, Rejected, server_admission
-from physis_ros.ros.config import StreamConfig, stream_namespace
+from physis_ros.ros.config import StreamConfig, check_stream_name, stream_namespace
 from physis_ros.ros.stream_model import check_stream_model, slo_interval_ms
 from physis_ros.ros.models import ModelCatalog
 from physis_ros.ros.streams import RosStream
@@ -28,9 +27,6 @@ from physis_ros.timeline import release_pace_ms
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
-
-_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
-
 
 class StreamHub:
     def __init__(self, node: PhysisServer):
@@ -47,9 +43,14 @@ class StreamHub:
         self.loader.shutdown(wait=False, cancel_futures=True)
 
     def check(self, name: str, stream: StreamConfig) -> None:
-        """What no placement can fix, checked before anything is done (Rejected naming it)."""
-        if not _NAME.match(name or ""):
-            raise Rejected("invalid-request", f"stream name {name!r}: letters, digits and '_', starting with a letter")
+        """What no placement can fix, checked before anything is done (Rejected naming it). A bad request is
+        refused for what is wrong with it whether or not the server has room: capacity comes later."""
+        try:
+            check_stream_name(name, "stream")
+            stream.check(f"streams.{name}")
+            stream.check_topics(name, f"streams.{name}")
+        except ConfigError as exc:
+            raise Rejected("invalid-request", str(exc)) from None
         if name in self.node.streams or name in self.joining:
             raise Rejected("name-in-use", f"stream '{name}' is already served")
         ns = stream_namespace(name, stream)
@@ -59,14 +60,13 @@ class StreamHub:
                 **{n: other for other, n in self.joining.items()}}
         if ns in used:
             raise Rejected("namespace-in-use", f"namespace '{ns}' is used by stream '{used[ns]}'")
+
+    def check_room(self) -> None:
+        """Room for one more stream in the engine (its running streams: goals still being checked hold none)."""
         limit = self.node.config.engine.max_streams
-        if len(self.node.streams) + len(self.joining) >= limit:
+        if len(self.node.streams) >= limit:
             raise Rejected("stream-limit", f"the server holds engine.max_streams={limit} streams already (remove "
                                            f"one, or raise engine.max_streams)")
-        try:
-            stream.check(f"streams.{name}")
-        except ConfigError as exc:
-            raise Rejected("invalid-request", str(exc)) from None
 
     async def join(self, name: str, stream: StreamConfig, origin: str, ticker: Ticker) -> tuple[RosStream, Admitted]:
         """Admit and start a stream (a coroutine on the executor); Rejected with the reason if it cannot."""
@@ -86,6 +86,8 @@ class StreamHub:
             slo = slo_interval_ms(stream, served.config)
             pace = release_pace_ms(slo, node.config.admission.pace_margin, stream.control_rate_hz,
                                    stream.cadence == "timeline")    # what runs is what is admitted
+            # From here to node.streams[name] nothing awaits: no other goal can take the room checked here.
+            self.check_room()
             admitted = self.admission.admit(name, served, pace, slo, paced=stream.cadence == "timeline")
             try:
                 st = RosStream(node, name, stream, served, origin, admitted.workers)

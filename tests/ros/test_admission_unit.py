@@ -300,14 +300,65 @@ def test_hub_refuses_duplicate_names_and_namespaces():
 def test_hub_refuses_beyond_the_engines_stream_limit():
     # Bug found: the engine's max_streams was not part of admission, so the (max_streams+1)-th robot that
     # fitted in time and memory was refused by the engine afterwards as "not-serving", though the server was.
-    hub = hub_with({"a": "a", "b": "b"}, max_streams=3)
+    hub = hub_with({"a": "a", "b": "b"}, max_streams=2)
     try:
-        hub.check("c", stream())
-        hub.joining["c"] = "c"
-        reason = refused(hub, "d", stream())
-        assert reason == "stream-limit"
+        hub.check("c", stream())                  # the request itself is fine ...
+        with pytest.raises(Rejected) as exc:      # ... there is no room for it
+            hub.check_room()
+        assert exc.value.reason == "stream-limit"
+        # A bad request is refused for what is wrong with it, full server or not (it said stream-limit).
+        assert refused(hub, "c", stream(joint_names=[])) == "invalid-request"
+        assert refused(hub, "c" * 100_000, stream()) == "invalid-request"
     finally:
         hub.close()
+    # Goals still being checked hold no room: only running streams count.
+    hub = hub_with({"a": "a"}, max_streams=2)
+    try:
+        hub.joining["j"] = "j"
+        hub.check_room()
+    finally:
+        hub.close()
+
+
+def test_goal_fields_are_checked_against_what_ros_and_the_timeline_take():
+    """Bugs found: a 100,000-character name passed admission and failed at its publishers (topic too long);
+    control_rate_hz 1e-300 was admitted and then not served (an infinite period as an int). Each is now one
+    invalid-request naming the field, and the detail never quotes the whole value back."""
+    from physis_ros.action import ServeStream
+    from physis_ros.ros.config import MAX_STREAM_NAME, ROS_TOPIC_MAX
+    from physis_ros.ros.serve_action import stream_config_of
+
+    hub = hub_with()
+    try:
+        with pytest.raises(Rejected) as exc:
+            hub.check("r" * 100_000, stream())
+        assert exc.value.reason == "invalid-request" and "'stream'" in exc.value.detail
+        assert "100000 characters" in exc.value.detail and len(exc.value.detail) < 300
+        hub.check("r" * MAX_STREAM_NAME, stream())                     # the longest name passes
+        with pytest.raises(Rejected) as exc:                           # its topics must fit ROS too
+            hub.check("r", stream(namespace="/".join(["n" * 60] * 4)))
+        assert exc.value.reason == "invalid-request" and "topics." in exc.value.detail
+        assert len(exc.value.detail) < 300
+    finally:
+        hub.close()
+    for field_name, value in (("control_rate_hz", 1e-300), ("control_rate_hz", 1e308), ("slo_interval_ms", 1e308),
+                              ("control_rate_hz", math.inf), ("slo_interval_ms", math.nan)):
+        goal = ServeStream.Goal(stream="r", joint_names=JOINTS, **{field_name: value})
+        with pytest.raises(Rejected) as exc:
+            stream_config_of(goal)
+        assert exc.value.reason == "invalid-request" and field_name in exc.value.detail, (field_name, value)
+
+
+def test_the_topic_length_limit_is_ros_own():
+    """ROS_TOPIC_MAX agrees with rclpy's own validator (rmw's limit): the longest accepted name passes it."""
+    from rclpy.exceptions import InvalidTopicNameException
+    from rclpy.validate_full_topic_name import validate_full_topic_name
+
+    from physis_ros.ros.config import ROS_TOPIC_MAX
+
+    validate_full_topic_name("/" + "a" * (ROS_TOPIC_MAX - 1))
+    with pytest.raises(InvalidTopicNameException):
+        validate_full_topic_name("/" + "a" * ROS_TOPIC_MAX)
 
 
 def test_two_goals_racing_for_one_namespace_do_not_both_get_it():

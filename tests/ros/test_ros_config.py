@@ -81,7 +81,7 @@ def test_namespaces_and_absolute_topics():
     (base(telemetry="yes"), "streams.robot0.telemetry", "true or false"),
     ({"streams": {"r0": {"joint_names": ["a"]}, "r1": {"joint_names": ["a"], "namespace": "r0"}}},
      "streams.r1.namespace", "already used"),
-    ({"streams": {"0bad": {"joint_names": ["a"]}}}, "streams.0bad", "stream names"),
+    ({"streams": {"0bad": {"joint_names": ["a"]}}}, "streams.0bad", "letters, digits and '_'"),
 ])
 def test_errors_name_the_key(mapping, key, text):
     """(A config without streams is fine: the server waits for robots to join.)"""
