@@ -39,6 +39,8 @@ REASONS = {
     "model-mismatch": "the model's inputs or outputs do not fit the stream (joint count, observations)",
     "name-in-use": "a stream of that name is already served",
     "namespace-in-use": "another stream already uses that namespace",
+    "topic-collision": "a topic the stream would publish on belongs to another stream or the server (or lies "
+                       "outside the namespace of a goal)",
     "invalid-request": "a field of the request is malformed (name, namespace, joints, rates, topics)",
     "not-serving": "the server is not serving (not configured, or its engine failed)",
     "stream-limit": "the server holds engine.max_streams streams already",

@@ -98,6 +98,7 @@ class TopicsConfig:
 
 
 TOPIC_KEYS = tuple(f.name for f in dataclasses.fields(TopicsConfig))
+OUTPUT_KEYS = ("action_chunk", "joint_trajectory", "predicted_frames", "telemetry")   # a stream publishes these
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,9 @@ class AdmissionConfig:
         ge=0.0, le=64.0, doc="CPU workers: host cores each stream costs outside the workers (the node's callbacks, "
                              "image conversion and publishing; about 0.07 per 30 Hz robot measured by "
                              "physis-bench admission, its synthetic inputs included)"))
+    goal_outputs_outside_namespace: bool = field(default=False, metadata=described(
+        "a ServeStream goal may publish on absolute topics outside its own namespace (e.g. a controller's "
+        "/arm_controller/joint_trajectory); streams of the serve config always may"))
     strict: bool = field(default=False, metadata=described(
         "a config stream that is not admitted at start-up stops the server (exit 2) instead of being "
         "reported"))
@@ -321,6 +325,17 @@ class ServeConfig:
     def topic(self, stream: str, name: str) -> str:
         """Full topic name of one of a stream's topics (relative to the node namespace unless absolute)."""
         return stream_topic(stream, self.streams[stream], name)
+
+
+def stream_topics(name: str, stream: StreamConfig, node_namespace: str = "/") -> tuple[dict[str, str], dict[str, str]]:
+    """The full names of what a stream publishes and what it reads: ({key: topic}, {key: topic}), relative
+    names resolved under ``node_namespace``. Every output key counts (a model's kind decides which it uses)."""
+    def full(which: str) -> str:
+        topic = stream_topic(name, stream, which)
+        return topic if topic.startswith("/") else node_namespace.rstrip("/") + "/" + topic
+    outputs = {k: full(k) for k in OUTPUT_KEYS if k != "telemetry" or stream.telemetry}
+    inputs = {k: full(k) for k in TOPIC_KEYS if k not in OUTPUT_KEYS}
+    return outputs, inputs
 
 
 def stream_namespace(name: str, stream: StreamConfig) -> str:

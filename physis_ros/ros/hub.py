@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from physis_ros.config import ConfigError
 from physis_ros.ros import health
 from physis_ros.ros.admission import Admitted, Rejected, server_admission
-from physis_ros.ros.config import StreamConfig, check_stream_name, stream_namespace
+from physis_ros.ros.config import StreamConfig, check_stream_name, stream_namespace, stream_topics
 from physis_ros.ros.stream_model import check_stream_model, slo_interval_ms
 from physis_ros.ros.models import ModelCatalog
 from physis_ros.ros.streams import RosStream
@@ -36,13 +36,13 @@ class StreamHub:
         self.catalog = ModelCatalog(cfg.model, "cpu" if device == "cpu" else "cuda", cfg.admission,
                                     cfg.engine.checkpoint)
         self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-catalog")
-        self.joining: dict[str, str] = {}   # streams being admitted now -> their namespaces
+        self.joining: dict[str, StreamConfig] = {}   # streams being admitted now (they hold their names and topics)
         self.rejections: list[tuple[str, str, str]] = []   # (stream, reason, detail), newest last
 
     def close(self) -> None:
         self.loader.shutdown(wait=False, cancel_futures=True)
 
-    def check(self, name: str, stream: StreamConfig) -> None:
+    def check(self, name: str, stream: StreamConfig, origin: str = "config") -> None:
         """What no placement can fix, checked before anything is done (Rejected naming it). A bad request is
         refused for what is wrong with it whether or not the server has room: capacity comes later."""
         try:
@@ -57,9 +57,40 @@ class StreamHub:
         # Streams still being admitted hold their namespace too: two goals racing for one namespace
         # would otherwise both pass this check while the first resolves its model.
         used = {**{st.namespace: other for other, st in self.node.streams.items()},
-                **{n: other for other, n in self.joining.items()}}
+                **{stream_namespace(other, cfg): other for other, cfg in self.joining.items()}}
         if ns in used:
             raise Rejected("namespace-in-use", f"namespace '{ns}' is used by stream '{used[ns]}'")
+        self._check_topics(name, stream, origin)
+
+    def _check_topics(self, name: str, stream: StreamConfig, origin: str) -> None:
+        """A stream publishes only on topics nobody else uses: not another stream's inputs or outputs, not the
+        server's own. It may read any topic (a world model imagining what another stream commands)."""
+        node_ns = self.node.get_namespace()
+        outputs, _ = stream_topics(name, stream, node_ns)
+        owner = {t: "the server" for t in self.server_topics()}
+        for other, cfg in [*((n, st.config) for n, st in self.node.streams.items()), *self.joining.items()]:
+            theirs_out, theirs_in = stream_topics(other, cfg, node_ns)
+            owner.update({t: f"stream '{other}' ({k} input)" for k, t in theirs_in.items()})
+            owner.update({t: f"stream '{other}' ({k} output)" for k, t in theirs_out.items()})
+        for which, topic in outputs.items():
+            if topic in owner:
+                raise Rejected("topic-collision", f"topics.{which} {topic} belongs to {owner[topic]}: a stream "
+                                                  f"publishes only on topics of its own")
+        if origin != "config" and not self.node.config.admission.goal_outputs_outside_namespace:
+            ns = stream_namespace(name, stream)
+            home = ("/" + ns if stream.namespace.startswith("/") else node_ns.rstrip("/") + "/" + ns) + "/"
+            for which, topic in outputs.items():
+                if not topic.startswith(home):
+                    raise Rejected("topic-collision", f"topics.{which} {topic} is outside the stream's namespace "
+                                                      f"{home[:-1]}: a goal publishes only under its own (the server "
+                                                      f"allows more with admission.goal_outputs_outside_namespace)")
+
+    def server_topics(self) -> list[str]:
+        """Topics the server itself publishes on (no stream may)."""
+        telemetry = self.node.config.telemetry_topic
+        node_ns = self.node.get_namespace()
+        return [telemetry if telemetry.startswith("/") else node_ns.rstrip("/") + "/" + telemetry,
+                "/diagnostics", "/rosout", "/parameter_events"]
 
     def check_room(self) -> None:
         """Room for one more stream in the engine (its running streams: goals still being checked hold none)."""
@@ -73,8 +104,8 @@ class StreamHub:
         node = self.node
         if node.engine is None or not node.engine.ready.is_set() or node.engine.failure is not None:
             raise Rejected("not-serving", f"the server is {node.state}")
-        self.check(name, stream)
-        self.joining[name] = stream_namespace(name, stream)
+        self.check(name, stream, origin)
+        self.joining[name] = stream
         try:
             # serving: a profile measured now yields the CPU to the streams served; with none yet it need not
             resolving = self.loader.submit(self.catalog.resolve, stream.model, bool(node.streams))

@@ -251,7 +251,9 @@ def hub_with(streams: dict[str, str] | None = None, **engine):
     from physis_ros.ros.hub import StreamHub
 
     config = ServeConfig(engine=dataclasses.replace(ServeConfig().engine, **engine))
-    node = SimpleNamespace(config=config, streams={n: SimpleNamespace(namespace=ns) for n, ns in (streams or {}).items()})
+    node = SimpleNamespace(config=config, get_namespace=lambda: "/",
+                           streams={n: SimpleNamespace(namespace=ns, config=stream(namespace=ns))
+                                    for n, ns in (streams or {}).items()})
     return StreamHub(node)
 
 
@@ -289,10 +291,53 @@ def test_hub_refuses_duplicate_names_and_namespaces():
         assert refused(hub, "c", stream(namespace="/ns_a")) == "namespace-in-use"   # same namespace, spelled absolute
         assert refused(hub, "c", stream(namespace="b")) == "namespace-in-use"      # b's default namespace
         assert refused(hub, "ns_a", stream()) == "namespace-in-use"                # a name that defaults onto ns_a
-        hub.joining["j"] = "ns_j"                  # being admitted right now
+        hub.joining["j"] = stream(namespace="ns_j")   # being admitted right now
         assert refused(hub, "j", stream(namespace="other")) == "name-in-use"
         assert refused(hub, "k", stream(namespace="ns_j")) == "namespace-in-use"
         hub.check("c", stream(namespace="ns_c"))
+    finally:
+        hub.close()
+
+
+def topics(**kw):
+    return dataclasses.replace(stream().topics, **kw)
+
+
+def test_a_stream_publishes_only_on_topics_of_its_own():
+    """Bug found: a goal for stream 'evil' with action_chunk_topic /robot0/action_chunk was admitted and
+    published onto robot0's topic (robot0's subscriber saw two interleaved index sequences): only namespaces
+    were compared."""
+    hub = hub_with({"robot0": "robot0"})
+    try:
+        def reason(name, cfg, origin="action"):
+            with pytest.raises(Rejected) as exc:
+                hub.check(name, cfg, origin)
+            assert exc.value.reason in REASONS
+            return exc.value.reason, exc.value.detail
+
+        # onto another stream's outputs or inputs, or the server's own topics: refused, naming topic and owner
+        for override, owner in ((dict(action_chunk="/robot0/action_chunk"), "stream 'robot0' (action_chunk output)"),
+                                (dict(joint_trajectory="/robot0/joint_trajectory"), "'robot0' (joint_trajectory"),
+                                (dict(action_chunk="/robot0/camera/image_raw"), "'robot0' (image input)"),
+                                (dict(joint_trajectory="/diagnostics"), "the server")):
+            for origin in ("action", "config"):
+                r, detail = reason("evil", stream(topics=topics(**override)), origin)
+                assert r == "topic-collision" and owner in detail and next(iter(override.values())) in detail
+        # a relative name that resolves onto another stream's topic is the same topic
+        r, detail = reason("evil", stream(namespace="evil", topics=topics(action_chunk="../robot0/action_chunk")))
+        assert r == "invalid-request"     # ('..' is no ROS name)
+        # a goal publishes only under its own namespace unless the server allows more; a config stream may
+        r, detail = reason("arm", stream(topics=topics(joint_trajectory="/arm_controller/joint_trajectory")))
+        assert r == "topic-collision" and "outside" in detail and "goal_outputs_outside_namespace" in detail
+        hub.check("arm", stream(topics=topics(joint_trajectory="/arm_controller/joint_trajectory")), "config")
+        # reading another stream's topics is fine: a world model imagining what robot0 commands, on its camera
+        hub.check("wm", stream(topics=topics(actions="/robot0/action_chunk", image="/robot0/camera/image_raw",
+                                              joint_states="/robot0/joint_states")), "action")
+        # a stream still being admitted holds its topics too
+        hub.joining["arm"] = stream(topics=topics(joint_trajectory="/arm_controller/joint_trajectory"))
+        r, detail = reason("arm2", stream(topics=topics(joint_trajectory="/arm_controller/joint_trajectory")),
+                           "config")
+        assert r == "topic-collision" and "'arm'" in detail
     finally:
         hub.close()
 
@@ -314,7 +359,7 @@ def test_hub_refuses_beyond_the_engines_stream_limit():
     # Goals still being checked hold no room: only running streams count.
     hub = hub_with({"a": "a"}, max_streams=2)
     try:
-        hub.joining["j"] = "j"
+        hub.joining["j"] = stream()
         hub.check_room()
     finally:
         hub.close()
