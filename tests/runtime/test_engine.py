@@ -47,8 +47,12 @@ def reference(model_name: str, chunks: int):
 
 
 def run(model_name, chunks, **engine):
+    """Every chunk of both streams. These tests check arithmetic, not liveness: a worker starved of CPU for a
+    second beside a CPU hog (its heartbeat late) is not killed and its stream reset mid-check (liveness has
+    tests of its own, with short timeouts)."""
     cfg = load_model_config(model_name)
     scene = SyntheticScene(cfg.observation_shapes)
+    engine.setdefault("heartbeat_timeout_s", 20.0)
     return run_chunks(cfg, EngineConfig(**engine), STREAMS, chunks, scene.observation)
 
 
