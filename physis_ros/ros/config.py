@@ -170,16 +170,17 @@ class StreamConfig:
         choices=("timeline", "observation", "emit"),
         doc="when a chunk's row 0 is due: its step on the control timeline, the observation's stamp, or one "
             "control period after publication (then nothing is late but the chunk runs behind the timeline)"))
-    trajectory_start_offset_s: float = field(default=0.0, metadata=described(
-        "added to the time row 0 is due (s)"))
+    trajectory_start_offset_s: float = field(default=0.0, metadata=bounded(
+        ge=-10.0, le=10.0, doc="added to the time row 0 is due (s, -10 to 10)"))
     trajectory_min_lead_s: float = field(default=0.002, metadata=bounded(
         ge=0.0, le=1.0, doc="rows due less than this after the node reads the clock are dropped too, so that point 0 "
                             "is still ahead when the JointTrajectory is published and received (both messages' "
                             "publish and DDS delivery take 0.3-0.7 ms on a 2-core host; s)"))
     max_future_s: float = field(default=0.5, metadata=bounded(
-        ge=0.0, doc="reject input stamps further ahead of the node clock (s)"))
+        ge=0.0, le=60.0, doc="reject input stamps further ahead of the node clock (s, at most 60)"))
     max_age_s: float = field(default=1.0, metadata=bounded(
-        ge=0.0, doc="reject input stamps older than this, and start no chunk on an older image (s; 0: off)"))
+        ge=0.0, le=3600.0, doc="reject input stamps older than this, and start no chunk on an older image (s, at "
+                               "most 3600; 0: off)"))
     max_joints: int = field(default=1024, metadata=bounded(
         ge=1, doc="reject joint states listing more joints than this (too_large); >= len(joint_names)"))
     max_abs_position: float = field(default=1e9, metadata=bounded(
@@ -291,16 +292,18 @@ class ServeConfig:
         "server-wide physis_ros/ChunkTelemetry topic, one message per chunk"))
     diagnostics_period_s: float = field(default=1.0, metadata=bounded(gt=0.0, doc="/diagnostics period (s)"))
     diagnostics_window_s: float = field(default=5.0, metadata=bounded(
-        gt=0.0, doc="/diagnostics rates, percentiles and miss rate are over this many seconds (they decay)"))
+        gt=0.0, le=3600.0, doc="/diagnostics rates, percentiles and miss rate are over this many seconds (they "
+                               "decay; at most 3600)"))
     diagnostics_miss_rate_warn: float = field(default=0.05, metadata=bounded(
         ge=0.0, le=1.0, doc="a stream is WARN when more than this fraction of its chunks in the window missed "
                             "the SLO"))
     diagnostics_starved_s: float = field(default=2.0, metadata=bounded(
-        gt=0.0, doc="a stream is ERROR (starved) after waiting this long for a fresh observation (s)"))
+        gt=0.0, le=3600.0, doc="a stream is ERROR (starved) after waiting this long for a fresh observation (s, "
+                               "at most 3600)"))
     stats_window: int = field(default=200, metadata=bounded(
         ge=2, doc="chunks kept per stream for /diagnostics and the exit summary"))
     warn_throttle_s: float = field(default=5.0, metadata=bounded(
-        ge=0.0, doc="least time between two warnings of one kind per stream (s)"))
+        ge=0.0, le=3600.0, doc="least time between two warnings of one kind per stream (s, at most 3600)"))
 
     def validate(self) -> None:
         namespaces: dict[str, str] = {}

@@ -152,7 +152,8 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
         "dropped_total": rejected.get("queue_full", 0) + rejected.get("unpaired", 0),
         "rejected_total": sum(rejected.values()),
         "failures_total": inputs.get("failures", 0),          # resets of this stream (any cause; resets.<cause>)
-        "lost_chunks_total": inputs.get("lost_chunks", 0),    # chunks in flight when it happened
+        "lost_chunks_total": inputs.get("lost_chunks", 0),    # in flight at a reset, or not published
+        "unpublished_total": sum(inputs.get("unpublished", {}).values()),   # computed, not published (unpublished.<why>)
         # matched subscribers (a controller connected?); a RELIABLE one is needed for ros2_control
         "action_chunk_subscribers": inputs.get("action_chunk_subscribers", 0),
         "joint_trajectory_subscribers": inputs.get("joint_trajectory_subscribers", 0),
@@ -170,6 +171,7 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
     late = int(stats.get("late_chunks_window", 0))
     values.update({f"rejected.{reason}": n for reason, n in sorted(rejected.items())})
     values.update({f"resets.{cause}": n for cause, n in sorted(inputs.get("resets", {}).items())})
+    values.update({f"unpublished.{why}": n for why, n in sorted(inputs.get("unpublished", {}).items())})
     slo = f" (SLO {slo_interval_ms:.1f} ms)" if slo_interval_ms else ""
     stall_s = 2.0 * expected_ms / 1e3 if not math.isnan(expected_ms) else starved_s
     if engine_state != "serving":

@@ -90,7 +90,8 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
                             f"{inputs['received'].get('images', 0)}, joint states "
                             f"{inputs['received'].get('joints', 0)} received so far)")
         inputs.update(failed=st.health.failed, recovering=st.health.recovering, failures=st.health.failures,
-                      lost_chunks=st.health.lost_chunks, resets=st.resets(snap["resets"].get(name, {})),
+                      lost_chunks=st.health.lost_chunks, unpublished=dict(st.health.unpublished),
+                      resets=st.resets(snap["resets"].get(name, {})),
                       late_points=st.late_points, late_chunks=st.late_chunks,
                       blended_chunks=st.blended_chunks, **st.subscriber_counts())
         hw = diag.stream_hardware_id(node.hostname, [worker_hw[w] for w in snap["streams"].get(name, [])

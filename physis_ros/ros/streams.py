@@ -49,8 +49,9 @@ class StreamHealthState:
     failed: str | None = None      # a reset under way (or for good); None once re-admitted
     recovering: str | None = None  # reset, and no chunk published since: /diagnostics ERROR until its first chunk
     failures: int = 0
-    lost_chunks: int = 0
+    lost_chunks: int = 0           # chunks in flight at a reset, plus chunks computed but not published
     resets: Counter = field(default_factory=Counter)   # cause -> resets the node heard of
+    unpublished: Counter = field(default_factory=Counter)   # why a computed chunk was not published -> count
     gone: bool = False
 
 
@@ -221,6 +222,21 @@ class RosStream:
         return Observation(taken.data, taken.sec, tag=taken.stamp)  # the header stamp comes back on the output
 
     def on_output(self, out: ChunkOutput) -> None:
+        """Publish a chunk; one that cannot be published (any error on the way) is counted as lost, with the
+        reason, in /diagnostics and the goal's chunks_lost: never a silent gap."""
+        try:
+            self._output(out)
+        except Exception as exc:   # (ROS, a message field out of range, a bug): the robot must hear of it
+            reason = type(exc).__name__
+            h = self.health
+            h.lost_chunks += 1
+            h.unpublished[reason] += 1
+            line = self.throttle.line(f"unpublished:{reason}", f"stream {self.name}: chunk {out.chunk} not "
+                                      f"published ({reason}: {str(exc)[:200]}); counted as lost")
+            if line is not None:
+                self.node.get_logger().error(line)
+
+    def _output(self, out: ChunkOutput) -> None:
         node = self.node
         start = time.perf_counter()
         # (the node clock is the system clock unless simulated; time.time() is the cheaper read)
@@ -331,6 +347,7 @@ class RosStream:
         summary = self.stats.summary() if self.stats.records else {}
         return {"chunks": self.published, "model": self.model.name, "origin": self.origin, "workers": self.workers,
                 "rejected": snap["rejected"], "received": snap["received"], "failures": self.health.failures,
-                "lost_chunks": self.health.lost_chunks, "resets": self.resets(engine_resets),
+                "lost_chunks": self.health.lost_chunks, "unpublished": dict(self.health.unpublished),
+                "resets": self.resets(engine_resets),
                 "interval_ms_p50": summary.get("interval_ms_p50", math.nan),
                 "latency_ms_p50": summary.get("latency_ms_p50", math.nan)}

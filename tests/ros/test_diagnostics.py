@@ -214,6 +214,32 @@ def test_a_reset_stream_is_error_until_it_publishes_again_and_its_resets_by_caus
 
 
 @pytest.mark.slow
+def test_a_chunk_that_cannot_be_published_is_counted_as_lost_with_the_reason():
+    """Bug found: with trajectory_start_offset_s 1e308 (a parameter set without a range) every publish of the
+    stream failed, 104 chunks in 13 s, while /diagnostics said lost_chunks_total 0. The range now refuses that
+    value; whatever else stops a computed chunk on its way out is counted, with its reason."""
+    import dataclasses
+
+    import numpy as np
+
+    from physis_ros.ros import health
+    from physis_ros.ros.conversions import time_msg
+    from physis_ros.runtime.streams import ChunkOutput
+
+    with served_stream(armed=True) as (node, name, st):
+        st.config = dataclasses.replace(st.config, trajectory_start_offset_s=1e308)   # (what the set let in)
+        now = node.now()
+        for i, rec in enumerate(records(3, 0.1, end=now)):
+            rec.stream, rec.chunk = name, i
+            st.on_output(ChunkOutput(name, i, np.zeros(st.model.output_shape, np.float32), rec, time_msg(now)))
+        s = next(s for s in health.statuses(node) if s.name == f"{node.diag_prefix}: {name}")
+        v = values(s)
+        assert v["lost_chunks_total"] == "3" and v["unpublished_total"] == "3", v
+        assert [k for k in v if k.startswith("unpublished.")], v
+        assert node.report()[name]["lost_chunks"] == 3 and sum(node.report()[name]["unpublished"].values()) == 3
+
+
+@pytest.mark.slow
 def test_a_storm_of_resets_logs_one_line_per_cause_per_period():
     """Each reset and re-admission was logged: a fault storm (a worker dropping every task) was a log flood."""
     from physis_ros.runtime.streams import StreamEvent

@@ -342,8 +342,12 @@ def test_live_bad_values_are_refused_with_the_key_and_the_fix(live):
     assert not r.successful and "engine.workers" in r.reason
     (r,) = live.set(streams__p0__image__preprocess="zoom")
     assert not r.successful and "streams.p0.image.preprocess" in r.reason and "center_crop" in r.reason
-    got = live.call(live.params.get_parameters(["streams.p0.control_rate_hz", "engine.workers"])).values
-    assert (got[0].double_value, got[1].integer_value) == (50.0, 1)
+    # Bug found: 1e308 was taken, and every publish of the stream then failed, uncounted
+    (r,) = live.set(streams__p0__trajectory_start_offset_s=1e308)
+    assert not r.successful and "streams.p0.trajectory_start_offset_s" in r.reason
+    got = live.call(live.params.get_parameters(["streams.p0.control_rate_hz", "engine.workers",
+                                                "streams.p0.trajectory_start_offset_s"])).values
+    assert (got[0].double_value, got[1].integer_value, got[2].double_value) == (50.0, 1, 0.0)
 
 
 def latest_status(live, what: str) -> dict:

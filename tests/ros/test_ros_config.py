@@ -193,3 +193,22 @@ def test_node_takes_its_config_from_ros_parameters(tmp_path):
 
 def test_a_config_without_streams_is_a_server_waiting_for_robots():
     assert serve_config({}).streams == {} and serve_config({"streams": {}}).streams == {}
+
+
+def test_every_runtime_number_has_a_finite_range():
+    """A parameter that can change while the node runs is refused outside a stated, finite range (its
+    descriptor's floating_point_range / integer_range): trajectory_start_offset_s had none, and 1e308 was
+    taken."""
+    import math
+
+    from rclpy.parameter import Parameter
+
+    from physis_ros.ros.parameters import descriptor, is_runtime, leaves
+
+    numbers = [leaf for leaf in leaves(serve_config(base())) if is_runtime(leaf.name)
+               and leaf.type in (Parameter.Type.DOUBLE, Parameter.Type.INTEGER)]
+    for leaf in numbers:
+        d = descriptor(leaf)
+        (r,) = list(d.floating_point_range) + list(d.integer_range)
+        assert math.isfinite(r.from_value) and math.isfinite(r.to_value), leaf.name
+    assert "streams.robot0.trajectory_start_offset_s" in {leaf.name for leaf in numbers} and len(numbers) >= 8
