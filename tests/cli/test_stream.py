@@ -81,7 +81,9 @@ class Live:
         config = tmp / "serve.yaml"
         config.write_text(yaml.safe_dump({"/**": {"ros__parameters": {
             "model": "tiny-wam", "telemetry_topic": f"/{TAG}_cli_telemetry", "diagnostics_period_s": 0.5,
-            "engine": {"workers": 1}}}}))
+            "engine": {"workers": 1},
+            # a robot here feeds its controller's topic, outside its namespace: the operator allows it
+            "admission": {"goal_outputs_outside_namespace": True}}}}))
         self.probe = Probe("physis_stream_cli_probe")
         self.probe.subscribe("diagnostics", DiagnosticArray, "/diagnostics", QoSProfile(depth=50))
         self.server = Child("server", serve_command(config, *NODE_ARGS), env=self.env, log=tmp / "serve.log")

@@ -183,14 +183,21 @@ def test_no_capture_lead_without_a_handoff_or_a_known_latency(handoff, latencies
     assert s.capture_lead_s() == 0.0
 
 
-def test_pace_takes_the_observation_its_capture_lead_ahead_and_places_the_chunk_at_its_slot():
+def test_pace_takes_the_observation_its_capture_lead_ahead_and_places_the_chunk_at_its_slot(monkeypatch):
     s = state(0.16, Timeline(rate_hz=50.0, horizon=16, execution=8, handoff="soft"))
     s.latencies = [0.030] * 5                                   # lead 0.8 step: 16 ms
     s.release_t0, s.releases = time.monotonic() + 0.05, 1       # the next slot is 210 ms away
+    wake_at = []                                                # when pace asks to wake (how late the host
+                                                                # wakes it is not the schedule's doing)
+
+    async def sleep(delay):
+        wake_at.append(time.monotonic() + delay)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
     due = asyncio.run(s.pace())
     woke = time.monotonic()
     assert due == pytest.approx(s.release_t0 + 0.16)
-    assert due - woke == pytest.approx(0.016, abs=0.008)        # ahead of the slot by the lead (the loop's slack)
+    assert len(wake_at) == 1 and due - wake_at[0] == pytest.approx(0.016, abs=0.001)   # ahead of the slot by the lead
     s.release_due[3] = s.released(due)
     assert s.release_due[3] == due                              # early is not late: the schedule is kept
     assert s.scheduled(3, 100.0) == pytest.approx(100.0 + (due - woke), abs=0.002)   # the slot, engine clock
