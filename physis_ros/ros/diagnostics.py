@@ -153,7 +153,8 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
         "rejected_total": sum(rejected.values()),
         "failures_total": inputs.get("failures", 0),          # resets of this stream (any cause; resets.<cause>)
         "lost_chunks_total": inputs.get("lost_chunks", 0),    # in flight at a reset, or not published
-        "unpublished_total": sum(inputs.get("unpublished", {}).values()),   # computed, not published (unpublished.<why>)
+        # computed, not published (unpublished.<why>)
+        "unpublished_total": sum(inputs.get("unpublished", {}).values()),
         # matched subscribers (a controller connected?); a RELIABLE one is needed for ros2_control
         "action_chunk_subscribers": inputs.get("action_chunk_subscribers", 0),
         "joint_trajectory_subscribers": inputs.get("joint_trajectory_subscribers", 0),

@@ -28,7 +28,8 @@ def test_quick_admission_run_writes_every_phase(tmp_path):
     env = {**os.environ, "PHYSIS_TEST_MARKER": marker, "PYTHONUNBUFFERED": "1"}
     domain = str(domain_of("bench"))
     proc = subprocess.run([sys.executable, "-m", "physis_ros.cli.bench", "admission", "--quick", "--workers", "1",
-                           "--modes", "off", "--slo-ms", "150", "--domain", domain, "--json", str(out), "--raw", str(tmp_path / "raw.json"),
+                           "--modes", "off", "--slo-ms", "150", "--domain", domain, "--json", str(out),
+                           "--raw", str(tmp_path / "raw.json"),
                            "--logs", str(tmp_path / "logs")], env=env, capture_output=True, text=True, timeout=170)
     text = proc.stdout + proc.stderr
     assert proc.returncode in (0, 1), text        # 1: ran, a target missed (this VM is shared and busy)

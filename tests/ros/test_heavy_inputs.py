@@ -265,8 +265,8 @@ def test_burst_of_large_frames_on_one_robot(heavy):
     assert received1 - received0 >= BURST_1080P // 5 and received2 > received1
     assert during_b >= RATE_RATIO * before_b, (before_b, during_b)
     # b's observation age while a gets 4K frames is printed above, not asserted: the old code's p95 was ~0.9 s
-    # (the executor blocked behind each frame), today's under 0.6 s on a quiet host (the bound it had) and 0.7 s beside a CPU hog,
-    # so no bound tells them apart on a loaded machine; the chunk rate above does (the old code stalled b)
+    # (the executor blocked behind each frame), today's under 0.6 s on a quiet host (the bound it had) and
+    # 0.7 s beside a CPU hog, so no bound tells them apart on a loaded machine; the chunk rate above does
     assert during_a > 0.0
     assert after <= baseline + RSS_MARGIN_MB, f"RSS {after:.0f} MB, baseline {baseline:.0f} MB"
     assert h.server.poll() is None

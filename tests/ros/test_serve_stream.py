@@ -348,7 +348,8 @@ def test_a_duplicate_name_or_namespace_is_refused_and_nothing_changes(live):
     refused(live, "dup", "namespace-in-use", topic_namespace="/" + NS["b"])
     # publishing onto a's topics from another namespace (it was admitted, and a's robot saw two interleaved
     # index sequences on its action_chunk)
-    r = refused(live, "evil", "topic-collision", topic_namespace=NS["dup"], action_chunk_topic=f"/{NS['a']}/action_chunk")
+    r = refused(live, "evil", "topic-collision", topic_namespace=NS["dup"],
+                action_chunk_topic=f"/{NS['a']}/action_chunk")
     assert f"/{NS['a']}/action_chunk" in r.reason and "'a'" in r.reason
     refused(live, "evil", "topic-collision", topic_namespace=NS["dup"],
             joint_trajectory_topic=f"/{NS['b']}/joint_trajectory")
