@@ -370,7 +370,7 @@ def test_goal_fields_are_checked_against_what_ros_and_the_timeline_take():
     control_rate_hz 1e-300 was admitted and then not served (an infinite period as an int). Each is now one
     invalid-request naming the field, and the detail never quotes the whole value back."""
     from physis_ros.action import ServeStream
-    from physis_ros.ros.config import MAX_STREAM_NAME, ROS_TOPIC_MAX
+    from physis_ros.ros.config import MAX_STREAM_NAME
     from physis_ros.ros.serve_action import stream_config_of
 
     hub = hub_with()
