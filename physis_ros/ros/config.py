@@ -208,8 +208,7 @@ class StreamConfig:
         """Every topic of stream ``name`` (namespace and overrides resolved) fits ROS's topic-name length, so
         that no publisher or subscription fails after admission."""
         for which in TOPIC_KEYS:
-            full = stream_topic(name, self, which)
-            full = full if full.startswith("/") else "/" + full
+            full = resolve_topic(stream_topic(name, self, which))
             if len(full) > ROS_TOPIC_MAX:
                 raise ConfigError(f"{prefix}.topics.{which}", f"{full[:60]}... is {len(full)} characters; ROS "
                                                               f"takes at most {ROS_TOPIC_MAX} (shorten the "
@@ -330,12 +329,16 @@ class ServeConfig:
         return stream_topic(stream, self.streams[stream], name)
 
 
+def resolve_topic(topic: str, node_namespace: str = "/") -> str:
+    """The full name of a topic: an absolute one as it is, a relative one under ``node_namespace``."""
+    return topic if topic.startswith("/") else node_namespace.rstrip("/") + "/" + topic
+
+
 def stream_topics(name: str, stream: StreamConfig, node_namespace: str = "/") -> tuple[dict[str, str], dict[str, str]]:
     """The full names of what a stream publishes and what it reads: ({key: topic}, {key: topic}), relative
     names resolved under ``node_namespace``. Every output key counts (a model's kind decides which it uses)."""
     def full(which: str) -> str:
-        topic = stream_topic(name, stream, which)
-        return topic if topic.startswith("/") else node_namespace.rstrip("/") + "/" + topic
+        return resolve_topic(stream_topic(name, stream, which), node_namespace)
     outputs = {k: full(k) for k in OUTPUT_KEYS if k != "telemetry" or stream.telemetry}
     inputs = {k: full(k) for k in TOPIC_KEYS if k not in OUTPUT_KEYS}
     return outputs, inputs

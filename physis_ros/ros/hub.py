@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 from physis_ros.config import ConfigError
 from physis_ros.ros import health
 from physis_ros.ros.admission import Admitted, Rejected, server_admission
-from physis_ros.ros.config import StreamConfig, check_stream_name, stream_namespace, stream_topics
+from physis_ros.ros.config import (StreamConfig, check_stream_name, resolve_topic, stream_namespace,
+                                   stream_topics)
 from physis_ros.ros.stream_model import check_stream_model, slo_interval_ms
 from physis_ros.ros.models import ModelCatalog
 from physis_ros.ros.streams import RosStream
@@ -77,8 +78,7 @@ class StreamHub:
                 raise Rejected("topic-collision", f"topics.{which} {topic} belongs to {owner[topic]}: a stream "
                                                   f"publishes only on topics of its own")
         if origin != "config" and not self.node.config.admission.goal_outputs_outside_namespace:
-            ns = stream_namespace(name, stream)
-            home = ("/" + ns if stream.namespace.startswith("/") else node_ns.rstrip("/") + "/" + ns) + "/"
+            home = resolve_topic((stream.namespace or name).rstrip("/"), node_ns) + "/"
             for which, topic in outputs.items():
                 if not topic.startswith(home):
                     raise Rejected("topic-collision", f"topics.{which} {topic} is outside the stream's namespace "
@@ -87,9 +87,7 @@ class StreamHub:
 
     def server_topics(self) -> list[str]:
         """Topics the server itself publishes on (no stream may)."""
-        telemetry = self.node.config.telemetry_topic
-        node_ns = self.node.get_namespace()
-        return [telemetry if telemetry.startswith("/") else node_ns.rstrip("/") + "/" + telemetry,
+        return [resolve_topic(self.node.config.telemetry_topic, self.node.get_namespace()),
                 "/diagnostics", "/rosout", "/parameter_events"]
 
     def check_room(self) -> None:
