@@ -106,10 +106,10 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
             new_rejects=new, engine_state=node.state, idle_s=idle, armed=node.armed, hardware_id=hw,
             miss_rate_warn=cfg.diagnostics_miss_rate_warn, starved_s=cfg.diagnostics_starved_s,
             since_s=since, prefix=node.diag_prefix))
-    for name in node.config.streams:
-        if name not in node.streams:
-            verdict = node.startup.get(name)
-            streams.append(diag.pending_stream_status(name, None if verdict in (None, "admitted") else verdict,
+    for name in node.configured:
+        verdict = node.startup.get(name)
+        if name not in node.streams and verdict != "admitted":    # admitted and then removed: gone
+            streams.append(diag.pending_stream_status(name, verdict,
                                                       node.state, prefix=node.diag_prefix,
                                                       hardware_id=node.hostname))
     return [engine, *streams, *out]

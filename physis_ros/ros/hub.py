@@ -121,6 +121,7 @@ class StreamHub:
             try:
                 st = RosStream(node, name, stream, served, origin, admitted.workers)
                 node.streams[name] = st
+                node.params.add_stream(name, stream)   # a joined stream's parameters, as a configured one has
                 # cadence timeline: one release per admitted interval, the freshest observation each time
                 release = pace if stream.cadence == "timeline" else None
                 await ticker.wait(node.engine.add_stream(name, st.observe, st.on_output, model=served,
@@ -129,6 +130,7 @@ class StreamHub:
                                                          release_phase_ms=admitted.placed.phase_ms))
             except Exception as exc:
                 self._forget(name)
+                node.params.remove_stream(name)
                 raise Rejected("not-serving", f"the engine could not start stream '{name}': {exc}") from None
         except Rejected as exc:
             self.rejections.append((name, exc.reason, exc.detail))
@@ -148,8 +150,18 @@ class StreamHub:
             st.health.gone = True
         future = self.node.engine.remove_stream(name) if self.node.engine is not None else None
         self._forget(name)
+        self.node.params.remove_stream(name)   # its parameters leave with it (a configured one's too)
         self.node.get_logger().info(f"stream {name} removed; worker utilisation {self.admission.utilisation()}")
         return future
+
+    def forget_all(self) -> None:
+        """The engine stops: every stream is dropped; the configured ones keep their parameters (the engine
+        admits them again when it restarts), those that joined through goals lose theirs."""
+        for name in list(self.node.streams):
+            joined = self.node.streams[name].origin != "config"
+            self._forget(name)
+            if joined:
+                self.node.params.remove_stream(name)
 
     def _forget(self, name: str) -> None:
         st = self.node.streams.pop(name, None)

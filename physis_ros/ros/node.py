@@ -63,7 +63,6 @@ class PhysisServer(LifecycleNode):
         super().__init__(NODE_NAME, context=context, namespace=namespace)
         self._rosout = rosout.attach(self.get_logger())  # engine and worker log lines -> /rosout
         self.params = ServeParameters(self, file_mapping, overrides, trajectory_topic)
-        self.config: ServeConfig = self.params.config
         try:
             self.model = model_config_of(self.config.model)[0]   # the default model
         except Rejected as exc:
@@ -99,6 +98,7 @@ class PhysisServer(LifecycleNode):
         self.streams: dict[str, RosStream] = {}
         self.ended: dict[str, dict] = {}    # totals of streams that left (or were stopped)
         self.startup: dict[str, str] = {}   # config stream -> "admitted" or the rejection
+        self.configured: list[str] = list(self.config.streams)   # the streams the engine admits when it starts
         self.hub = StreamHub(self)
         self.pub_telemetry = self.create_publisher(ChunkTelemetry, self.config.telemetry_topic,
                                                    qos.profile(qos.TELEMETRY), qos_overriding_options=qos.OVERRIDES)
@@ -108,6 +108,12 @@ class PhysisServer(LifecycleNode):
         self.diagnostics_timer = self.create_timer(self.config.diagnostics_period_s, self.publish_diagnostics)
 
     # ---- set-up -------------------------------------------------------------------------------
+    @property
+    def config(self) -> ServeConfig:
+        """The serve config now: start-up's, with the runtime parameter changes, the streams that joined
+        through goals and without those that left (:class:`ServeParameters` keeps it with the parameters)."""
+        return self.params.config
+
     def now(self) -> float:
         """The node clock in seconds (ROS time: simulated under use_sim_time)."""
         return self.get_clock().now().nanoseconds * 1e-9
@@ -120,8 +126,7 @@ class PhysisServer(LifecycleNode):
                 check_stream_model(f"streams.{name}", s, st.model)
 
     def _apply_config(self, old: ServeConfig, new: ServeConfig) -> None:
-        """A runtime parameter change was accepted: what reads the config from now on sees the new one."""
-        self.config = new
+        """A runtime parameter change was accepted (``self.config`` is ``new`` already): the streams take it."""
         for name, s in new.streams.items():
             st = self.streams.get(name)
             if st is None or s == old.streams.get(name):
@@ -142,6 +147,7 @@ class PhysisServer(LifecycleNode):
         self.state = "starting"
         self.engine_started = time.monotonic()
         self.serving_since = None
+        self.configured = list(c.streams)
         self.engine.start()
         self.executor.create_task(self._admit_config_streams())
 
@@ -153,12 +159,14 @@ class PhysisServer(LifecycleNode):
             await ticker.sleep(0.05)
         if engine is not self.engine or engine.failure is not None:
             return
-        for name, s in self.config.streams.items():
+        for name in self.configured:
             try:
-                await self.hub.join(name, s, "config", ticker)
+                await self.hub.join(name, self.config.streams[name], "config", ticker)
                 self.startup[name] = "admitted"
             except Rejected as exc:
                 self.startup[name] = f"{exc.reason}: {exc.detail}"
+                if name not in self.streams:      # (not a goal's stream that took the name first)
+                    self.params.remove_stream(name)   # no longer a stream of this server; its verdict is reported
                 self.get_logger().error(f"config stream {name} NOT admitted ({exc.reason}): {exc.detail}")
         self._update_state()
 
@@ -168,7 +176,7 @@ class PhysisServer(LifecycleNode):
         self.state = "stopping"
         for name in list(self.streams):
             self.actions.end(name, "shutdown", "the server is stopping")
-            self.hub._forget(name)
+        self.hub.forget_all()
         done = self.engine.stop(timeout) if self.engine is not None else True
         self.engine = None
         self.state = "stopped"
@@ -251,7 +259,7 @@ class PhysisServer(LifecycleNode):
                 if snap is not None and name in snap.streams and snap.streams[name].gone:
                     self.actions.end(name, "failed", str(failure))
             return
-        startup_done = len(self.startup) == len(self.config.streams)
+        startup_done = len(self.startup) == len(self.configured)
         if self.state == "starting" and engine.ready.is_set() and startup_done:
             self.state, self.serving_since = "serving", time.monotonic()
             admitted = [n for n, v in self.startup.items() if v == "admitted"]

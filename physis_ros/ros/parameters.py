@@ -4,8 +4,12 @@ Every leaf of :class:`~physis_ros.ros.config.ServeConfig` (``EngineConfig`` incl
 parameter with a dotted name (``engine.workers``, ``streams.robot0.slo_interval_ms``), its value from
 the merged config (file < ROS parameters < command line), and a descriptor built from the field's
 metadata (``bounded(ge=, le=, gt=, choices=, doc=)``): description, integer or floating-point range,
-choices and strict bounds as ``additional_constraints``, and ``read_only`` for everything that cannot
-change while the node runs. An optional value that is unset (``slo_interval_ms``) is declared with its
+choices and strict bounds as ``additional_constraints``, and ``read_only`` for every node-wide key that
+cannot change while the node runs. A stream's keys (``streams.<name>.*``) come and go with the stream: a
+stream that joins through a ServeStream goal declares the same ones a configured stream has, and a
+stream that leaves undeclares its own. ROS 2 cannot undeclare a read-only parameter, so a stream's keys
+that cannot change while it is served are declared changeable and every set of them is refused by the
+server's check (the reason names the key; ``additional_constraints`` says so). An optional value that is unset (``slo_interval_ms``) is declared with its
 type and no value; an unset optional section (``qos.input``) has its keys declared the same way.
 
 The few keys that can change at run time (:data:`RUNTIME_STREAM_KEYS`, :data:`RUNTIME_KEYS`) go through
@@ -32,7 +36,7 @@ from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescri
 from rclpy.parameter import Parameter
 
 from physis_ros.config import ConfigError, to_mapping
-from physis_ros.ros.config import ServeConfig, deep_merge, serve_config, unflatten
+from physis_ros.ros.config import ServeConfig, StreamConfig, deep_merge, serve_config, unflatten
 
 # Per stream (``streams.<name>.<key>``) and node-wide keys that take effect while the node runs.
 RUNTIME_STREAM_KEYS = frozenset({"slo_interval_ms", "trajectory_start", "trajectory_start_offset_s",
@@ -129,6 +133,10 @@ def is_config_key(name: str) -> bool:
     return False
 
 
+def is_stream_key(name: str) -> bool:
+    return name.startswith("streams.")
+
+
 def is_runtime(name: str) -> bool:
     if name in RUNTIME_KEYS:
         return True
@@ -141,8 +149,10 @@ def descriptor(leaf: Leaf) -> ParameterDescriptor:
     doc = meta.get("doc", "")
     if leaf.section_doc:
         doc = f"{doc} ({leaf.section_doc})" if doc else leaf.section_doc
-    d = ParameterDescriptor(description=doc, read_only=not is_runtime(leaf.name))
-    constraints = []
+    fixed = not is_runtime(leaf.name)
+    # a stream's parameters leave with it, and ROS 2 cannot undeclare a read-only one: refused by our check
+    d = ParameterDescriptor(description=doc, read_only=fixed and not is_stream_key(leaf.name))
+    constraints = ["fixed while the stream is served (a set is refused)"] if fixed and not d.read_only else []
     ge, le, gt = meta.get("ge"), meta.get("le"), meta.get("gt")
     lo = ge if ge is not None else gt
     if lo is not None or le is not None:
@@ -213,19 +223,45 @@ class ServeParameters:
         self._check: Callable[[ServeConfig], None] | None = None
 
     def declare(self) -> None:
+        """Declare every key of the config (at start)."""
+        self._declare(leaves(self.config))
+
+    def add_stream(self, name: str, stream: StreamConfig) -> None:
+        """A stream joined (a ServeStream goal): its keys, as a configured stream has them, with its values
+        (a configured stream admitted as configured keeps the ones declared at start)."""
+        prefix = f"streams.{name}."
+        if self.config.streams.get(name) == stream and any(k.startswith(prefix) for k in self.types):
+            return
+        self.remove_stream(name)
+        self.config = dataclasses.replace(self.config, streams={**self.config.streams, name: stream})
+        self._declare(list(_walk(StreamConfig, stream, prefix)))
+
+    def remove_stream(self, name: str) -> None:
+        """A stream left: its keys are undeclared and it leaves the config (a configured stream removed is
+        not admitted again when the engine restarts)."""
+        prefix = f"streams.{name}."
+        for key in [k for k in self.types if k.startswith(prefix)]:
+            self.node.undeclare_parameter(key)
+            del self.types[key]
+        if name in self.config.streams:
+            self.config = dataclasses.replace(
+                self.config, streams={k: v for k, v in self.config.streams.items() if k != name})
+
+    def _declare(self, leaves: list[Leaf]) -> None:
         node = self.node
-        for leaf in leaves(self.config):
+        for leaf in leaves:
             if leaf.name in NODE_PARAMETERS:
                 continue
-            self.types[leaf.name] = leaf.type
             desc = descriptor(leaf)
             value = _plain(leaf.value)
+            # our set callbacks take only known names: a declaration (which rclpy runs through them) is no change
             if value is None or value == []:
                 node.declare_parameter(leaf.name, leaf.type, desc, ignore_override=True)
                 if value == []:
                     node.set_parameters([Parameter(leaf.name, leaf.type, [])])
             else:
                 node.declare_parameter(leaf.name, value, desc, ignore_override=True)
+            self.types[leaf.name] = leaf.type
 
     def attach(self, apply: Callable[[ServeConfig, ServeConfig], None],
                check: Callable[[ServeConfig], None] | None = None) -> None:
@@ -256,6 +292,10 @@ class ServeParameters:
         if not ours:
             return SetParametersResult(successful=True)
         for p in ours:
+            if not is_runtime(p.name) and is_stream_key(p.name):
+                return SetParametersResult(successful=False, reason=f"{p.name} cannot change while the stream is "
+                                                                     f"served: remove it and serve it again with "
+                                                                     f"the new value")
             if not is_runtime(p.name):   # read_only already refuses these; declared ones never get here
                 return SetParametersResult(successful=False, reason=f"{p.name} cannot change at run time: "
                                                                      f"restart the node with the new value")

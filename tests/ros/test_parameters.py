@@ -96,7 +96,9 @@ def test_every_config_key_is_declared_with_its_value_description_and_range():
         assert d.read_only and d.integer_range[0].from_value == 1 and d.integer_range[0].to_value == 64
         d = describe(node, "streams.robot0.control_rate_hz")
         r = d.floating_point_range[0]
-        assert d.read_only and (r.from_value, r.to_value) == (0.1, 10_000.0)
+        # a stream's fixed keys leave with it, and ROS 2 cannot undeclare a read-only parameter: our check refuses
+        assert not d.read_only and "fixed while the stream is served" in d.additional_constraints
+        assert (r.from_value, r.to_value) == (0.1, 10_000.0)
         assert d.description
         d = describe(node, "streams.robot0.image.preprocess")
         assert not d.read_only and "resize" in d.additional_constraints and "center_crop" in d.additional_constraints
@@ -107,10 +109,12 @@ def test_every_config_key_is_declared_with_its_value_description_and_range():
             for key in RUNTIME:
                 assert not describe(node, f"streams.{s}.{key}").read_only, key
         assert not describe(node, "warn_throttle_s").read_only
-        for name in ("model", "engine.plan", "streams.robot0.joint_names", "streams.robot0.namespace",
-                     "streams.robot0.topics.joint_trajectory", "streams.robot0.qos.action_chunk.reliability",
-                     "deterministic", "telemetry_topic", "diagnostics_period_s"):
+        for name in ("model", "engine.plan", "deterministic", "telemetry_topic", "diagnostics_period_s"):
             assert describe(node, name).read_only, name
+        for name in ("streams.robot0.joint_names", "streams.robot0.namespace", "streams.robot0.topics.joint_trajectory",
+                     "streams.robot0.qos.action_chunk.reliability"):
+            d = describe(node, name)
+            assert not d.read_only and "fixed while the stream is served" in d.additional_constraints, name
 
 
 def _described(node, prefix: str) -> list[str]:
@@ -150,12 +154,15 @@ def test_read_only_parameters_refuse_changes_with_a_reason():
     """The defect: set_parameters reported success for control_rate_hz:=-1.0 or engine.workers:=7 and
     nothing changed."""
     with server_node("--params-file", str(SERVE_YAML)) as node:
-        for param in (Parameter("streams.robot0.control_rate_hz", value=-1.0),
-                      Parameter("engine.workers", value=7),
-                      Parameter("model", value="tiny-acwm")):
+        for param in (Parameter("engine.workers", value=7), Parameter("model", value="tiny-acwm")):
             (result,) = node.set_parameters([param])
             assert not result.successful, param.name
             assert param.name in result.reason and "read-only" in result.reason
+        for param, why in ((Parameter("streams.robot0.control_rate_hz", value=-1.0), "out of range"),
+                           (Parameter("streams.robot0.control_rate_hz", value=25.0), "cannot change while the "
+                                                                                      "stream is served")):
+            (result,) = node.set_parameters([param])
+            assert not result.successful and param.name in result.reason and why in result.reason, result.reason
         assert node.get_parameter("streams.robot0.control_rate_hz").value == 50.0
         assert node.get_parameter("engine.workers").value == 2
 

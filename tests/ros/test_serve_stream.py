@@ -168,6 +168,8 @@ class Live:
         self.list_client = self.probe.node.create_client(ListStreams, f"/{NODE}/list_streams")
         self.remove_client = self.probe.node.create_client(RemoveStream, f"/{NODE}/remove_stream")
         self.robots = Robots(self.probe.node)
+        from rclpy.parameter_client import AsyncParameterClient
+        self.params = AsyncParameterClient(self.probe.node, NODE)
         self.goals: dict[str, Goal] = {}
         self.server = Child("server", serve_command(self.config, *NODE_ARGS), env=child_env(self.marker),
                             log=tmp / "serve.log")
@@ -184,6 +186,19 @@ class Live:
         future = client.call_async(request)
         self.probe.wait(future.done, 15.0, f"a reply from {client.srv_name}")
         return future.result()
+
+    def done(self, future, what: str):
+        self.probe.wait(future.done, 15.0, what)
+        return future.result()
+
+    def parameter_names(self, stream: str) -> set[str]:
+        return set(self.done(self.params.list_parameters([f"streams.{stream}"]), "list_parameters").result.names)
+
+    def set_parameter(self, name: str, value):
+        from rclpy.parameter import Parameter
+
+        (r,) = self.done(self.params.set_parameters([Parameter(name, value=value)]), "set_parameters").results
+        return r
 
     def listed(self) -> dict[str, dict]:
         from physis_ros.srv import ListStreams
@@ -291,6 +306,47 @@ def test_admits_robots_one_by_one_until_one_is_rejected_and_a_cancel_frees_its_c
     for g in [*goals, again]:
         assert g.cancel().outcome == "cancelled"
     assert live.listed() == {}
+
+
+# ---- a joined stream's parameters -------------------------------------------------------------------------
+def test_a_joined_robot_has_the_parameters_of_a_configured_one_and_they_leave_with_it(live):
+    """Was: a robot joined through ServeStream declared no parameter (nothing to tune, no range shown), and
+    a removed robot's parameters stayed listed and settable (issue 45 item 2)."""
+    ns = f"{TAG}_prm"
+    assert live.parameter_names("prm") == set()
+    g = live.goal("prm", topic_namespace=ns, slo_interval_ms=CAPACITY_SLO_MS)
+    assert g.admitted, g.result().reason
+    names = live.parameter_names("prm")
+    for key in ("slo_interval_ms", "trajectory_start_offset_s", "max_age_s", "image.preprocess", "joint_names",
+                "control_rate_hz", "namespace", "topics.joint_trajectory", "qos.action_chunk.depth"):
+        assert f"streams.prm.{key}" in names, key
+    (offset, rate) = live.done(live.params.describe_parameters(["streams.prm.trajectory_start_offset_s",
+                                                                "streams.prm.control_rate_hz"]), "describe").descriptors
+    r = offset.floating_point_range[0]
+    assert not offset.read_only and (r.from_value, r.to_value) == (-10.0, 10.0) and offset.description
+    assert "fixed while the stream is served" in rate.additional_constraints
+    got = live.done(live.params.get_parameters(["streams.prm.namespace", "streams.prm.joint_names",
+                                                "streams.prm.slo_interval_ms"]), "get_parameters").values
+    assert (got[0].string_value, list(got[1].string_array_value)) == (ns, JOINTS)   # the goal's values
+    assert got[2].double_value == CAPACITY_SLO_MS
+    r = live.set_parameter("streams.prm.trajectory_start_offset_s", 1e308)   # what silenced a stream before
+    assert not r.successful and "streams.prm.trajectory_start_offset_s" in r.reason, r.reason
+    r = live.set_parameter("streams.prm.control_rate_hz", 25.0)
+    assert not r.successful and "cannot change while the stream is served" in r.reason, r.reason
+    r = live.set_parameter("streams.prm.trajectory_start_offset_s", 0.25)
+    assert r.successful, r.reason
+    got = live.done(live.params.get_parameters(["streams.prm.trajectory_start_offset_s"]), "get").values
+    assert got[0].double_value == 0.25
+    assert g.cancel().outcome == "cancelled"
+    assert live.parameter_names("prm") == set()                # they left with it
+    r = live.set_parameter("streams.prm.trajectory_start_offset_s", 0.5)
+    assert not r.successful
+    again = live.goal("prm", topic_namespace=ns)                 # the name serves again, with the new goal's values
+    assert again.admitted, again.result().reason
+    got = live.done(live.params.get_parameters(["streams.prm.trajectory_start_offset_s"]), "get").values
+    assert got[0].double_value == 0.0
+    assert again.cancel().outcome == "cancelled"
+    assert live.server.poll() is None
 
 
 # ---- joining and leaving while a robot runs -----------------------------------------------------------------
