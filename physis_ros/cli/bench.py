@@ -1,6 +1,6 @@
 """``physis-bench SUBCOMMAND``: benchmarks that write JSON (and plots).
 
-    physis-bench pipeline | timeshare | soak | streams | ros | admission | handoff | hop  [options]
+    physis-bench pipeline | timeshare | soak | streams | ros | admission | handoff | hop | goals  [options]
     (physis-bench SUB --help)
 
 Each subcommand lives in ``physis_ros.bench.<name>`` and provides
@@ -38,6 +38,7 @@ SUBCOMMANDS = {
     "device": "the device check: profile, 1 worker then several time-sharing one device per hop transport, "
               "equivalence to the reference, memory (bench/device_check.sh)",
     "hop": "hidden-state hop time per transport (zmq tcp/ipc, gloo; nccl on CUDA) vs memcpy, 64K-64M",
+    "goals": "a burst of ServeStream goals at once: every goal answered (admitted, or refused with a reason)",
 }
 
 # flag (argparse dest) -> (lowest value, whether the bound is excluded)
@@ -50,7 +51,8 @@ BOUNDS = {
     "window": (0, True), "settle": (0, False), "rounds": (1, False), "max_streams": (1, False),
     "control_rate_hz": (0, True), "second_control_rate_hz": (0, True), "pace_margin": (0, False),
     "host_reserve_cores": (0, False),
-    "profile_repeats": (1, False), "robots": (1, False), "execution_horizon": (1, False),
+    "profile_repeats": (1, False), "robots": (1, False), "execution_horizon": (1, False), "burst": (1, False), "max_pending_goals": (1, False),
+    "reply_timeout": (0, True),
 }
 
 

@@ -185,6 +185,7 @@ def _add(node, args) -> int:
     executor.add_node(node)
     gone = ServerWatch(client, min(args.timeout, SERVER_GONE_S))
     sent = client.send_goal_async(goal, feedback_callback=on_feedback)
+    deadline = time.monotonic() + args.timeout
     while not sent.done():
         if stop.is_set():
             print(f"{PROG}: interrupted", file=sys.stderr)
@@ -192,6 +193,9 @@ def _add(node, args) -> int:
         executor.spin_once(timeout_sec=0.05)
         if gone():
             raise CliError(f"{args.server}/serve_stream went away before it answered (the server stopped?)")
+        if time.monotonic() > deadline:
+            raise CliError(f"{args.server}/serve_stream did not take the goal within {args.timeout:g} s (the "
+                           f"server is overloaded or its goal queue dropped it: try again, or a longer --timeout)")
     handle = sent.result()
     result_future = handle.get_result_async()
     cancelled = False
@@ -199,6 +203,13 @@ def _add(node, args) -> int:
         executor.spin_once(timeout_sec=0.05)
         if state["decided"] is not None and state["decided_at"] is None:
             state["decided_at"] = time.monotonic()
+        if state["decided"] is None and time.monotonic() > deadline + args.timeout and not cancelled:
+            withdrawn = handle.cancel_goal_async()   # the server may still admit it: withdraw it
+            until = time.monotonic() + 2.0
+            while not withdrawn.done() and time.monotonic() < until:
+                executor.spin_once(timeout_sec=0.05)
+            raise CliError(f"{args.server}/serve_stream took the goal but did not decide within {args.timeout:g} s "
+                           f"(admission resolving a model? try a longer --timeout)")
         overtime = args.duration and state["decided_at"] is not None and \
             time.monotonic() - state["decided_at"] >= args.duration
         if (stop.is_set() or overtime) and not cancelled:

@@ -267,6 +267,12 @@ class AdmissionConfig:
     strict: bool = field(default=False, metadata=described(
         "a config stream that is not admitted at start-up stops the server (exit 2) instead of being "
         "reported"))
+    max_pending_goals: int = field(default=32, metadata=bounded(
+        ge=1, le=10000, doc="ServeStream goals admitted at once (each resolving its model and placement); a goal "
+                            "beyond them is refused at once as busy (the robot asks again)"))
+    goal_queue_depth: int = field(default=1000, metadata=bounded(
+        ge=10, le=100000, doc="requests the serve_stream action keeps per service (goal, cancel, result; QoS "
+                              "keep-last depth): a burst beyond it from one instant is lost in DDS unanswered"))
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,10 @@ class StreamHub:
         if node.engine is None or not node.engine.ready.is_set() or node.engine.failure is not None:
             raise Rejected("not-serving", f"the server is {node.state}")
         self.check(name, stream, origin)
+        pending = node.config.admission.max_pending_goals
+        if len(self.joining) >= pending:
+            raise Rejected("busy", f"{len(self.joining)} goals are being admitted already "
+                                   f"(admission.max_pending_goals={pending}): ask again shortly")
         self.joining[name] = stream
         try:
             # serving: a profile measured now yields the CPU to the streams served; with none yet it need not

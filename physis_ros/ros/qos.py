@@ -24,6 +24,12 @@ OVERRIDES = QoSOverridingOptions(policy_kinds=(QoSPolicyKind.HISTORY, QoSPolicyK
                                                QoSPolicyKind.RELIABILITY, QoSPolicyKind.DURABILITY))
 
 
+def action_services(depth: int) -> QoSProfile:
+    """The serve_stream action's goal, cancel and result services: reliable, volatile, keep-last ``depth``
+    (rclpy's default of 10 lost all but about 20 goals of a burst of 100, unanswered)."""
+    return profile(QoSConfig("reliable", depth))
+
+
 def profile(cfg: QoSConfig) -> QoSProfile:
     return QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=cfg.depth,
                       reliability=_RELIABILITY[cfg.reliability], durability=_DURABILITY[cfg.durability])

@@ -23,6 +23,7 @@ from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from physis_ros.action import ServeStream
 from physis_ros.config import ConfigError, from_mapping
 from physis_ros.ros import diagnostics as diag
+from physis_ros.ros import qos
 from physis_ros.ros.admission import Rejected
 from physis_ros.ros.config import StreamConfig
 from physis_ros.ros.tasks import Ticker
@@ -55,9 +56,12 @@ class ServeStreamServer:
         self.ticker = Ticker(node)
         self.goals: dict[str, object] = {}          # stream -> its goal handle
         self.ended: dict[int, tuple[str, str]] = {}  # id(goal handle) -> (outcome, reason) set by whoever ended it
+        room = qos.action_services(node.config.admission.goal_queue_depth)
         self.server = ActionServer(node, ServeStream, "~/serve_stream", self._execute,
                                    goal_callback=lambda goal: GoalResponse.ACCEPT,
-                                   cancel_callback=lambda handle: CancelResponse.ACCEPT)
+                                   cancel_callback=lambda handle: CancelResponse.ACCEPT,
+                                   goal_service_qos_profile=room, cancel_service_qos_profile=room,
+                                   result_service_qos_profile=room)
         self.list_service = node.create_service(ListStreams, "~/list_streams", self._list)
         self.remove_service = node.create_service(RemoveStream, "~/remove_stream", self._remove)
 

@@ -38,9 +38,9 @@ START_TIMEOUT = 90.0
 class Cli:
     """One physis-stream process; its stdout lines arrive on a queue as they are printed."""
 
-    def __init__(self, env: dict, *args: str):
+    def __init__(self, env: dict, *args: str, server: str = SERVER):
         self.args = args
-        self.proc = subprocess.Popen([str(BIN), "--server", SERVER, *args], env=env, stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen([str(BIN), "--server", server, *args], env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: queue.Queue = queue.Queue()
         self.stdout: list[str] = []
@@ -96,8 +96,8 @@ class Live:
                 return v["state"] == "serving"
         return False
 
-    def cli(self, *args: str) -> Cli:
-        c = Cli(self.env, *args)
+    def cli(self, *args: str, server: str = SERVER) -> Cli:
+        c = Cli(self.env, *args, server=server)
         self.clis.append(c)
         return c
 
@@ -209,3 +209,37 @@ def test_an_add_ends_when_the_server_goes_away(live):
     while processes_with_marker(live.marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes_with_marker(live.marker) == []
+
+
+def test_an_add_to_a_server_that_never_decides_ends_with_a_clear_error(live):
+    """Bug found: in a burst of goals the server lost most of them, and physis-stream add waited for a reply
+    for ever. A server that takes the goal and never decides (here an action server in this process that
+    never answers) ends the add after its --timeout with one line saying so (exit 2), the goal withdrawn."""
+    import rclpy.task
+    from rclpy.action import ActionServer, CancelResponse
+
+    from physis_ros.action import ServeStream
+
+    cancels = []
+
+    async def never(handle):
+        await rclpy.task.Future()          # no feedback, no result
+
+    def cancel(handle):
+        cancels.append(handle)
+        return CancelResponse.ACCEPT
+
+    with live.probe._spinning:
+        mute = ActionServer(live.probe.node, ServeStream, f"/{NODE}_mute/serve_stream", never,
+                            cancel_callback=cancel)
+    try:
+        add = live.cli("--timeout", "3", "add", "--name", "mute", "--namespace", f"{TAG}_mute", "--joints",
+                       ",".join(JOINTS), server=f"/{NODE}_mute")
+        code, stdout, stderr = add.wait(timeout=60.0)
+        assert code == 2 and stdout == [], (stdout, stderr)
+        assert len(stderr) == 1 and stderr[0].startswith("physis-stream: error: "), stderr
+        assert "did not decide within 3 s" in stderr[0], stderr
+        live.probe.wait(lambda: len(cancels) == 1, 10.0, "the goal to be withdrawn")
+    finally:
+        with live.probe._spinning:
+            mute.destroy()
