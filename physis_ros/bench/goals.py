@@ -8,9 +8,18 @@ server takes every goal as a goal) and the result of admission (admitted: the fi
 the result with its reason, e.g. ``time-capacity``, ``stream-limit`` or ``busy`` when the bounded
 admission queue is full). The admitted goals are then cancelled, and each must end with a result.
 
+Then the cancel storm: ``--cancels`` cancel requests for every goal at once, admitted or refused (a
+refused goal's cancel must be harmless, a repeated one idempotent). Every cancel request must be answered,
+every admitted goal must end with one result (``cancelled``), and ``list_streams`` must list none of
+the burst's streams afterwards.
+
 The JSON summary (``--json``): goals sent, goal responses and decisions received, admitted, refused by
-reason, cancelled goals' results, the time from the first send to the last decision, and the goals that
-got no answer within ``--reply-timeout`` (exit status 1 when any did).
+reason, cancel requests and responses, the admitted goals' results, streams still listed, the time from
+the first send to the last decision, and the goals that got no answer within ``--reply-timeout`` (exit
+status 1 when anything went unanswered or a stream stayed served).
+
+``--relaxed`` turns off admission's host-CPU budget and jitter bound and books the shipped CPU profiles,
+so that many streams are admitted (they never compute: no robot publishes).
 
 The client's service QoS (goal, result and cancel) keeps ``--burst`` requests: with rclpy's default depth
 of 10 a client that sends a burst loses its own requests before they leave the process; the server's
@@ -36,6 +45,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-streams", type=int, default=64, help="the server's engine.max_streams (default 64)")
     p.add_argument("--max-pending-goals", type=int, default=None,
                    help="the server's admission.max_pending_goals (default: the server's own)")
+    p.add_argument("--cancels", type=int, default=1, help="cancel requests sent at once per goal (default 1)")
+    p.add_argument("--relaxed", action="store_true",
+                   help="admission without host-CPU budget or jitter bound, on the shipped profiles (more admitted)")
     p.add_argument("--start-timeout", type=float, default=120.0, help="wait this long for the server (s)")
     p.add_argument("--reply-timeout", type=float, default=120.0,
                    help="wait this long after the last send for every goal's answer (s)")
@@ -50,7 +62,12 @@ def _say(text: str) -> None:
 def _config(path: Path, args) -> Path:
     import yaml
 
+    from physis_ros.config import repo_config_dir
+
     admission = {} if args.max_pending_goals is None else {"max_pending_goals": args.max_pending_goals}
+    if args.relaxed:
+        admission.update(host_reserve_cores=0.0, host_cores_per_stream=0.0, bound_jitter=False,
+                         profiles=str(repo_config_dir() / "profiles"))
     path.write_text(yaml.safe_dump({"model": "tiny-wam", "diagnostics_period_s": 0.5, "admission": admission,
                                     "engine": {"workers": args.workers, "max_streams": args.max_streams}}))
     return path
@@ -59,7 +76,7 @@ def _config(path: Path, args) -> Path:
 class Burst:
     """The client side: one node, one executor, one action client with room for the burst."""
 
-    def __init__(self, context, burst: int):
+    def __init__(self, context, requests: int):
         import rclpy
         from diagnostic_msgs.msg import DiagnosticArray
         from rclpy.action import ActionClient
@@ -72,10 +89,14 @@ class Burst:
         self.node = rclpy.create_node("physis_bench_goals", context=context)
         self.executor = SingleThreadedExecutor(context=context)
         self.executor.add_node(self.node)
-        room = QoSProfile(depth=max(10, burst), reliability=ReliabilityPolicy.RELIABLE)
+        from physis_ros.srv import ListStreams
+
+        room = QoSProfile(depth=max(10, requests), reliability=ReliabilityPolicy.RELIABLE)
         self.client = ActionClient(self.node, ServeStream, "/physis_server/serve_stream",
                                    goal_service_qos_profile=room, result_service_qos_profile=room,
                                    cancel_service_qos_profile=room)
+        self.lister = self.node.create_client(ListStreams, "/physis_server/list_streams")
+        self.ListStreams = ListStreams
         self.engine_state: str | None = None
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, 10)
 
@@ -141,7 +162,7 @@ def run(args) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     context = rclpy.Context()
     rclpy.init(context=context)
-    burst = Burst(context, args.burst)
+    burst = Burst(context, args.burst * (1 + args.cancels))
     server = Child("physis-serve", serve_command(_config(Path(tmp.name) / "serve.yaml", args)),
                    log=logs / "serve.log")
     try:
@@ -162,11 +183,15 @@ def run(args) -> int:
         refused = collections.Counter(g.result.reason.partition(":")[0] for g in goals
                                       if g.feedback_at is None and g.result is not None)
         _say(f"{len(decided)} of {args.burst} goals decided ({len(admitted)} admitted, refused {dict(refused)}); "
-             f"cancelling the admitted ones")
-        for g in admitted:
-            g.handle.cancel_goal_async()
-        burst.spin_until(lambda: all(g.result_at is not None for g in admitted), args.reply_timeout)
+             f"{args.cancels} cancel(s) of every goal at once")
+        cancels = [g.handle.cancel_goal_async() for _ in range(args.cancels) for g in goals if g.handle is not None]
+        burst.spin_until(lambda: all(c.done() for c in cancels) and all(g.result_at is not None for g in admitted),
+                         args.reply_timeout)
         cancelled = collections.Counter(g.result.outcome if g.result is not None else "no result" for g in admitted)
+        listing = burst.lister.call_async(burst.ListStreams.Request())
+        burst.spin_until(listing.done, 15.0)
+        ours = {g.name for g in goals}
+        listed = sorted(set(listing.result().streams) & ours) if listing.done() else None
         summary = {
             "burst": args.burst, "workers": args.workers, "max_streams": args.max_streams,
             "max_pending_goals": args.max_pending_goals,
@@ -174,12 +199,14 @@ def run(args) -> int:
             "admitted": len(admitted), "refused": dict(sorted(refused.items())),
             "unanswered": [g.name for g in goals if not g.decided][:50],
             "unanswered_total": args.burst - len(decided),
-            "cancelled_results": dict(cancelled), "send_s": round(sent_s, 3),
+            "cancels_sent": len(cancels), "cancel_responses": sum(c.done() for c in cancels),
+            "cancelled_results": dict(cancelled), "still_listed": listed, "send_s": round(sent_s, 3),
             "last_decision_s": None if last_s is None else round(last_s, 3),
             "server_alive": server.poll() is None,
         }
         write_json(args.json, summary)
-        ok = summary["unanswered_total"] == 0 and cancelled.get("no result", 0) == 0 and summary["server_alive"]
+        ok = (summary["unanswered_total"] == 0 and cancelled.get("no result", 0) == 0 and summary["server_alive"]
+              and summary["cancel_responses"] == len(cancels) and listed == [])
         _say(f"{summary['decisions']}/{args.burst} answered, the last after {summary['last_decision_s']} s; "
              f"{'OK' if ok else 'FAILED'}; JSON {args.json}")
         return 0 if ok else 1

@@ -51,7 +51,7 @@ BOUNDS = {
     "window": (0, True), "settle": (0, False), "rounds": (1, False), "max_streams": (1, False),
     "control_rate_hz": (0, True), "second_control_rate_hz": (0, True), "pace_margin": (0, False),
     "host_reserve_cores": (0, False),
-    "profile_repeats": (1, False), "robots": (1, False), "execution_horizon": (1, False), "burst": (1, False), "max_pending_goals": (1, False),
+    "profile_repeats": (1, False), "robots": (1, False), "execution_horizon": (1, False), "burst": (1, False), "max_pending_goals": (1, False), "cancels": (1, False),
     "reply_timeout": (0, True),
 }
 
