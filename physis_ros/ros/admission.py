@@ -28,9 +28,11 @@ from physis_ros.scheduling.admission import REASONS as PLACEMENT_REASONS
 from physis_ros.scheduling.admission import StreamRequest
 from physis_ros.scheduling.cluster import Cluster, PlacedStream
 from physis_ros.scheduling.placement import JointScheduler
-from physis_ros.scheduling.settings import DeviceSpec, SchedulingConfig, load_device, load_scheduling
+from physis_ros.scheduling.profiles import stream_memory_bytes
+from physis_ros.scheduling.settings import GB, DeviceSpec, SchedulingConfig, load_device, load_scheduling
 
 if TYPE_CHECKING:
+    from physis_ros.model.spec import ModelConfig
     from physis_ros.ros.config import ServeConfig
 
 REASONS = {
@@ -116,6 +118,21 @@ class ServerAdmission:
         # the jitter bound, which charges it (JitterBound.spread)
         self.intervals = intervals
         self.version = 0   # placements on the host: every join and leave counts (restarts the interval windows)
+
+    def check_memory(self, config: ModelConfig) -> None:
+        """Rejected("memory") when one stream of ``config`` cannot fit all the workers' memory together even
+        with nothing else served: decided from the model's shape alone, before it is built or profiled, so
+        the same request gets the same answer whatever the server runs."""
+        need = stream_memory_bytes(config)
+        total = sum(need.values())
+        cap = float(self.cluster.mem_cap.sum())
+        if total > cap:
+            spec = self.cluster.specs[0]
+            raise Rejected("memory", f"model '{config.name}' needs {total / GB:.1f} GB for one stream (weights "
+                                     f"{need['weights'] / GB:.1f} GB, KV {need['kv'] / GB:.1f} GB, buffers "
+                                     f"{need['buffers'] / GB:.2f} GB); the server's {len(self.cluster.specs)} "
+                                     f"worker(s) hold {cap / GB:.1f} GB ({spec.name}: {spec.usable_bytes / GB:.1f} GB "
+                                     f"usable each)")
 
     def admit(self, stream: str, model: ServedModel, pace_ms: float, slo_ms: float | None = None,
               paced: bool = True) -> Admitted:

@@ -109,6 +109,10 @@ class StreamHub:
                                    f"(admission.max_pending_goals={pending}): ask again shortly")
         self.joining[name] = stream
         try:
+            # What one stream of the model needs against all the workers' memory, from its shape alone: a model
+            # that can never fit is refused before anything builds or profiles it (a 14B preset once took the
+            # server to 20 GB of a 24 GB host while it was measured in-process).
+            self.admission.check_memory(self.catalog.config_of(stream.model))
             # serving: a profile measured now yields the CPU to the streams served; with none yet it need not
             resolving = self.loader.submit(self.catalog.resolve, stream.model, bool(node.streams))
             served = await ticker.wait(resolving)

@@ -72,6 +72,11 @@ class ModelCatalog:
         self._served: dict[str, ServedModel] = {}
         self._lock = threading.Lock()
 
+    def config_of(self, ref: str = "") -> ModelConfig:
+        """The model config of ``ref`` (empty: the server's default) without building or profiling it (a
+        preset, a YAML file, or a checkpoint's header); Rejected("unknown-model") if unusable."""
+        return model_config_of(ref or self.default)[0]
+
     def resolve(self, ref: str = "", serving: bool = True) -> ServedModel:
         """The served model of ``ref`` (empty: the server's default), with its profile (measured on first
         use: call off the executor thread; ``serving``: streams run now, so a measurement yields to them)."""

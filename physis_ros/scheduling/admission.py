@@ -57,7 +57,8 @@ REASONS = {
     "memory-unreachable": "a single stage does not fit one device's memory",
     "latency-unreachable": "compute plus hops exceed the response-latency SLO, even alone",
     "time-capacity": "no device has enough time capacity left for a rank",
-    "memory": "the devices with time capacity left lack memory for a rank",
+    "memory": "the devices with time capacity left lack memory for a rank (or all the workers together, empty, "
+              "lack it for one stream of the model: checked from its shape before it is built or profiled)",
     "latency-jitter": "the chunks that would share a device could delay some stream's chunk by more than its "
                       "interval SLO leaves over the interval it is released at",
     "no-group": "every equal-split group is taken",

@@ -127,6 +127,15 @@ def memory_fields(cfg: ModelConfig) -> dict[str, int]:
             "hidden_bytes": cfg.tokens_per_chunk * cfg.hidden * s}
 
 
+def stream_memory_bytes(cfg: ModelConfig) -> dict[str, int]:
+    """What one stream of ``cfg`` needs in the workers' memory together, at least, from the model's shape
+    alone (no profile, no build): the weights of every block, a KV slot for every stage (step x block)
+    and two hidden-state buffers (what placement charges its ranks, summed)."""
+    m = memory_fields(cfg)
+    return {"weights": cfg.blocks * m["block_weight_bytes"], "kv": cfg.steps * cfg.blocks * m["kv_bytes"],
+            "buffers": 2 * m["hidden_bytes"]}
+
+
 def profile_from_json(data: dict, cfg: ModelConfig, *, where: str = "profile") -> CostProfile:
     """Parse the ``physis-profile`` JSON (``stage_ms: {"k,b": {"1": ms, ...}}, hop_ms, ...``) for model ``cfg``."""
     if not isinstance(data, dict):

@@ -169,6 +169,42 @@ def test_the_batch_curve_admission_books_is_the_profiles_own():
         assert adm.utilisation()[0] == pytest.approx(expected, abs=1e-4), max_batch
 
 
+def test_a_model_that_cannot_fit_the_workers_is_refused_from_its_shape_before_anything_builds_it(monkeypatch):
+    """Issue 46 item 1: a goal for the wan2.1-14b preset made the server build and profile it in-process (RSS
+    0.34 -> 20.7 GB on a 24 GB host). One stream of it needs 63.3 GB (32.3 GB of weights, 30.9 GB of KV), the
+    2 CPU workers hold 14 GB: refused as ``memory`` with the figures, the same whatever is served."""
+    from physis_ros.ros.admission import server_admission
+    from physis_ros.ros.hub import StreamHub
+
+    cfg = ServeConfig(engine=dataclasses.replace(ServeConfig().engine, workers=2))
+    adm, device = server_admission(cfg, cores=2)
+    assert device == "cpu"
+    with pytest.raises(Rejected) as exc:
+        adm.check_memory(load_model_config("wan2.1-14b"))
+    assert exc.value.reason == "memory"
+    assert "63.3 GB for one stream (weights 32.3 GB, KV 30.9 GB" in exc.value.detail, exc.value.detail
+    assert "2 worker(s) hold 14.0 GB (cpu: 7.0 GB usable each)" in exc.value.detail, exc.value.detail
+    adm.check_memory(WAM)                                           # tiny ones fit
+    adm.check_memory(load_model_config("wan2.1-1.3b"))             # 10.0 GB of 14
+    one, _ = server_admission(ServeConfig(engine=dataclasses.replace(ServeConfig().engine, workers=1)), cores=2)
+    with pytest.raises(Rejected):
+        one.check_memory(load_model_config("wan2.1-1.3b"))         # but not one worker's 7
+
+    # In the hub: refused before the catalog resolves (builds, profiles) anything.
+    built = []
+    monkeypatch.setattr("physis_ros.ros.models.measure_profile", lambda *a, **k: built.append(a))
+    hub = hub_with(workers=2)
+    hub.node.engine = SimpleNamespace(ready=SimpleNamespace(is_set=lambda: True), failure=None)
+    hub.catalog.resolve = lambda *a, **k: built.append(a)
+    try:
+        with pytest.raises(Rejected) as exc:
+            asyncio.run(hub.join("big", stream(model="wan2.1-14b"), "action", ticker=None))
+        assert exc.value.reason == "memory" and built == []
+        assert hub.joining == {} and hub.rejections[-1][:2] == ("big", "memory")
+    finally:
+        hub.close()
+
+
 def test_memory_is_charged_per_stage_and_refused_by_name():
     # 4 stages a stream, 1 GB of KV per stage, 0.25 GB of weights per block: a stream needs 4 GB of KV
     # on top of the weights its worker loads once for every stream; 10 GB workers hold two streams each.

@@ -252,6 +252,13 @@ def refused(live, stream: str, reason: str, **fields):
     return r
 
 
+def server_rss_mb(live) -> float:
+    for line in open(f"/proc/{live.server.pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
 def contiguous(indices: list[int]) -> bool:
     return indices == list(range(indices[0], indices[0] + len(indices))) if indices else True
 
@@ -267,6 +274,13 @@ def test_goals_that_cannot_be_served_are_refused_with_the_reason(live):
     refused(live, "ghost", "invalid-request", joint_names=[])
     refused(live, "ghost", "invalid-request", slo_interval_ms=-1.0)
     refused(live, "ghost", "invalid-request", image_topic="not a topic")
+    # One stream of the 14B preset needs 63 GB, the 2 CPU workers hold 14: refused from its shape, at once,
+    # before anything builds or profiles it (it once took the server from 0.34 to 20.7 GB in-process)
+    rss = server_rss_mb(live)
+    start = time.monotonic()
+    r = refused(live, "ghost", "memory", model="wan2.1-14b")
+    assert "63.3 GB for one stream" in r.reason and time.monotonic() - start < 10.0, r.reason
+    assert server_rss_mb(live) < rss + 100.0
     assert live.listed() == {}
     assert live.server.poll() is None
 
