@@ -46,6 +46,8 @@ REASONS = {
     "invalid-request": "a field of the request is malformed (name, namespace, joints, rates, topics)",
     "not-serving": "the server is not serving (not configured, or its engine failed)",
     "stream-limit": "the server holds engine.max_streams streams already",
+    "profile-failed": "measuring the model's cost profile failed or took longer than admission.profile_timeout_s "
+                      "(give one in admission.profiles)",
     "busy": "admission.max_pending_goals goals are being admitted already (a burst): ask again shortly",
     "internal-error": "the server failed while admitting the stream (a bug; its log has the details)",
     "host-cpu": "the host's cores would be exhausted: CPU workers' load plus what the node spends per stream",

@@ -267,6 +267,12 @@ class AdmissionConfig:
     strict: bool = field(default=False, metadata=described(
         "a config stream that is not admitted at start-up stops the server (exit 2) instead of being "
         "reported"))
+    profile_memory_gb: float = field(default=4.0, metadata=bounded(
+        gt=0.0, le=4096.0, doc="address space of the child process that measures a model's first profile (GB, "
+                               "CPU devices; its interpreter and torch take about 2 of it)"))
+    profile_timeout_s: float = field(default=120.0, metadata=bounded(
+        gt=0.0, le=86400.0, doc="a model's first profile is given up after this long (s); its goal is refused as "
+                                "profile-failed"))
     max_pending_goals: int = field(default=32, metadata=bounded(
         ge=1, le=10000, doc="ServeStream goals admitted at once (each resolving its model and placement); a goal "
                             "beyond them is refused at once as busy (the robot asks again)"))

@@ -36,12 +36,14 @@ class StreamHub:
         self.admission, device = server_admission(cfg)
         self.catalog = ModelCatalog(cfg.model, "cpu" if device == "cpu" else "cuda", cfg.admission,
                                     cfg.engine.checkpoint)
-        self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-catalog")
+        # a few threads: a goal for a model resolved already is not held up by another model being measured
+        self.loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="model-catalog")
         self.joining: dict[str, StreamConfig] = {}   # streams being admitted now (they hold their names and topics)
         self.rejections: list[tuple[str, str, str]] = []   # (stream, reason, detail), newest last
 
     def close(self) -> None:
         self.loader.shutdown(wait=False, cancel_futures=True)
+        self.catalog.close()
 
     def check(self, name: str, stream: StreamConfig, origin: str = "config") -> None:
         """What no placement can fix, checked before anything is done (Rejected naming it). A bad request is

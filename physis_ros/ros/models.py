@@ -2,11 +2,15 @@
 safetensors checkpoint (which carries its config), each with the cost profile admission decides on.
 
 A profile is read from ``admission.profiles`` (a directory of ``physis-profile`` JSON files named
-``<model>.<device>.json``) when one is there for the model, else measured here with the workers'
-own stage code (:func:`physis_ros.runtime.profiler.measure_profile`, a second or two for the tiny
-presets), once per model. CPU workers share the host's cores, which a one-process measurement does
-not see: ``admission.corun_slowdown`` (what ``physis-profile --corun`` measures) is applied to a
-measured profile that lacks it.
+``<model>.<device>.json``) when one is there for the model, else measured once per model by
+``physis-profile`` in a child process (:func:`measure_in_child`): the workers' own stage code, a few
+seconds for the tiny presets, never in the server's process. The child has an address-space limit
+(``admission.profile_memory_gb``, CPU devices) and a time limit (``admission.profile_timeout_s``), runs
+at the lowest CPU priority while robots are served, and is killed if the server stops; a measurement
+that fails refuses its goal (``profile-failed``, or ``memory``) and is tried again by the next goal.
+Goals for models already resolved are not held up by one being measured. CPU workers share the host's
+cores, which a one-process measurement does not see: ``admission.corun_slowdown`` (what
+``physis-profile --corun`` measures) is applied to a measured profile that lacks it.
 """
 
 from __future__ import annotations
@@ -14,18 +18,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
+import subprocess
+import sys
+import tempfile
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
-from physis_ros.config import ConfigError, repo_config_dir
+import yaml
+
+from physis_ros.config import ConfigError, repo_config_dir, to_mapping
 from physis_ros.model.checkpoint import CheckpointError, read_checkpoint_config
 from physis_ros.model.presets import load_model_config
 from physis_ros.model.spec import ModelConfig
 from physis_ros.ros.admission import Rejected
 from physis_ros.ros.config import AdmissionConfig
-from physis_ros.runtime.profiler import measure_profile
 from physis_ros.runtime.streams import ServedModel
-from physis_ros.scheduling.profiles import CostProfile, profile_from_json
+from physis_ros.scheduling.profiles import CostProfile, profile_from_json, stream_memory_bytes
+from physis_ros.scheduling.settings import GB
 
 
 def bundled_checkpoint(ref: str) -> Path | None:
@@ -70,6 +81,8 @@ class ModelCatalog:
         self.config = config
         self.default_checkpoint = checkpoint
         self._served: dict[str, ServedModel] = {}
+        self._pending: dict[str, Future] = {}   # models being measured now
+        self._children: list[subprocess.Popen] = []   # their physis-profile processes
         self._lock = threading.Lock()
 
     def config_of(self, ref: str = "") -> ModelConfig:
@@ -79,23 +92,48 @@ class ModelCatalog:
 
     def resolve(self, ref: str = "", serving: bool = True) -> ServedModel:
         """The served model of ``ref`` (empty: the server's default), with its profile (measured on first
-        use: call off the executor thread; ``serving``: streams run now, so a measurement yields to them)."""
+        use: call off the executor thread; ``serving``: streams run now, so a measurement yields to them).
+        Two goals for one model wait for one measurement; goals for other models do not wait for it."""
         ref = ref or self.default
         config, checkpoint = model_config_of(ref)
         if ref == self.default and checkpoint is None:
             checkpoint = self.default_checkpoint
         key = f"{config.name}@{checkpoint}"
         with self._lock:
-            if key not in self._served:
-                self._served[key] = ServedModel(config, checkpoint, self._profile(config, serving))
+            pending = self._pending.get(key)
+            mine = pending is None and key not in self._served
+            if mine:
+                pending = self._pending[key] = Future()
+        if mine:
+            try:
+                profile = self._profile(config, serving)
+            except BaseException as exc:
+                with self._lock:
+                    del self._pending[key]      # the next goal tries again
+                pending.set_exception(exc)
+                raise
+            with self._lock:
+                self._served[key] = ServedModel(config, checkpoint, profile)
+                del self._pending[key]
+            pending.set_result(None)
+        elif pending is not None:
+            pending.result()                    # another goal measures it: its outcome is ours
+        with self._lock:
             served = self._served[key]
-            if served.config != config:
-                # Workers share weights by the model's name: another model under a served name would run
-                # with the served one's blocks (and be admitted on its profile).
-                raise Rejected("unknown-model", f"model '{ref}' is named '{config.name}' like a model this "
-                                                f"server already serves, with another config; give it a name "
-                                                f"of its own")
-            return served
+        if served.config != config:
+            # Workers share weights by the model's name: another model under a served name would run
+            # with the served one's blocks (and be admitted on its profile).
+            raise Rejected("unknown-model", f"model '{ref}' is named '{config.name}' like a model this "
+                                            f"server already serves, with another config; give it a name "
+                                            f"of its own")
+        return served
+
+    def close(self) -> None:
+        """Kill a measurement under way (the server stops)."""
+        with self._lock:
+            children = list(self._children)
+        for child in children:
+            child.kill()
 
     def _profile(self, config: ModelConfig, serving: bool) -> CostProfile:
         directory = self.config.profiles
@@ -106,23 +144,69 @@ class ModelCatalog:
                     return profile_from_json(json.loads(path.read_text()), config, where=str(path))
                 except (ConfigError, ValueError) as exc:
                     raise Rejected("unknown-model", f"profile {path}: {exc}") from None
-        if serving:
-            # (not with nothing served yet: at the lowest priority a first measurement takes what the robots'
-            # and workers' own start-up leave, and read a tiny-wam chunk at 70 ms on a slow CI host)
-            yield_to_streams()
-        profile = measure_profile(config, self.device, repeats=self.config.profile_repeats)
+        # (not with nothing served yet: at the lowest priority a first measurement takes what the robots'
+        # and workers' own start-up leave, and read a tiny-wam chunk at 70 ms on a slow CI host)
+        profile = self.measure(config, nice=19 if serving else 0)
         slowdown = self.config.corun_slowdown if self.device == "cpu" else 1.0
         return dataclasses.replace(profile, corun_slowdown=max(profile.corun_slowdown, slowdown))
 
+    def measure(self, config: ModelConfig, nice: int) -> CostProfile:
+        """``physis-profile`` of ``config`` in a child process (see the module's docstring)."""
+        limit = self.config.profile_memory_gb * GB if self.device == "cpu" else None
+        need = stream_memory_bytes(config)
+        if limit is not None and need["weights"] + need["kv"] > limit:
+            raise Rejected("memory", f"measuring model '{config.name}' here needs its whole model in one process: "
+                                     f"{(need['weights'] + need['kv']) / GB:.1f} GB of weights and KV, over "
+                                     f"admission.profile_memory_gb={self.config.profile_memory_gb:g} (give its "
+                                     f"profile in admission.profiles, physis-profile on a larger host)")
+        return measure_in_child(config, self.device, self.config.profile_repeats, nice=nice,
+                                memory_bytes=None if limit is None else int(limit),
+                                timeout_s=self.config.profile_timeout_s, children=self._children, lock=self._lock)
 
-def yield_to_streams() -> None:
-    """Lower this thread's CPU priority for good (Linux: nice is per thread; the catalog's own thread
-    calls this). A model's first profile is measured while other streams are served: on a host whose
-    cores the workers use, a measurement at normal priority takes their time, and their chunks miss
-    their bounds (seen as chunk timeouts, lost chunks and a reset of every stream on the busiest worker
-    while tiny-acwm was first measured on a loaded 2-core host). At the lowest priority it takes what
-    the workers leave; its numbers are then, if anything, pessimistic."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):   # not Linux, or not allowed: measure at the thread's priority
-        pass
+
+def measure_in_child(config: ModelConfig, device: str, repeats: int, *, nice: int = 0, memory_bytes: int | None = None,
+                     timeout_s: float = 120.0, children: list | None = None,
+                     lock: threading.Lock | None = None) -> CostProfile:
+    """Run ``physis-profile`` on ``config`` (written as a model YAML) in a child process with an address-space
+    limit of ``memory_bytes`` and ``nice``, killed after ``timeout_s``; its profile, or Rejected saying why not
+    (``memory`` when it ran out of its limit, else ``profile-failed``). ``children``/``lock``: where the
+    running child is listed while it runs (so that a stopping server can kill it)."""
+    def limits() -> None:   # in the child, before it execs
+        if nice:
+            os.nice(nice)
+        if memory_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+
+    with tempfile.TemporaryDirectory(prefix="physis_profile_") as tmp:
+        model, out = Path(tmp) / "model.yaml", Path(tmp) / "profile.json"
+        model.write_text(yaml.safe_dump(to_mapping(config)))
+        cmd = [sys.executable, "-m", "physis_ros.cli.profile", "--model", str(model), "--device", device,
+               "--repeats", str(repeats), "--corun", "0", "--json", str(out)]
+        child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 preexec_fn=limits, text=True)
+        if children is not None and lock is not None:
+            with lock:
+                children.append(child)
+        try:
+            _, err = child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            raise Rejected("profile-failed", f"measuring model '{config.name}' took over {timeout_s:g} s "
+                                             f"(admission.profile_timeout_s); give its profile in "
+                                             f"admission.profiles") from None
+        finally:
+            if children is not None and lock is not None:
+                with lock:
+                    children.remove(child)
+        if child.returncode != 0 or not out.is_file():
+            # (its progress line ends in a carriage return, not a newline, before the error)
+            last = (err or "").replace("\r", "\n").strip().splitlines()[-1:] or [f"exit status {child.returncode}"]
+            if "MemoryError" in (err or "") or "std::bad_alloc" in (err or "") or "DefaultCPUAllocator" in (err or ""):
+                raise Rejected("memory", f"measuring model '{config.name}' ran out of admission.profile_memory_gb="
+                                         f"{(memory_bytes or 0) / GB:g} GB ({last[0][:200]})")
+            raise Rejected("profile-failed", f"measuring model '{config.name}' failed: {last[0][:300]}")
+        try:
+            return profile_from_json(json.loads(out.read_text()), config, where="physis-profile")
+        except (ConfigError, ValueError) as exc:
+            raise Rejected("profile-failed", f"measuring model '{config.name}': {exc}") from None

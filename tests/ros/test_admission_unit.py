@@ -174,7 +174,6 @@ def test_a_model_that_cannot_fit_the_workers_is_refused_from_its_shape_before_an
     0.34 -> 20.7 GB on a 24 GB host). One stream of it needs 63.3 GB (32.3 GB of weights, 30.9 GB of KV), the
     2 CPU workers hold 14 GB: refused as ``memory`` with the figures, the same whatever is served."""
     from physis_ros.ros.admission import server_admission
-    from physis_ros.ros.hub import StreamHub
 
     cfg = ServeConfig(engine=dataclasses.replace(ServeConfig().engine, workers=2))
     adm, device = server_admission(cfg, cores=2)
@@ -192,7 +191,7 @@ def test_a_model_that_cannot_fit_the_workers_is_refused_from_its_shape_before_an
 
     # In the hub: refused before the catalog resolves (builds, profiles) anything.
     built = []
-    monkeypatch.setattr("physis_ros.ros.models.measure_profile", lambda *a, **k: built.append(a))
+    monkeypatch.setattr("physis_ros.ros.models.measure_in_child", lambda *a, **k: built.append(a))
     hub = hub_with(workers=2)
     hub.node.engine = SimpleNamespace(ready=SimpleNamespace(is_set=lambda: True), failure=None)
     hub.catalog.resolve = lambda *a, **k: built.append(a)
@@ -777,53 +776,101 @@ def test_a_stale_goal_never_removes_the_stream_a_newer_goal_of_its_name_serves(g
     assert new.result().outcome == "removed"
 
 
-def test_a_first_profile_is_measured_at_the_lowest_priority(monkeypatch, tmp_path):
+def test_a_first_profile_is_measured_at_the_lowest_priority_while_robots_are_served(monkeypatch):
     """A model's first profile is measured while other robots are served: it must not take their workers'
-    time (at normal priority, tiny-acwm's first measurement reset every stream of a loaded 2-core host)."""
-    import os
-
-    from physis_ros.ros import models
-    from physis_ros.ros.config import AdmissionConfig
-
-    seen = {}
-
-    def measure(config, device, repeats):
-        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        return wam_profile()
-
-    monkeypatch.setattr(models, "measure_profile", measure)
-    catalog = models.ModelCatalog("tiny-wam", "cpu", AdmissionConfig())
-    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    loader = threading.Thread(target=catalog.resolve, args=("tiny-wam",))   # as the hub's catalog thread
-    loader.start()
-    loader.join(30)
-    assert seen["nice"] == 19
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before   # the caller's thread only
-    assert catalog.resolve("tiny-wam").profile.corun_slowdown == pytest.approx(1.15)   # CPU co-run applied
-
-
-def test_a_first_profile_with_nothing_served_is_measured_at_normal_priority(monkeypatch):
-    """Bug found in CI: the server's first profile (its config streams at start-up, nothing served yet) was
+    time (at normal priority, tiny-acwm's first measurement reset every stream of a loaded 2-core host).
+    Bug found in CI: the server's first profile (its config streams at start-up, nothing served yet) was
     measured at the lowest priority beside the robots' and workers' own start-up, read a tiny-wam chunk at
     70 ms and refused the second robot (latency-jitter). With nothing to yield to, it keeps its priority."""
-    import os
-
     from physis_ros.ros import models
     from physis_ros.ros.config import AdmissionConfig
 
     seen = []
 
-    def measure(config, device, repeats):
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    def measure(config, device, repeats, **kw):
+        seen.append((config.name, kw["nice"], kw["memory_bytes"], kw["timeout_s"]))
         return wam_profile()
 
-    monkeypatch.setattr(models, "measure_profile", measure)
+    monkeypatch.setattr(models, "measure_in_child", measure)
+    catalog = models.ModelCatalog("tiny-wam", "cpu", AdmissionConfig(profile_memory_gb=3.0, profile_timeout_s=60.0))
+    catalog.resolve("tiny-wam", False)
+    catalog.resolve("tiny-acwm")
+    assert seen == [("tiny-wam", 0, 3e9, 60.0), ("tiny-acwm", 19, 3e9, 60.0)]
+    assert catalog.resolve("tiny-wam").profile.corun_slowdown == pytest.approx(1.15)   # CPU co-run applied
+    assert len(seen) == 2                                                              # once per model
+
+
+def test_goals_for_a_resolved_model_are_not_held_up_by_one_being_measured(monkeypatch):
+    """Issue 46 item 1: a model measured for minutes held the catalog's one lock and one thread, and every
+    later goal, whatever its model, went undecided for 150 s or more. Two goals for the model being measured
+    wait for one measurement, and its failure is theirs (the next goal tries again)."""
+    from physis_ros.ros import models
+    from physis_ros.ros.config import AdmissionConfig
+
+    release, calls = threading.Event(), []
+
+    def measure(config, device, repeats, **kw):
+        calls.append(config.name)
+        if config.name == "tiny-acwm":
+            release.wait(30)
+            raise Rejected("profile-failed", "it did not work this time")
+        return wam_profile()
+
+    monkeypatch.setattr(models, "measure_in_child", measure)
     catalog = models.ModelCatalog("tiny-wam", "cpu", AdmissionConfig())
-    normal = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    loader = threading.Thread(target=lambda: (catalog.resolve("tiny-wam", False), catalog.resolve("tiny-acwm")))
-    loader.start()
-    loader.join(30)
-    assert seen == [normal, 19]     # the start-up measurement as is, a later one (streams served) yielding
+    catalog.resolve("tiny-wam")
+    outcomes = []
+
+    def goal():
+        try:
+            catalog.resolve("tiny-acwm")
+        except Rejected as exc:
+            outcomes.append(exc.reason)
+
+    slow = [threading.Thread(target=goal) for _ in range(2)]
+    for t in slow:
+        t.start()
+    while calls.count("tiny-acwm") < 1:
+        time.sleep(0.01)
+    start = time.monotonic()
+    assert catalog.resolve("tiny-wam").config.name == "tiny-wam"   # not behind the measurement
+    assert time.monotonic() - start < 5.0
+    release.set()
+    for t in slow:
+        t.join(30)
+    assert outcomes == ["profile-failed", "profile-failed"] and calls.count("tiny-acwm") == 1
+    with pytest.raises(Rejected):
+        catalog.resolve("tiny-acwm")                                  # tried again, not cached as failed
+    assert calls.count("tiny-acwm") == 2
+
+
+@pytest.mark.slow
+def test_a_first_profile_runs_in_a_child_with_a_memory_and_a_time_limit():
+    """Issue 46 item 1: the server built and profiled a model in its own process (a 14B preset took it to 20.7
+    GB). The measurement now runs in a physis-profile child: the tiny presets are measured there; one that
+    outgrows the child's address space is refused as ``memory``, one that takes too long as
+    ``profile-failed``, and one whose weights alone exceed the limit is refused before any child starts."""
+    from physis_ros.ros import models
+    from physis_ros.ros.config import AdmissionConfig
+
+    tiny = load_model_config("tiny-acwm")
+    profile = models.measure_in_child(tiny, "cpu", 2, memory_bytes=int(3e9), timeout_s=120.0)
+    assert profile.model == "tiny-acwm" and profile.source.startswith("measured:") and profile.overhead_ms_per_call > 0
+    # 353 MB of weights: within a 1.2 GB limit on paper, beyond it with the interpreter and torch
+    fat = dataclasses.replace(load_model_config("tiny-wam"), name="fat-wam", hidden=1024, heads=8)
+    with pytest.raises(Rejected) as exc:
+        models.measure_in_child(fat, "cpu", 2, memory_bytes=int(1.2e9), timeout_s=120.0)
+    assert exc.value.reason == "memory" and "DefaultCPUAllocator" in exc.value.detail, exc.value.detail
+    start = time.monotonic()
+    with pytest.raises(Rejected) as exc:
+        models.measure_in_child(tiny, "cpu", 2, timeout_s=0.5)
+    assert exc.value.reason == "profile-failed" and "took over 0.5 s" in exc.value.detail
+    assert time.monotonic() - start < 10.0
+    catalog = models.ModelCatalog("tiny-wam", "cpu", AdmissionConfig(profile_memory_gb=2.0))
+    with pytest.raises(Rejected) as exc:
+        catalog.resolve("wan2.1-1.3b")                 # 10 GB of weights and KV: no child is started for it
+    assert exc.value.reason == "memory" and "profile_memory_gb=2" in exc.value.detail, exc.value.detail
+    assert "needs its whole model in one process: 10.0 GB" in exc.value.detail, exc.value.detail
 
 
 @pytest.mark.slow
