@@ -171,19 +171,22 @@ def measure_in_child(config: ModelConfig, device: str, repeats: int, *, nice: in
     limit of ``memory_bytes`` and ``nice``, killed after ``timeout_s``; its profile, or Rejected saying why not
     (``memory`` when it ran out of its limit, else ``profile-failed``). ``children``/``lock``: where the
     running child is listed while it runs (so that a stopping server can kill it)."""
-    def limits() -> None:   # in the child, before it execs
-        if nice:
-            os.nice(nice)
-        if memory_bytes is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-
     with tempfile.TemporaryDirectory(prefix="physis_profile_") as tmp:
         model, out = Path(tmp) / "model.yaml", Path(tmp) / "profile.json"
         model.write_text(yaml.safe_dump(to_mapping(config)))
         cmd = [sys.executable, "-m", "physis_ros.cli.profile", "--model", str(model), "--device", device,
                "--repeats", str(repeats), "--corun", "0", "--json", str(out)]
         child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                 preexec_fn=limits, text=True)
+                                 text=True)
+        # Set from here, not by a preexec_fn (unsafe in a process with threads, as the server is): the child
+        # is still starting its interpreter, long before it builds the model.
+        try:
+            if memory_bytes is not None:
+                resource.prlimit(child.pid, resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+            if nice:
+                os.setpriority(os.PRIO_PROCESS, child.pid, nice)
+        except (OSError, ValueError):
+            child.kill()   # (ProcessLookupError: it died at once; its error is read below)
         if children is not None and lock is not None:
             with lock:
                 children.append(child)
