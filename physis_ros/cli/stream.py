@@ -58,6 +58,9 @@ def build_parser() -> ArgumentParser:
     add.add_argument("--joint-trajectory-topic", default="",
                      help="JointTrajectory output topic, e.g. /arm_controller/joint_trajectory to feed a controller")
     add.add_argument("--duration", type=nonneg_float, default=0.0, help="cancel after this many seconds (0: never)")
+    add.add_argument("--lease-s", type=nonneg_float, default=15.0,
+                     help="the server removes the stream when this command has not renewed its lease for this long "
+                          "(it died: kill -9, a lost host); renewed every second; 0: no lease (default 15)")
     add.add_argument("--json", help="write the admission decision here")
     lst = sub.add_parser("list", description=__doc__, help="the streams served")
     lst.add_argument("--json", help="write the list here")
@@ -153,7 +156,10 @@ def _add(node, args) -> int:
     if not client.wait_for_server(timeout_sec=args.timeout):
         raise CliError(f"no server answers on {args.server}/serve_stream within {args.timeout:g} s (is physis-serve "
                        f"running? --server?)")
+    if args.lease_s and not 1.0 <= args.lease_s <= 3600.0:
+        raise CliError(f"--lease-s: give 0 (no lease) or 1-3600 s, got {args.lease_s:g}")
     goal = ServeStream.Goal(stream=args.name, topic_namespace=args.namespace, model=args.model, joint_names=joints,
+                            lease_s=args.lease_s,
                             slo_interval_ms=args.slo_ms, control_rate_hz=args.control_rate_hz,
                             execution_horizon=args.execution_horizon, handoff=args.handoff,
                             actions_type=args.actions_type, actions_topic=args.actions_topic, image_topic=args.image_topic,
@@ -199,8 +205,10 @@ def _add(node, args) -> int:
     handle = sent.result()
     result_future = handle.get_result_async()
     cancelled = False
+    renew = Renewal(node, args.server, bytes(handle.goal_id.uuid).hex(), args.lease_s)
     while not result_future.done():
         executor.spin_once(timeout_sec=0.05)
+        renew()
         if state["decided"] is not None and state["decided_at"] is None:
             state["decided_at"] = time.monotonic()
         if state["decided"] is None and time.monotonic() > deadline + args.timeout and not cancelled:
@@ -228,6 +236,24 @@ def _add(node, args) -> int:
     print(json.dumps({"outcome": result.outcome, "reason": result.reason, "chunks_emitted": result.chunks_emitted,
                       "chunks_lost": result.chunks_lost}), flush=True)
     return 0 if result.outcome == "cancelled" else 1
+
+
+class Renewal:
+    """Renews a goal's lease on ``<server>/lease`` about every second (a third of the lease, if shorter)."""
+
+    def __init__(self, node, server: str, goal_id: str, lease_s: float):
+        from std_msgs.msg import String
+
+        self.msg = String(data=goal_id)
+        self.period = min(1.0, lease_s / 3.0)
+        self.pub = node.create_publisher(String, f"{server}/lease", 100) if lease_s else None
+        self.last = 0.0
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if self.pub is not None and now - self.last >= self.period:
+            self.last = now
+            self.pub.publish(self.msg)
 
 
 SERVER_GONE_S = 3.0   # the action server undiscovered this long: it stopped (a clean exit is seen at once)

@@ -8,6 +8,12 @@ learns why. Cancelling the goal removes the stream and frees its capacity (``out
 a stream removed through ``~/remove_stream`` ends its goal with ``outcome: removed``, and one that
 fails for good (a worker that cannot come back) with ``failed``.
 
+A client that dies cannot cancel: a goal with ``lease_s > 0`` is kept only while its client publishes the
+goal's id (hex, ``std_msgs/String``) on ``~/lease`` at least every ``lease_s`` seconds (physis-stream does,
+every second); when the lease lapses the stream is removed and the goal ends ``client-gone``. The ROS
+graph would tell too, but only after the client's DDS participant lease (about 19 s measured with Fast
+DDS's defaults) and without saying which client sent which goal; the lease is the client's own bound.
+
 ``~/list_streams`` (ListStreams) names every stream served, config or action; ``~/remove_stream``
 (RemoveStream) removes any of them. Goals run as coroutines on the node's executor (no thread
 waits on a robot).
@@ -16,16 +22,18 @@ waits on a robot).
 from __future__ import annotations
 
 import math
+import time
 from typing import TYPE_CHECKING
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from std_msgs.msg import String
 
 from physis_ros.action import ServeStream
 from physis_ros.config import ConfigError, from_mapping
 from physis_ros.ros import diagnostics as diag
 from physis_ros.ros import qos
 from physis_ros.ros.admission import Rejected
-from physis_ros.ros.config import StreamConfig
+from physis_ros.ros.config import QoSConfig, StreamConfig
 from physis_ros.ros.tasks import Ticker
 from physis_ros.srv import ListStreams, RemoveStream
 
@@ -35,6 +43,20 @@ if TYPE_CHECKING:
 FEEDBACK_S = 1.0
 _TOPICS = {"image_topic": "image", "joint_states_topic": "joint_states", "actions_topic": "actions",
            "action_chunk_topic": "action_chunk", "joint_trajectory_topic": "joint_trajectory"}
+
+
+LEASE_MAX_S = 3600.0
+LEASE_QOS = QoSConfig("reliable", 100)
+
+
+def lease_of(goal: ServeStream.Goal) -> float:
+    """The goal's lease (s; 0: none); Rejected("invalid-request") naming ``lease_s`` if out of range."""
+    lease = goal.lease_s
+    if lease == 0.0:
+        return 0.0
+    if not (math.isfinite(lease) and 1.0 <= lease <= LEASE_MAX_S):
+        raise Rejected("invalid-request", f"lease_s: {lease!r}; give 0 (no lease) or 1-{LEASE_MAX_S:g} s")
+    return lease
 
 
 def stream_config_of(goal: ServeStream.Goal) -> StreamConfig:
@@ -62,25 +84,43 @@ class ServeStreamServer:
                                    cancel_callback=lambda handle: CancelResponse.ACCEPT,
                                    goal_service_qos_profile=room, cancel_service_qos_profile=room,
                                    result_service_qos_profile=room)
+        self.leases: dict[str, tuple[float, float]] = {}   # goal id (hex) -> (lease_s, time.monotonic() it lapses)
+        self.lease_sub = node.create_subscription(String, "~/lease", self._renew, qos.profile(LEASE_QOS))
         self.list_service = node.create_service(ListStreams, "~/list_streams", self._list)
         self.remove_service = node.create_service(RemoveStream, "~/remove_stream", self._remove)
 
     def destroy(self) -> None:
         self.server.destroy()
+        self.node.destroy_subscription(self.lease_sub)
         self.node.destroy_service(self.list_service)
         self.node.destroy_service(self.remove_service)
 
     # ---- the goal's life ------------------------------------------------------------------------------
+    def _renew(self, msg: String) -> None:
+        lease = self.leases.get(msg.data)
+        if lease is not None:
+            self.leases[msg.data] = (lease[0], time.monotonic() + lease[0])
+
+    def _lapsed(self, key: str) -> bool:
+        lease = self.leases.get(key)
+        return lease is not None and time.monotonic() > lease[1]
+
     async def _execute(self, handle) -> ServeStream.Result:
         goal, node = handle.request, self.node
         name = goal.stream
+        key = bytes(handle.goal_id.uuid).hex()
         try:
+            lease_s = lease_of(goal)
+            if lease_s:   # counted from now: the client renews while admission decides
+                self.leases[key] = (lease_s, time.monotonic() + lease_s)
             st, _ = await node.hub.join(name, stream_config_of(goal), "action", self.ticker)
         except Rejected as exc:
+            self.leases.pop(key, None)
             node.get_logger().warning(f"serve_stream goal for '{name}' rejected ({exc.reason}): {exc.detail}")
             handle.abort()
             return ServeStream.Result(accepted=False, outcome="rejected", reason=f"{exc.reason}: {exc.detail}")
         except Exception as exc:  # a bug: rclpy would answer an empty result; the robot still learns why
+            self.leases.pop(key, None)
             node.get_logger().error(f"serve_stream goal for '{name}' failed: {type(exc).__name__}: {exc}")
             handle.abort()
             return ServeStream.Result(accepted=False, outcome="rejected",
@@ -95,6 +135,13 @@ class ServeStreamServer:
                         node.hub.leave(name)
                     handle.canceled()
                     return self._result(st, "cancelled", "the goal was cancelled")
+                if self._lapsed(key) and mine:
+                    lease_s = self.leases[key][0]
+                    node.get_logger().warning(f"stream {name}: its client renewed no lease for {lease_s:g} s (it is "
+                                              f"gone): removing the stream")
+                    node.hub.leave(name)
+                    handle.abort()
+                    return self._result(st, "client-gone", f"the client renewed no lease for {lease_s:g} s")
                 if id(handle) in self.ended or st.health.gone or not mine:
                     outcome, reason = self.ended.pop(id(handle), ("failed", st.health.failed or "the stream ended"))
                     if outcome == "failed" and mine:
@@ -104,9 +151,10 @@ class ServeStreamServer:
                 handle.publish_feedback(self._feedback(st))
                 for _ in range(int(FEEDBACK_S / 0.05)):
                     await self.ticker.sleep(0.05)
-                    if handle.is_cancel_requested or id(handle) in self.ended or st.health.gone:
+                    if handle.is_cancel_requested or id(handle) in self.ended or st.health.gone or self._lapsed(key):
                         break
         finally:
+            self.leases.pop(key, None)
             if self.goals.get(name) is handle:
                 del self.goals[name]
             # An end() this goal did not consume (it was cancelled at the same turn) must not outlive it.

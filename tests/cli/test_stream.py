@@ -192,6 +192,33 @@ def test_list_shows_attached_robots_remove_ends_one_and_ctrl_c_cancels_one(live)
     assert code == 0 and stdout == ["(no stream is served)"]
 
 
+def listed_names(live) -> list[str]:
+    code, stdout, _ = live.run("list")
+    assert code == 0, stdout
+    return [] if stdout == ["(no stream is served)"] else [line.split()[0] for line in stdout]
+
+
+def test_a_killed_clients_stream_is_removed_when_its_lease_lapses(live):
+    """Issue 46 item 3: kill -9 of physis-stream add left its stream served, holding capacity, for as long as
+    anyone watched (206 s+). The add renews a lease (here 2 s) every second; while it lives the stream stays
+    (well past the lease), and once it is killed the server removes the stream within the lease."""
+    code, _, stderr = live.run("add", "--name", "rx", "--joints", "a", "--lease-s", "0.5")
+    assert code == 2 and "--lease-s" in stderr[0], stderr
+    add = live.add("r4", "--lease-s", "2")
+    assert decision(add.next_line())["accepted"]
+    time.sleep(5.0)                                       # 2.5 leases: renewed, still served
+    assert "r4" in listed_names(live)
+    add.proc.kill()                                       # SIGKILL: no cancel, no goodbye
+    add.proc.wait(5.0)
+    killed = time.monotonic()
+    while "r4" in listed_names(live) and time.monotonic() - killed < 15.0:
+        time.sleep(0.2)
+    gone_s = time.monotonic() - killed
+    print(f"\nr4 removed {gone_s:.1f} s after its client was killed (lease 2 s)")
+    assert "r4" not in listed_names(live), "the stream outlived its dead client"
+    assert "its client renewed no lease for 2 s" in live.server.log_path.read_text()
+
+
 def test_an_add_ends_when_the_server_goes_away(live):
     """Bug found: a stopped server sends no result, and physis-stream add waited for it for ever."""
     add = live.add("r3")

@@ -274,6 +274,7 @@ def test_goals_that_cannot_be_served_are_refused_with_the_reason(live):
     refused(live, "ghost", "invalid-request", joint_names=[])
     refused(live, "ghost", "invalid-request", slo_interval_ms=-1.0)
     refused(live, "ghost", "invalid-request", image_topic="not a topic")
+    assert "lease_s" in refused(live, "ghost", "invalid-request", lease_s=-1.0).reason
     # One stream of the 14B preset needs 63 GB, the 2 CPU workers hold 14: refused from its shape, at once,
     # before anything builds or profiles it (it once took the server from 0.34 to 20.7 GB in-process)
     rss = server_rss_mb(live)
@@ -361,6 +362,16 @@ def test_a_joined_robot_has_the_parameters_of_a_configured_one_and_they_leave_wi
     assert got[0].double_value == 0.0
     assert again.cancel().outcome == "cancelled"
     assert live.server.poll() is None
+
+
+def test_a_goal_whose_client_stops_renewing_its_lease_ends_client_gone(live):
+    """Issue 46 item 3: a dead client cannot cancel. A goal with a lease that its client does not renew (this
+    one never does) ends ``client-gone`` once the lease lapses, its stream removed and its capacity freed."""
+    g = live.goal("lapsed", topic_namespace=f"{TAG}_lapsed", lease_s=1.0)
+    assert g.admitted, g.result().reason
+    r = g.result(timeout=20.0)
+    assert (r.accepted, r.outcome) == (True, "client-gone") and "1 s" in r.reason, r
+    assert "lapsed" not in live.listed()
 
 
 # ---- joining and leaving while a robot runs -----------------------------------------------------------------
