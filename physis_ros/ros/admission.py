@@ -91,6 +91,7 @@ class HostBudget:
     reserve: float
     per_stream: float
     headroom: float
+    memory_bytes: float = float("inf")   # the host's physical memory, which its CPU workers share
 
     def used(self, worker_load: float, streams: int) -> float:
         return worker_load + self.reserve + self.per_stream * streams
@@ -98,6 +99,14 @@ class HostBudget:
     @property
     def capacity(self) -> float:
         return self.cores * (1.0 - self.headroom)
+
+
+def host_memory_bytes() -> float:
+    """The host's physical memory (bytes; inf where the platform does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return float("inf")
 
 
 class ServerAdmission:
@@ -128,13 +137,16 @@ class ServerAdmission:
         need = stream_memory_bytes(config)
         total = sum(need.values())
         cap = float(self.cluster.mem_cap.sum())
+        spec = self.cluster.specs[0]
+        held = (f"the server's {len(self.cluster.specs)} worker(s) hold {cap / GB:.1f} GB ({spec.name}: "
+                f"{spec.usable_bytes / GB:.1f} GB usable each)")
+        if self.host is not None and self.host.memory_bytes < cap:   # CPU workers: the host's memory, shared
+            cap = self.host.memory_bytes
+            held = f"the host's CPU workers share its {cap / GB:.1f} GB"
         if total > cap:
-            spec = self.cluster.specs[0]
             raise Rejected("memory", f"model '{config.name}' needs {total / GB:.1f} GB for one stream (weights "
                                      f"{need['weights'] / GB:.1f} GB, KV {need['kv'] / GB:.1f} GB, buffers "
-                                     f"{need['buffers'] / GB:.2f} GB); the server's {len(self.cluster.specs)} "
-                                     f"worker(s) hold {cap / GB:.1f} GB ({spec.name}: {spec.usable_bytes / GB:.1f} GB "
-                                     f"usable each)")
+                                     f"{need['buffers'] / GB:.2f} GB); {held}")
 
     def admit(self, stream: str, model: ServedModel, pace_ms: float, slo_ms: float | None = None,
               paced: bool = True) -> Admitted:
@@ -261,7 +273,7 @@ def server_admission(cfg: ServeConfig, cores: int | None = None) -> tuple[Server
     host = None
     if device == "cpu":
         host = HostBudget(cores or os.cpu_count() or 1, cfg.admission.host_reserve_cores,
-                          cfg.admission.host_cores_per_stream, cfg.admission.headroom)
+                          cfg.admission.host_cores_per_stream, cfg.admission.headroom, host_memory_bytes())
     # Deterministic serving (bag checks) decides from the profiles alone: its decisions must not depend on timing.
     calibration = None if cfg.deterministic or not cfg.admission.calibrate else LoadCalibration()
     intervals = IntervalCalibration() if calibration is not None and cfg.admission.measure_spread else None

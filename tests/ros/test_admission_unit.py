@@ -188,6 +188,12 @@ def test_a_model_that_cannot_fit_the_workers_is_refused_from_its_shape_before_an
     one, _ = server_admission(ServeConfig(engine=dataclasses.replace(ServeConfig().engine, workers=1)), cores=2)
     with pytest.raises(Rejected):
         one.check_memory(load_model_config("wan2.1-1.3b"))         # but not one worker's 7
+    # CPU workers share the host's memory: 8 of them "hold" 56 GB, a 9 GB host does not
+    monkeypatch.setattr("physis_ros.ros.admission.host_memory_bytes", lambda: 9e9)
+    eight, _ = server_admission(ServeConfig(engine=dataclasses.replace(ServeConfig().engine, workers=8)), cores=2)
+    with pytest.raises(Rejected) as exc:
+        eight.check_memory(load_model_config("wan2.1-1.3b"))
+    assert "the host's CPU workers share its 9.0 GB" in exc.value.detail, exc.value.detail
 
     # In the hub: refused before the catalog resolves (builds, profiles) anything.
     built = []
