@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
 import threading
@@ -671,6 +672,7 @@ class _Handle:
         from physis_ros.action import ServeStream
 
         self.request = ServeStream.Goal(stream=stream, joint_names=JOINTS)
+        self.goal_id = SimpleNamespace(uuid=list(os.urandom(16)))
         self.is_cancel_requested = False
         self.state = "executing"
         self.feedback = []
