@@ -105,7 +105,7 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
             name, stats, inputs, slo_interval_ms=st.slo_interval_ms,
             new_rejects=new, engine_state=node.state, idle_s=idle, armed=node.armed, hardware_id=hw,
             miss_rate_warn=cfg.diagnostics_miss_rate_warn, starved_s=cfg.diagnostics_starved_s,
-            since_s=since, prefix=node.diag_prefix))
+            since_s=None if since is None else min(since, mono - st.admitted_mono), prefix=node.diag_prefix))
     for name in node.configured:
         verdict = node.startup.get(name)
         if name not in node.streams and verdict != "admitted":    # admitted and then removed: gone

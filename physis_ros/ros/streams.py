@@ -64,6 +64,7 @@ class RosStream:
         self.served = served
         self.model: ModelConfig = served.config
         self.origin = origin              # config | action
+        self.admitted_mono = time.monotonic()   # its health counts from here, not from the server's start
         self.workers = workers
         self.slo_interval_ms = slo_interval_ms(config, self.model)
         self.namespace = stream_namespace(name, config)

@@ -508,6 +508,21 @@ def test_a_world_model_imagines_exactly_what_the_policy_commands(live):
     assert fb.state == "serving" and fb.chunks_lost == 0
 
 
+def test_a_stream_that_joins_late_is_judged_from_its_admission(live):
+    """Issue 47 item 2: the first /diagnostics of a stream that joined a server serving for minutes said
+    ERROR "no chunk in 143 s of serving", counted from the server's start. It waits for its first chunk."""
+    g = live.goal("late", topic_namespace=f"{TAG}_late")    # no robot publishes: no chunk will come
+    assert g.admitted, g.result().reason
+    def first():
+        return next((st for msg, _ in live.probe.get("diagnostics") for st in msg.status
+                     if st.name.endswith(": late")), None)
+
+    live.probe.wait(lambda: first() is not None, 10.0, "a /diagnostics status of the new stream")
+    first = first()
+    assert not first.message.startswith("no chunk in"), first.message
+    assert g.cancel().outcome == "cancelled"
+
+
 # ---- removal and stop ----------------------------------------------------------------------------------------
 def test_remove_stream_ends_the_goal_as_removed(live):
     from physis_ros.srv import RemoveStream
