@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-from rosbags.interfaces import Nodetype
+from rosbags.interfaces import MessageDefinitionFormat, Nodetype
 from rosbags.rosbag2 import Reader, Writer
 from rosbags.rosbag2.enums import StoragePlugin
 from rosbags.rosbag2.errors import WriterError
@@ -223,7 +223,8 @@ def _explain(path: Path, exc: Exception) -> BagError:
 
 @contextmanager
 def open_bag(path: str | Path) -> Iterator[Reader]:
-    """``with open_bag(path) as reader``: an opened rosbags :class:`Reader`, errors as :class:`BagError`."""
+    """``with open_bag(path) as reader``: an opened rosbags :class:`Reader`, errors as :class:`BagError`
+    (a topic recorded with the wrong schema among them: :func:`check_schemas`)."""
     path = _bag_path(path)
     try:
         reader = Reader(path)
@@ -231,9 +232,40 @@ def open_bag(path: str | Path) -> Iterator[Reader]:
     except Exception as exc:  # ReaderError, OSError, sqlite3.DatabaseError, struct.error...: all bag problems
         raise _explain(path, exc) from None
     try:
+        check_schemas(reader)
         yield reader
     finally:
         reader.close()
+
+
+def check_schemas(reader: Reader) -> None:
+    """BagError naming the topic and both schemas when a topic is recorded with another message type than
+    physis_ros reads or writes there (:data:`KNOWN_TOPIC_TYPES`, by the topic's name), or with the type's
+    name but another definition than the one installed (its fields differ). Without this a camera topic
+    recorded as ``std_msgs/msg/String`` was replayed as garbage (exit 0) and failed the check as a bug."""
+    for conn in reader.connections:
+        want = known_topic_type(conn.topic)
+        if want is not None and conn.msgtype != want:
+            raise BagError(f"topic {conn.topic} is recorded as {conn.msgtype}, but physis_ros reads and writes "
+                           f"{want} there (a wrong schema: re-record the topic, or record it under another name)")
+        msgdef = conn.msgdef.data if conn.msgdef is not None else ""
+        if not msgdef or conn.msgdef.format != MessageDefinitionFormat.MSG:
+            continue          # (a bag without definitions, or IDL ones: the type name is all there is to check)
+        try:
+            ensure_type(conn.msgtype)
+        except UnknownTypeError:
+            continue          # not installed here: the commands that need it say so (replay skips it, exit 3)
+        try:
+            theirs = get_types_from_msg(msgdef, conn.msgtype)[conn.msgtype][1]
+        except Exception as exc:  # rosbags' parser raises its own errors for a malformed definition
+            raise BagError(f"topic {conn.topic}: the bag's definition of {conn.msgtype} cannot be read "
+                           f"({type(exc).__name__}: {exc})") from None
+        ours = typestore().fielddefs[conn.msgtype][1]
+        if theirs != ours:
+            got = ", ".join(name for name, _ in theirs)
+            need = ", ".join(name for name, _ in ours)
+            raise BagError(f"topic {conn.topic} is recorded as {conn.msgtype} with another definition than the "
+                           f"installed one (fields {got or 'none'}; installed: {need}): a wrong schema, re-record it")
 
 
 def bag_info(path: str | Path) -> BagInfo:

@@ -33,6 +33,39 @@ BIN = Path(sys.executable).parent
 SCENE_BAG = ROOT / "tests" / "data" / "scene_bag"
 SERVE_YAML = ROOT / "config" / "serve.yaml"
 
+def wrong_schema_mcap(kind: str) -> bytes:
+    """The scene bag with /robot0/camera/image_raw recorded with the wrong schema: ``type``, as
+    std_msgs/msg/String; ``definition``, as sensor_msgs/msg/Image whose definition is String's."""
+    import tempfile
+
+    from rosbags.rosbag2 import Writer
+    from rosbags.rosbag2.enums import StoragePlugin
+
+    from physis_ros.bags.bagio import iter_messages, open_bag, typestore
+
+    store = typestore()
+    with open_bag(SCENE_BAG) as reader:
+        types = {c.topic: c.msgtype for c in reader.connections}
+        messages = list(iter_messages(reader))
+    camera = "/robot0/camera/image_raw"
+    text = store.serialize_cdr(store.types["std_msgs/msg/String"](data="not an image"), "std_msgs/msg/String")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bag"
+        with Writer(out, version=Writer.VERSION_LATEST, storage_plugin=StoragePlugin.MCAP) as writer:
+            conns = {}
+            for topic, msgtype in types.items():
+                if topic == camera and kind == "type":
+                    conns[topic] = writer.add_connection(topic, "std_msgs/msg/String", typestore=store)
+                elif topic == camera:
+                    conns[topic] = writer.add_connection(topic, msgtype, msgdef="string data",
+                                                         rihs01="RIHS01_" + "0" * 64)
+                else:
+                    conns[topic] = writer.add_connection(topic, msgtype, typestore=store)
+            for topic, _, stamp, raw in messages:
+                writer.write(conns[topic], stamp, text if topic == camera else raw)
+        return next(out.glob("*.mcap")).read_bytes()
+
+
 BINARY = bytes(range(256)) * 16                       # NUL bytes and invalid UTF-8
 _MCAP = (SCENE_BAG / "scene_bag.mcap").read_bytes()
 TRUNCATED_MCAP = _MCAP[: len(_MCAP) // 2]               # a recorder killed mid-write
@@ -135,6 +168,13 @@ CASES = [
     case("physis-bag record", None, 2, ["required", "out"]),
     case("physis-bag record {tmp}/out --config {input}", BINARY, 2, ["--config", "binary"], ".yaml"),
     case("physis-bag check {input}", TRUNCATED_MCAP, 2, ["truncated"], ".mcap"),
+    # a topic with the wrong schema (issue 47 item 5: check exited 70, replay 0 publishing garbage)
+    *[case(f"physis-bag {sub} {{input}}", wrong_schema_mcap("type"), 2,
+           ["/robot0/camera/image_raw", "std_msgs/msg/String", "sensor_msgs/msg/Image"], ".mcap")
+      for sub in ("info", "check", "replay")],
+    *[case(f"physis-bag {sub} {{input}}", wrong_schema_mcap("definition"), 2,
+           ["/robot0/camera/image_raw", "another definition", "fields data"], ".mcap")
+      for sub in ("info", "check", "replay")],
     case("physis-bag check {bag} --config {input}", BAD_YAML, 2, ["--config", "not valid YAML"], ".yaml"),
     case("physis-bag check {bag} --config {input}", BAD_CHECKPOINT_CONFIG, 2, ["checkpoint", "safetensors"],
          ".yaml", **{"model.safetensors": BINARY}),
