@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from rclpy.serialization import deserialize_message
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from trajectory_msgs.msg import JointTrajectory
 
@@ -127,23 +128,37 @@ class RosStream:
             self.pub_telemetry = self._publisher(ChunkTelemetry, "telemetry", qos.profile(qos.TELEMETRY),
                                                  lifecycle=False)
 
-    def _subscribe(self, kind, topic: str, callback, profile) -> None:
-        self._subscriptions.append(self.node.create_subscription(kind, topic, callback, profile))
+    def _subscribe(self, kind, topic: str, callback, profile, what: str) -> None:
+        """Messages are taken as raw CDR and decoded here: a malformed one is counted
+        (``rejected.undecodable_<what>`` on /diagnostics) and warned about at most once per throttle
+        period, where rmw printed a Fast CDR exception for each one on stderr and counted nothing."""
+        def take(data: bytes) -> None:
+            try:
+                msg = deserialize_message(data, kind)
+            except Exception as exc:   # rclpy's RMWError (its own type) for malformed CDR, ValueError, ...
+                n = self.input.reject(f"undecodable_{what}")
+                self.warn(f"undecodable_{what}", f"stream {self.name}: a message on {topic} could not be decoded "
+                                                 f"as {kind.__name__} ({str(exc)[:160]}; {n} so far)")
+                return
+            callback(msg)
+
+        self._subscriptions.append(self.node.create_subscription(kind, topic, take, profile, raw=True))
 
     def _make_inputs(self) -> None:
         s, serve = self.config, self.node.config
         in_qos = qos.input_profile(s.qos.input, serve.deterministic)
         image_type, which = (CompressedImage, "compressed_image") if s.compressed else (Image, "image")
-        self._subscribe(image_type, self.topic(which), self.on_image, in_qos)
+        self._subscribe(image_type, self.topic(which), self.on_image, in_qos, "image")
         shapes = self.model.observation_shapes
         if "state" in shapes:
-            self._subscribe(JointState, self.topic("joint_states"), self.on_joints, in_qos)
+            self._subscribe(JointState, self.topic("joint_states"), self.on_joints, in_qos, "joint_states")
         if "actions" in shapes:
             kind = JointTrajectory if s.actions_type == "joint_trajectory" else ActionChunk
             # The actions come from a policy (a command, not a sensor): reliable, as published.
-            self._subscribe(kind, self.topic("actions"), self.on_actions, qos.profile(s.qos.action_chunk))
+            self._subscribe(kind, self.topic("actions"), self.on_actions, qos.profile(s.qos.action_chunk), "actions")
         if self.model.kind == "wam":
-            self._subscribe(ActionChunk, self.topic("expert"), self.on_expert, qos.profile(s.qos.action_chunk))
+            self._subscribe(ActionChunk, self.topic("expert"), self.on_expert, qos.profile(s.qos.action_chunk),
+                            "expert")
         self.node.get_logger().info(
             f"stream {self.name} ({self.model.name}, {self.origin}): {', '.join(sub.topic_name for sub in self._subscriptions)}"
             f" [{qos.describe(in_qos)}] -> {', '.join(p.topic_name for p in self._publishers)}; "

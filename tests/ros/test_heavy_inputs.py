@@ -322,6 +322,29 @@ def test_huge_joint_state_rejected_and_no_chunk_is_nonfinite(heavy):
     assert "rejected joint_states [nonfinite]" in h.server.log_path.read_text()
 
 
+def test_malformed_cdr_is_counted_per_topic_and_logged_at_most_once_per_period(heavy):
+    """Issue 47 item 4: malformed CDR on a camera topic printed 346 lines of Fast CDR exceptions on the server's
+    stderr and counted nothing. Now each one is counted on /diagnostics (rejected.undecodable_image) and
+    warned about once per warn_throttle_s (1 s in this module's config) at most; robot a keeps being served."""
+    h = heavy
+    before = int(h.diag("a").get("rejected.undecodable_image", 0))
+    garbage = [b"\x00\x01\x00\x00" + bytes([i % 256]) * 40 for i in range(200)]   # CDR header, then nonsense
+    start = time.monotonic()
+    for raw in garbage:
+        h.pub_img.publish(raw)       # bytes: published as serialized CDR as is
+        time.sleep(0.005)
+    h.probe.wait(lambda: int(h.diag("a").get("rejected.undecodable_image", 0)) >= before + 150, 30,
+                 "/diagnostics to count the malformed images")
+    log = h.server.log_path.read_text()
+    took = time.monotonic() - start
+    raw = [line for line in log.splitlines() if "Fast CDR" in line and "could not be decoded" not in line]
+    assert raw == [], raw[:3]                          # rmw's own print, one per message, is gone
+    warned = log.count("could not be decoded as Image")
+    assert 1 <= warned <= 1 + took / 1.0, (warned, took)   # at most one per 1 s throttle period
+    n = len(h.chunks("a"))
+    h.probe.wait(lambda: len(h.chunks("a")) >= n + 10, 30, "a to keep producing chunks")
+
+
 def test_clean_stop(heavy):
     server_rc, synthetic_rc = heavy.close()
     assert server_rc == 0, heavy.server.tail(40)
