@@ -8,6 +8,11 @@ the synthetic robots alike (measured during ``physis-bench admission`` with ``gc
 that every stream on that process sees as a late chunk, a few times a minute. ``gc.freeze()`` moves the
 objects alive now to a generation the collector never scans again; what serving allocates afterwards is
 still collected, and a full collection then walks only that.
+
+Only at start-up: objects frozen are never collected, so what is frozen must live as long as the process.
+Frozen again at every stream join (once done to keep a stream's own objects out of the scans), each
+stream's reference cycles and the cyclic garbage alive at that moment stayed for good when it left: 0.47 MB
+a join/leave cycle of three streams in a worker, 0.13 MB in the server (``physis-bench churn``).
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ import time
 
 
 def settle(collect: bool) -> None:
-    """Set aside every object alive now from the collector's scans. ``collect`` first frees what is already
-    garbage, which is itself one full collection: only where nothing is served yet (a process's start-up);
-    later (a stream starts, its blocks loaded) freeze only (the little garbage then alive stays)."""
+    """Set aside every object alive now from the collector's scans, for good: call it once, at a process's
+    start-up, before anything is served. ``collect`` first frees what is already garbage (one full
+    collection), which would otherwise stay frozen."""
     if collect:
         gc.collect()
     gc.freeze()

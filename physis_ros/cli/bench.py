@@ -1,6 +1,6 @@
 """``physis-bench SUBCOMMAND``: benchmarks that write JSON (and plots).
 
-    physis-bench pipeline | timeshare | soak | streams | ros | admission | handoff | hop | goals  [options]
+    physis-bench pipeline | timeshare | soak | streams | ros | admission | handoff | hop | goals | churn  [options]
     (physis-bench SUB --help)
 
 Each subcommand lives in ``physis_ros.bench.<name>`` and provides
@@ -39,6 +39,7 @@ SUBCOMMANDS = {
               "equivalence to the reference, memory (bench/device_check.sh)",
     "hop": "hidden-state hop time per transport (zmq tcp/ipc, gloo; nccl on CUDA) vs memcpy, 64K-64M",
     "goals": "a burst of ServeStream goals at once: every goal answered (admitted, or refused with a reason)",
+    "churn": "robots join and leave over and over: the RSS of the server and of each worker after N cycles",
 }
 
 # flag (argparse dest) -> (lowest value, whether the bound is excluded)
@@ -52,6 +53,7 @@ BOUNDS = {
     "control_rate_hz": (0, True), "second_control_rate_hz": (0, True), "pace_margin": (0, False),
     "host_reserve_cores": (0, False),
     "profile_repeats": (1, False), "robots": (1, False), "execution_horizon": (1, False), "burst": (1, False), "max_pending_goals": (1, False), "cancels": (1, False),
+    "cycles": (1, False), "baseline": (1, False), "tolerance": (0, False), "sample": (1, False),
     "reply_timeout": (0, True),
 }
 

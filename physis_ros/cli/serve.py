@@ -156,12 +156,8 @@ def _serve(argv: list[str] | None = None) -> int:
             log.info("waiting for lifecycle transitions (unconfigured; autostart off)")
         heap.settle(collect=True)   # before any chunk: what start-up made is never scanned again
         serving_since = None
-        streams_seen: frozenset = frozenset()
         while not stop.is_set():
             executor.spin_once(timeout_sec=0.05)
-            if streams_seen != node.streams.keys():   # a stream joined or left: set aside what it brought
-                streams_seen = frozenset(node.streams)
-                heap.settle(collect=False)
             if node.finalized:
                 reason["why"] = "lifecycle shutdown"
                 break

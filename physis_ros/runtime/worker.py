@@ -241,8 +241,6 @@ class Worker:
         for addr in set(self.host.placements[msg.stream].routes.values()):
             if addr != self.data_addr:
                 self._push(addr)
-        if self.serving:   # a worker process: the stream's blocks and KV are never scanned by a full collection
-            heap.settle(collect=False)
         return {"blocks": self.host.blocks().get(msg.model.id, []), "kv_bytes": self.host.kv_bytes()}
 
     def start_stream_now(self, msg: p.StartStream) -> dict:
