@@ -22,6 +22,18 @@ import gc
 import time
 
 
+def rss_mb(pid: int) -> float | None:
+    """Resident memory of a local process (Linux), MiB; None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
 def settle(collect: bool) -> None:
     """Set aside every object alive now from the collector's scans, for good: call it once, at a process's
     start-up, before anything is served. ``collect`` first frees what is already garbage (one full

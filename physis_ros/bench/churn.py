@@ -4,8 +4,8 @@ One physis-serve (``--workers`` workers, tiny-wam, no robots publishing: admitte
 their KV allocated and their ROS side made, but they never compute) and ``--cycles`` cycles of: send
 ``--streams`` ServeStream goals, wait until each is decided, cancel every admitted one, wait for each
 result. The resident memory (RSS) of the server and of each worker process is read from ``/proc`` after
-every cycle, and the server's own /diagnostics (``rss_mb`` of the engine and of each worker) is kept
-beside it.
+every cycle; what the server itself reports on /diagnostics at the end (the engine's ``rss_mb``, each
+worker's ``rss_bytes``) is kept beside it.
 
 The JSON summary (``--json``): RSS per process every ``--sample`` cycles, the value after ``--baseline``
 cycles (default 50, when the allocators have settled) and after the last, their ratio, admitted counts
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from physis_ros.bench.goals import Burst
 from physis_ros.cli.common import write_json
-from physis_ros.runtime.launchers import rss_mb
+from physis_ros.heap import rss_mb
 
 JOINTS = [f"joint{i}" for i in range(1, 8)]
 
@@ -58,6 +58,17 @@ def _workers_of(server_pid: int) -> dict[int, str]:
             continue
         if b"physis_ros.cli.worker" in args and b"--id" in args:
             out[int(entry.name)] = args[args.index(b"--id") + 1].decode()
+    return out
+
+
+def _reported(burst: Burst, workers) -> dict[str, float | None]:
+    """The RSS the server's latest /diagnostics reports: its own (engine ``rss_mb``) and each worker's."""
+    burst.spin_until(lambda: False, 2.5)            # a fresh /diagnostics after the last cycle
+    engine = burst.statuses.get("engine", {}).get("rss_mb")
+    out = {"server": float(engine) if engine else None}
+    for w in workers:
+        b = burst.statuses.get(f"worker {w}", {}).get("rss_bytes")
+        out[w] = round(int(b) / 2**20, 1) if b else None
     return out
 
 
@@ -133,7 +144,8 @@ def run(args) -> int:
         summary = {"cycles": args.cycles, "streams_per_cycle": args.streams, "workers": args.workers,
                    "baseline_cycle": base, "tolerance": args.tolerance, "growth_over_baseline": growth,
                    "rss_mb": rss, "admitted_first": admitted[0], "cycles_admitting_fewer": fewer[:50],
-                   "seconds": round(time.monotonic() - start, 1), "server_alive": server.poll() is None}
+                   "seconds": round(time.monotonic() - start, 1), "server_alive": server.poll() is None,
+                   "diagnostics_rss_mb": _reported(burst, workers.values())}
         write_json(args.json, summary)
         ok = not grew and not fewer and summary["server_alive"]
         _say(f"growth after cycle {base}: {growth}; {'OK' if ok else 'FAILED'}; JSON {args.json}")

@@ -98,12 +98,15 @@ class Burst:
         self.lister = self.node.create_client(ListStreams, "/physis_server/list_streams")
         self.ListStreams = ListStreams
         self.engine_state: str | None = None
+        self.statuses: dict[str, dict[str, str]] = {}   # the latest /diagnostics values by status
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, 10)
 
     def _on_diag(self, msg) -> None:
         for st in msg.status:
+            values = {kv.key: kv.value for kv in st.values}
+            self.statuses[st.name.rsplit(": ", 1)[-1]] = values     # "engine", "worker w0", a stream's name
             if st.name.endswith(": engine"):
-                self.engine_state = {kv.key: kv.value for kv in st.values}.get("state")
+                self.engine_state = values.get("state")
 
     def spin_until(self, predicate, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

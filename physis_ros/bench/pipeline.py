@@ -48,7 +48,7 @@ from physis_ros.model import build_model, load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.reference import reference_rollout
 from physis_ros.runtime.engine import Engine, Observation, ServedModel
-from physis_ros.runtime.launchers import rss_mb
+from physis_ros.heap import rss_mb
 from physis_ros.runtime.plans import PLAN_NAMES, make_plan
 from physis_ros.runtime.settings import LAUNCHERS, RayConfig
 from physis_ros.telemetry import percentile, summarize

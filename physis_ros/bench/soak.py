@@ -22,7 +22,7 @@ from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.runtime.engine import ChunkOutput, Engine, Observation, ServedModel
-from physis_ros.runtime.launchers import rss_mb
+from physis_ros.heap import rss_mb
 from physis_ros.runtime.planner import resolve_plan
 from physis_ros.telemetry import percentile
 

@@ -240,13 +240,16 @@ def worker_status(name: str, pid: int, last_seen: float, stats: dict[str, Any], 
 
 def engine_status(state: str, model: str, plan: str, workers: int, failure: str | None,
                   telemetry_subscribers: int = 0, *, armed: bool = True, lifecycle: str = "",
-                  workers_down: Sequence[str] = (), hardware_id: str = "", prefix: str = PREFIX
-                  ) -> DiagnosticStatus:
+                  workers_down: Sequence[str] = (), hardware_id: str = "", prefix: str = PREFIX,
+                  rss_mb: float | None = None) -> DiagnosticStatus:
     """``state``: unconfigured, starting, serving, failed, stopping, stopped; ``armed``: the outputs
-    (ActionChunk, JointTrajectory) are published (lifecycle active)."""
+    (ActionChunk, JointTrajectory) are published (lifecycle active); ``rss_mb``: the server process's resident
+    memory (each worker's is its status's ``rss_bytes``)."""
     values = {"state": state, "lifecycle": lifecycle or ("active" if armed else "inactive"), "armed": armed,
               "model": model, "plan": plan, "workers": workers,
               "workers_down": ",".join(workers_down) or "none", "telemetry_subscribers": telemetry_subscribers}
+    if rss_mb is not None:
+        values["rss_mb"] = round(rss_mb, 1)
     hw = hardware_id or "engine"
     if failure:
         return _status("engine", hw, ERROR, failure, values, prefix)

@@ -6,11 +6,13 @@ and the lifecycle state, turned into statuses by the pure functions of
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
 from diagnostic_msgs.msg import DiagnosticStatus
 
+from physis_ros import heap
 from physis_ros.ros import diagnostics as diag
 from physis_ros.telemetry import percentile
 
@@ -74,7 +76,7 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
                                 str(failure) if failure else None,
                                 telemetry_subscribers=node.pub_telemetry.get_subscription_count(),
                                 armed=node.armed, lifecycle=node.lifecycle, workers_down=sorted(down),
-                                hardware_id=node.hostname, prefix=node.diag_prefix)
+                                hardware_id=node.hostname, prefix=node.diag_prefix, rss_mb=heap.rss_mb(os.getpid()))
     now = node.now()
     since = None if node.serving_since is None else mono - node.serving_since
     streams = []

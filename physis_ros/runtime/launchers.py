@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from physis_ros.heap import rss_mb
 from physis_ros.runtime.security import CurveKeys, ephemeral_keys, is_loopback
 from physis_ros.runtime.settings import EngineConfig, RayConfig
 from physis_ros.runtime.workers import EngineError
@@ -44,18 +45,6 @@ def _ray():
     except ImportError as exc:  # make setup installs it; a hand-made environment may lack it
         raise EngineError(f"engine.launcher ray needs the 'ray' package ({exc}); run make setup") from None
     return ray
-
-
-def rss_mb(pid: int) -> float | None:
-    """Resident memory of a local process (Linux), MiB."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 class _NoSigtermNote(logging.Filter):

@@ -242,6 +242,7 @@ class WorkerStats(Struct, forbid_unknown_fields=True):
     kv_bytes: Count = 0          # KV allocated for the (stream, stage)s hosted here
     weight_bytes: Count = 0      # weights held: trunks and the hosted blocks
     device_bytes: Count = 0      # the device allocator's bytes in use (CUDA; 0 on CPU)
+    rss_bytes: Count = 0         # the worker process's resident memory (Linux; 0 where unknown)
 
 
 class Hello(_Message, tag="hello"):

@@ -284,6 +284,7 @@ class Worker:
         self.stats.kv_bytes = self.host.kv_bytes()
         self.stats.weight_bytes = self.host.weight_bytes()
         self.stats.device_bytes = torch.cuda.memory_allocated(self.io.device) if self.io.cuda else 0
+        self.stats.rss_bytes = int((heap.rss_mb(os.getpid()) or 0.0) * 1024 * 1024)
         return self.stats
 
     # ---- main loop ---------------------------------------------------------------------------

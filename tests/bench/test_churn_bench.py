@@ -31,3 +31,7 @@ def test_join_leave_churn_does_not_grow_memory(tmp_path):
     assert r["admitted_first"] >= 1 and r["cycles_admitting_fewer"] == [], r
     assert proc.returncode == 0, text
     assert all(g is not None and g <= 0.08 for g in r["growth_over_baseline"].values()), r["growth_over_baseline"]
+    # /diagnostics reports each process's RSS (the engine's rss_mb, each worker's rss_bytes), as /proc says
+    for name, reported in r["diagnostics_rss_mb"].items():
+        last = r["rss_mb"][name][-1][1]
+        assert reported is not None and abs(reported / last - 1.0) < 0.2, (name, reported, last)
