@@ -12,6 +12,14 @@ again with fresh KV as soon as all of its workers are up; then feeding resumes.
 A stream only fails for good when a worker it needs cannot be brought back
 (the pool's restart budget).
 
+A flood of garbage on a socket (malformed messages on the engine's output or
+control socket, or on a worker's: counted by the engine, the pool and the
+workers' heartbeats) queues the real messages behind it: their chunks are late,
+not lost. While garbage keeps arriving (and for ``FLOOD_QUIET_S`` after), a chunk
+past its bound gets one more bound instead of resetting its stream; it resets
+only if it is still missing once the sockets are quiet. Before, the first of
+three 2 s floods on a worker's socket reset a stream (chunk_timeout, 2 lost).
+
 The watcher also publishes the engine's health snapshot several times a
 second, so readers in other threads never touch the engine's live state.
 """
@@ -35,12 +43,16 @@ log = logging.getLogger("physis.engine")
 WATCH_PERIOD_S = 0.05
 SNAPSHOT_PERIOD_S = 0.1
 READMIT_BACKOFF_S = (0.05, 2.0)
+FLOOD_QUIET_S = 1.0   # garbage seen this recently: a late chunk is waited for, not reset
 
 
 class Recovery:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.snapshot = EngineHealth(time.monotonic(), None, [], {}, {})
+        self.garbage = 0                  # malformed/unknown messages counted so far (see garbage_count)
+        self.garbage_at = -FLOOD_QUIET_S  # time.monotonic() the count last moved
+        self.flood_waits = 0              # deadlines extended because the sockets were flooded
 
     def attach(self, pool: WorkerPool) -> None:
         pool.on_lost = self.worker_lost
@@ -54,18 +66,46 @@ class Recovery:
         return max(cfg.chunk_timeout_floor_s, cfg.chunk_timeout_factor * self.engine.in_flight_limit(s.plan)
                    * interval_s)
 
+    def garbage_count(self) -> int:
+        """Malformed or unknown messages seen so far on the engine's sockets and the workers'."""
+        e = self.engine
+        n = e.dropped["malformed"]
+        pool = e.pool
+        if pool is not None:
+            n += pool.counts["unknown_sender"] + pool.counts["bad_control"]
+            n += sum(w.stats.bad_messages for w in pool.workers.values() if w.stats is not None)
+        return n
+
+    def flooded(self, now: float) -> bool:
+        """Garbage arrived within the last FLOOD_QUIET_S."""
+        count = self.garbage_count()
+        if count != self.garbage:
+            self.garbage, self.garbage_at = count, now
+        return now - self.garbage_at < FLOOD_QUIET_S
+
+    def check_deadlines(self, now: float) -> None:
+        """Reset each stream whose oldest chunk in flight is past its bound, unless the sockets are flooded."""
+        flooded = self.flooded(now)
+        for s in list(self.engine.streams.values()):
+            if s.failed is not None or not s.inflight:
+                continue
+            c = min(s.inflight)
+            f = s.inflight[c]
+            if now > f.deadline and flooded:
+                f.deadline = now + f.bound_s   # behind the garbage in a socket's queue: late, not lost
+                self.flood_waits += 1
+                self.engine.throttle.log(log, logging.WARNING, "flood_wait",
+                                         f"stream {s.name}: chunk {c} is late while garbage floods the sockets "
+                                         f"({self.garbage} malformed messages so far): waiting, not resetting")
+            elif now > f.deadline:
+                self.reset(s, f"chunk {c} did not come out of its pipeline within {f.bound_s:.2f} s",
+                           "chunk_timeout")
+
     async def watch(self) -> None:
         next_snapshot = 0.0
         while True:
             now = time.monotonic()
-            for s in list(self.engine.streams.values()):
-                if s.failed is not None or not s.inflight:
-                    continue
-                c = min(s.inflight)
-                f = s.inflight[c]
-                if now > f.deadline:
-                    self.reset(s, f"chunk {c} did not come out of its pipeline within {f.bound_s:.2f} s",
-                               "chunk_timeout")
+            self.check_deadlines(now)
             if now >= next_snapshot:
                 self.snapshot = self.take_snapshot()
                 next_snapshot = now + SNAPSHOT_PERIOD_S

@@ -236,7 +236,21 @@ def test_a_worker_that_cannot_come_back_ends_the_engine_saying_why(monkeypatch):
 @pytest.mark.parametrize("target", ["output", "control", "worker data"])
 def test_a_flood_of_garbage_slows_but_never_stalls(target):
     """Was: a one-second flood at the output port froze both robots for 34 s (every bad message logged
-    unthrottled, the loop never yielding, the heartbeat monitor starved)."""
+    unthrottled, the loop never yielding, the heartbeat monitor starved). Then (issue 47 item 3): of three 2 s
+    floods on a worker's socket, the first reset a stream (chunk_timeout, 2 lost) where the later two did not.
+    Three floods here, none may reset anything."""
+    async def flood(sock, junk, seconds: float) -> int:
+        t0, sent = time.monotonic(), 0
+        while time.monotonic() - t0 < seconds:  # flood from this loop's thread, yielding now and then
+            for j in junk:
+                try:
+                    sock.send(j, zmq.NOBLOCK)
+                    sent += 1
+                except zmq.Again:
+                    break
+            await asyncio.sleep(0)
+        return sent
+
     async def main():
         async with TwoStreams(EngineConfig(workers=2, plan="stage")) as run:
             engine = run.engine
@@ -245,34 +259,64 @@ def test_a_flood_of_garbage_slows_but_never_stalls(target):
             kind = zmq.DEALER if target == "control" else zmq.PUSH
             addr = {"output": engine.out_addr, "control": engine.pool.ctrl_addr,
                     "worker data": engine.pool.workers["w0"].data_addr}[target]
-            sock = ctx.socket(kind)
-            sock.setsockopt(zmq.SNDHWM, 100_000)
-            sock.connect(addr)
             rng = np.random.default_rng(0)
             junk = [rng.bytes(int(n)) for n in rng.integers(1, 200, 256)]
             before = {k: len(v) for k, v in run.got.items()}
-            t0 = time.monotonic()
-            sent = 0
-            while time.monotonic() - t0 < 1.5:  # flood from this loop's thread, yielding now and then
-                for j in junk:
-                    try:
-                        sock.send(j, zmq.NOBLOCK)
-                        sent += 1
-                    except zmq.Again:
-                        break
-                await asyncio.sleep(0)
-            flood_s = time.monotonic() - t0
-            during = {k: len(v) - before[k] for k, v in run.got.items()}
-            sock.close(linger=0)
+            rounds = []
+            for _ in range(3):
+                sock = ctx.socket(kind)
+                sock.setsockopt(zmq.SNDHWM, 100_000)
+                sock.connect(addr)
+                at = {k: len(v) for k, v in run.got.items()}
+                t0 = time.monotonic()
+                sent = await flood(sock, junk, 2.0)
+                rounds.append((sent, time.monotonic() - t0, {k: len(v) - at[k] for k, v in run.got.items()},
+                               list(run.events)))
+                sock.close(linger=0)
+                await asyncio.sleep(1.0)
             ctx.term()
-            await asyncio.sleep(0.5)
             gaps = {k: max(np.diff([o.record.emit for o in v[before[k]:]]), default=0.0) for k, v in run.got.items()}
-            return sent, flood_s, during, gaps, list(run.events), engine.health()
+            return rounds, gaps, list(run.events), engine.health()
 
-    sent, flood_s, during, gaps, events, health = uvloop.run(main())
-    print(f"flood {target}: {sent} messages in {flood_s:.2f} s; chunks during it {during}; "
-          f"largest gap {gaps}; dropped {health.dropped}")
-    assert sent > 1000
-    assert events == []  # no reset, no lost worker
-    assert all(n > 0 for n in during.values())  # both robots kept publishing through the flood
+    rounds, gaps, events, health = uvloop.run(main())
+    for i, (sent, flood_s, during, seen) in enumerate(rounds):
+        print(f"flood {target} #{i + 1}: {sent} messages in {flood_s:.2f} s; chunks during it {during}; events {seen}")
+    print(f"largest gap {gaps}; dropped {health.dropped}")
+    assert all(sent > 1000 for sent, *_ in rounds)
+    assert events == []  # no reset, no lost worker, in any of the floods
+    assert all(n > 0 for _, _, during, _ in rounds for n in during.values())  # both robots kept publishing
     assert max(gaps.values()) < 1.0  # slowed, never stalled
+
+
+def test_a_chunk_late_behind_a_flood_is_waited_for_and_reset_once_the_sockets_are_quiet(monkeypatch):
+    """Issue 47 item 3: a flood of garbage queues the real messages behind it, so a chunk passes its bound and
+    its stream was reset (chunk_timeout) as if the chunk were lost. While garbage keeps coming (and 1 s after),
+    the late chunk gets one more bound; once the sockets are quiet, a chunk still missing resets its stream."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from physis_ros.logs import Throttle
+    from physis_ros.runtime.recovery import FLOOD_QUIET_S, Recovery
+    from physis_ros.runtime.streams import InFlight
+
+    worker = SimpleNamespace(stats=p.WorkerStats())
+    f = InFlight(0.0, 0.0, None, bound_s=0.5, deadline=10.0)
+    stream = SimpleNamespace(name="a", failed=None, inflight={7: f})
+    engine = SimpleNamespace(streams={"a": stream}, dropped=Counter(), throttle=Throttle(5.0),
+                             pool=SimpleNamespace(counts=Counter(), workers={"w0": worker}))
+    rec = Recovery(engine)
+    resets = []
+    monkeypatch.setattr(rec, "reset", lambda s, reason, cause: resets.append((s.name, cause)))
+    rec.check_deadlines(9.0)
+    assert resets == [] and f.deadline == 10.0                  # in time: nothing
+    rec.check_deadlines(10.1)
+    assert resets == [("a", "chunk_timeout")]                   # late, quiet sockets: reset, as before
+    resets.clear()
+    worker.stats.bad_messages = 5000                            # garbage on w0's socket
+    rec.check_deadlines(10.2)
+    assert resets == [] and f.deadline == pytest.approx(10.7) and rec.flood_waits == 1
+    engine.dropped["malformed"] += 100                          # and on the engine's output socket
+    rec.check_deadlines(10.8)
+    assert resets == [] and f.deadline == pytest.approx(11.3)
+    rec.check_deadlines(10.8 + FLOOD_QUIET_S + 0.1)             # quiet for a second: still missing, so lost
+    assert resets == [("a", "chunk_timeout")]
