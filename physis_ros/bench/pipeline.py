@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rounds over all plans, interleaved (a shared machine's speed drifts); medians reported")
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda:N")
     p.add_argument("--socket", choices=("tcp", "ipc"), default="tcp", help="ZeroMQ sockets (ray: tcp only)")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0,
+                   help="a worker silent this long is killed and its streams reset (s; the engine's default 1; a "
+                        "run on a host loaded beyond its cores may need more)")
     p.add_argument("--transport", type=transports, default=["zmq"],
                    help="hidden states between workers: zmq, torch (torch.distributed: gloo on CPU, NCCL on GPU), "
                         "shm (shared-memory rings, CPU workers), or several (zmq,torch,shm): every plan with each, "
@@ -316,7 +319,8 @@ def run_plan(name: str, config, args: argparse.Namespace, scene: SyntheticScene,
     curve = {"curve_keys": args.curve[0], "bind_host": args.curve[1]} if launcher == "local" and args.curve else {}
     engine_cfg = EngineConfig(workers=args.workers, plan=name, devices=[args.device], transport=args.socket,
                               hops=variant.hops, spin_us=variant.spin_us, launcher=launcher,
-                              ray=RayConfig(address=args.ray_address, strategy=args.ray_strategy), **curve)
+                              ray=RayConfig(address=args.ray_address, strategy=args.ray_strategy),
+                              heartbeat_timeout_s=args.heartbeat_timeout, **curve)
     outputs, info = uvloop.run(serve(config, engine_cfg, plan, args.chunks, scene))
     records = [o.record for o in outputs]
     skip = args.skip or min(10 + 2 * len(plan.segments()), args.chunks // 2)

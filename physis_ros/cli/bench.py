@@ -53,7 +53,7 @@ BOUNDS = {
     "control_rate_hz": (0, True), "second_control_rate_hz": (0, True), "pace_margin": (0, False),
     "host_reserve_cores": (0, False),
     "profile_repeats": (1, False), "robots": (1, False), "execution_horizon": (1, False), "burst": (1, False), "max_pending_goals": (1, False), "cancels": (1, False),
-    "cycles": (1, False), "baseline": (1, False), "tolerance": (0, False), "sample": (1, False),
+    "cycles": (1, False), "heartbeat_timeout": (0, True), "baseline": (1, False), "tolerance": (0, False), "sample": (1, False),
     "reply_timeout": (0, True),
 }
 

@@ -15,6 +15,8 @@ def pipeline(tmp_path, workers: int, chunks: int, *variant: str) -> dict:
     out = tmp_path / "p.json"
     assert bench.main(["pipeline", "--model", "tiny-wam", "--workers", str(workers), "--plans", "stage", "--chunks",
                        str(chunks), "--repeats", "1", "--no-parallel-limit", *variant, "--verify",
+                       # (a worker starved past 1 s on a host loaded beyond its cores reset the stream: CI run)
+                       "--heartbeat-timeout", "10",
                        "--json", str(out)]) == 0
     return json.loads(out.read_text())
 

@@ -825,6 +825,14 @@ def test_goals_for_a_resolved_model_are_not_held_up_by_one_being_measured(monkey
         return wam_profile()
 
     monkeypatch.setattr(models, "measure_in_child", measure)
+    asked = []
+    config_of = models.model_config_of
+
+    def counted(ref):
+        asked.append(ref)
+        return config_of(ref)
+
+    monkeypatch.setattr(models, "model_config_of", counted)
     catalog = models.ModelCatalog("tiny-wam", "cpu", AdmissionConfig())
     catalog.resolve("tiny-wam")
     outcomes = []
@@ -838,8 +846,9 @@ def test_goals_for_a_resolved_model_are_not_held_up_by_one_being_measured(monkey
     slow = [threading.Thread(target=goal) for _ in range(2)]
     for t in slow:
         t.start()
-    while calls.count("tiny-acwm") < 1:
+    while calls.count("tiny-acwm") < 1 or asked.count("tiny-acwm") < 2:   # both goals in, one measuring
         time.sleep(0.01)
+    time.sleep(0.2)                                   # (the second from its config to the wait: a few lines)
     start = time.monotonic()
     assert catalog.resolve("tiny-wam").config.name == "tiny-wam"   # not behind the measurement
     assert time.monotonic() - start < 5.0

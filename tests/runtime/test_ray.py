@@ -259,7 +259,8 @@ def test_a_peer_without_a_granted_key_gets_nothing_through(cluster):
             await engine.stop()
 
     events, dropped, counts, stats = uvloop.run(main())
-    assert events == []                     # no reset: the rogue output never arrived
+    # no reset for what the rogue sent (it never arrived); a loaded host may reset for lateness, not checked here
+    assert [e for e in events if e.cause in ("malformed_output", "nonfinite_output")] == [], events
     assert dropped == {} and counts == {}   # nothing malformed, no unknown sender on any engine socket
     assert stats.bad_messages == 0 and stats.stale == 0  # nor at the worker
 
