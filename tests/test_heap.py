@@ -46,7 +46,10 @@ def test_settle_freezes_what_is_alive_and_collects_only_when_asked():
 
 
 @pytest.mark.parametrize("serving", [False, True])
-def test_a_worker_freezes_on_a_stream_start_only_in_its_own_process(serving, monkeypatch):
+def test_a_worker_never_freezes_on_a_stream_start(serving, monkeypatch):
+    """Issue 47 item 1: a worker froze the collector's generations at every stream start, and what is frozen is
+    never collected: each stream's reference cycles stayed when it left (0.47 MB a join/leave cycle of three
+    streams). The freeze is the process's start-up only (serve())."""
     calls = []
     monkeypatch.setattr("physis_ros.heap.settle", lambda collect: calls.append(collect))
     before = gc.get_freeze_count()
@@ -59,7 +62,7 @@ def test_a_worker_freezes_on_a_stream_start_only_in_its_own_process(serving, mon
                                          stages=[(4, 0)], routes=[p.Route((4, 0), "tcp://127.0.0.1:9")]))
     finally:
         w.close()
-    assert calls == ([False] if serving else [])
+    assert calls == []
     assert gc.get_freeze_count() == before
 
 
