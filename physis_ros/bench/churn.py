@@ -16,11 +16,10 @@ per cycle (each cycle must admit what the first did) and the target: every proce
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from physis_ros.bench.goals import Burst
+from physis_ros.bench.goals import Burst, serving
 from physis_ros.cli.common import write_json
 from physis_ros.heap import rss_mb
 
@@ -96,62 +95,42 @@ def _cycle(burst: Burst, cycle: int, streams: int, timeout: float) -> int:
 
 
 def run(args) -> int:
-    import rclpy
-    import yaml
+    config = {"model": "tiny-wam", "diagnostics_period_s": 1.0, "engine": {"workers": args.workers}}
+    with serving(config, 10 * args.streams, args.logs, args.start_timeout, _say) as up:
+        return 1 if up is None else _run(args, *up)
 
-    from physis_ros.ros.launcher import Child, serve_command
 
-    tmp = tempfile.TemporaryDirectory(prefix="physis_churn_")
-    logs = Path(args.logs or tmp.name)
-    logs.mkdir(parents=True, exist_ok=True)
-    config = Path(tmp.name) / "serve.yaml"
-    config.write_text(yaml.safe_dump({"model": "tiny-wam", "diagnostics_period_s": 1.0,
-                                      "engine": {"workers": args.workers}}))
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    burst = Burst(context, 10 * args.streams)
-    server = Child("physis-serve", serve_command(config), log=logs / "serve.log")
-    try:
-        _say(f"starting physis-serve ({args.workers} worker(s)); log {logs / 'serve.log'}")
-        if not burst.spin_until(lambda: burst.client.server_is_ready() and burst.engine_state == "serving",
-                                args.start_timeout):
-            _say(f"the server did not serve within {args.start_timeout:g} s:\n{server.tail()}")
-            return 1
-        workers = _workers_of(server.pid)
-        names = {server.pid: "server", **workers}
-        rss: dict[str, list[tuple[int, float]]] = {n: [] for n in names.values()}
-        admitted: list[int] = []
-        start = time.monotonic()
-        for cycle in range(1, args.cycles + 1):
-            admitted.append(_cycle(burst, cycle, args.streams, 60.0))
-            if cycle % args.sample == 0 or cycle in (1, args.baseline, args.cycles):
-                for pid, name in names.items():
-                    mb = rss_mb(pid)
-                    if mb is not None:
-                        rss[name].append((cycle, round(mb, 1)))
-            if cycle % 50 == 0 or cycle == args.cycles:
-                now = {n: v[-1][1] for n, v in rss.items() if v}
-                _say(f"cycle {cycle}/{args.cycles} ({time.monotonic() - start:.0f} s): admitted {admitted[-1]}; "
-                     f"RSS MB {now}")
-        base = min(args.baseline, args.cycles)
-        growth = {}
-        for name, series in rss.items():
-            at_base = next((mb for c, mb in series if c == base), None)
-            last = series[-1][1] if series else None
-            growth[name] = None if at_base is None or last is None else round(last / at_base - 1.0, 4)
-        grew = {n: g for n, g in growth.items() if g is not None and g > args.tolerance}
-        fewer = [i + 1 for i, n in enumerate(admitted) if n < admitted[0]]
-        summary = {"cycles": args.cycles, "streams_per_cycle": args.streams, "workers": args.workers,
-                   "baseline_cycle": base, "tolerance": args.tolerance, "growth_over_baseline": growth,
-                   "rss_mb": rss, "admitted_first": admitted[0], "cycles_admitting_fewer": fewer[:50],
-                   "seconds": round(time.monotonic() - start, 1), "server_alive": server.poll() is None,
-                   "diagnostics_rss_mb": _reported(burst, workers.values())}
-        write_json(args.json, summary)
-        ok = not grew and not fewer and summary["server_alive"]
-        _say(f"growth after cycle {base}: {growth}; {'OK' if ok else 'FAILED'}; JSON {args.json}")
-        return 0 if ok else 1
-    finally:
-        server.stop(30.0)
-        burst.close()
-        rclpy.try_shutdown(context=context)
-        tmp.cleanup()
+def _run(args, burst: Burst, server) -> int:
+    workers = _workers_of(server.pid)
+    names = {server.pid: "server", **workers}
+    rss: dict[str, list[tuple[int, float]]] = {n: [] for n in names.values()}
+    admitted: list[int] = []
+    start = time.monotonic()
+    for cycle in range(1, args.cycles + 1):
+        admitted.append(_cycle(burst, cycle, args.streams, 60.0))
+        if cycle % args.sample == 0 or cycle in (1, args.baseline, args.cycles):
+            for pid, name in names.items():
+                mb = rss_mb(pid)
+                if mb is not None:
+                    rss[name].append((cycle, round(mb, 1)))
+        if cycle % 50 == 0 or cycle == args.cycles:
+            now = {n: v[-1][1] for n, v in rss.items() if v}
+            _say(f"cycle {cycle}/{args.cycles} ({time.monotonic() - start:.0f} s): admitted {admitted[-1]}; "
+                 f"RSS MB {now}")
+    base = min(args.baseline, args.cycles)
+    growth = {}
+    for name, series in rss.items():
+        at_base = next((mb for c, mb in series if c == base), None)
+        last = series[-1][1] if series else None
+        growth[name] = None if at_base is None or last is None else round(last / at_base - 1.0, 4)
+    grew = {n: g for n, g in growth.items() if g is not None and g > args.tolerance}
+    fewer = [i + 1 for i, n in enumerate(admitted) if n < admitted[0]]
+    summary = {"cycles": args.cycles, "streams_per_cycle": args.streams, "workers": args.workers,
+               "baseline_cycle": base, "tolerance": args.tolerance, "growth_over_baseline": growth,
+               "rss_mb": rss, "admitted_first": admitted[0], "cycles_admitting_fewer": fewer[:50],
+               "seconds": round(time.monotonic() - start, 1), "server_alive": server.poll() is None,
+               "diagnostics_rss_mb": _reported(burst, workers.values())}
+    write_json(args.json, summary)
+    ok = not grew and not fewer and summary["server_alive"]
+    _say(f"growth after cycle {base}: {growth}; {'OK' if ok else 'FAILED'}; JSON {args.json}")
+    return 0 if ok else 1

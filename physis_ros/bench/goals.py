@@ -32,6 +32,8 @@ import collections
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 from physis_ros.cli.common import write_json
@@ -59,18 +61,15 @@ def _say(text: str) -> None:
     print(f"physis-bench goals: {text}", file=sys.stderr, flush=True)
 
 
-def _config(path: Path, args) -> Path:
-    import yaml
-
+def _config(args) -> dict:
     from physis_ros.config import repo_config_dir
 
     admission = {} if args.max_pending_goals is None else {"max_pending_goals": args.max_pending_goals}
     if args.relaxed:
         admission.update(host_reserve_cores=0.0, host_cores_per_stream=0.0, bound_jitter=False,
                          profiles=str(repo_config_dir() / "profiles"))
-    path.write_text(yaml.safe_dump({"model": "tiny-wam", "diagnostics_period_s": 0.5, "admission": admission,
-                                    "engine": {"workers": args.workers, "max_streams": args.max_streams}}))
-    return path
+    return {"model": "tiny-wam", "diagnostics_period_s": 0.5, "admission": admission,
+            "engine": {"workers": args.workers, "max_streams": args.max_streams}}
 
 
 class Burst:
@@ -155,66 +154,82 @@ class Goal:
         return self.result_future.result().result if self.result_at is not None else None
 
 
-def run(args) -> int:
+@contextmanager
+def serving(config: dict, requests: int, logs: str, start_timeout: float, say: Callable[[str], None]):
+    """A physis-serve on ``config`` (a serve-config mapping; its log in ``logs``, default a temporary
+    directory) and a :class:`Burst` client with room for ``requests`` requests, once its engine serves:
+    yields (burst, server), or None when it did not serve within ``start_timeout`` (said why); both are
+    stopped afterwards."""
     import rclpy
+    import yaml
 
     from physis_ros.ros.launcher import Child, serve_command
 
-    tmp = tempfile.TemporaryDirectory(prefix="physis_goals_")
-    logs = Path(args.logs or tmp.name)
-    logs.mkdir(parents=True, exist_ok=True)
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    burst = Burst(context, args.burst * (1 + args.cancels))
-    server = Child("physis-serve", serve_command(_config(Path(tmp.name) / "serve.yaml", args)),
-                   log=logs / "serve.log")
-    try:
-        _say(f"starting physis-serve ({args.workers} worker(s)); log {logs / 'serve.log'}")
-        if not burst.spin_until(lambda: burst.client.server_is_ready() and burst.engine_state == "serving",
-                                args.start_timeout):
-            _say(f"the server did not serve within {args.start_timeout:g} s:\n{server.tail()}")
-            return 1
-        _say(f"sending {args.burst} goals at once")
-        t0 = time.monotonic()
-        goals = [Goal(burst, f"g{i}", t0) for i in range(args.burst)]
-        sent_s = time.monotonic() - t0
-        burst.spin_until(lambda: all(g.decided for g in goals), sent_s + args.reply_timeout)
-        decided = [g for g in goals if g.decided]
-        last_s = max((min(x for x in (g.feedback_at, g.result_at) if x is not None) - t0 for g in decided),
-                     default=None)
-        admitted = [g for g in goals if g.feedback_at is not None]
-        refused = collections.Counter(g.result.reason.partition(":")[0] for g in goals
-                                      if g.feedback_at is None and g.result is not None)
-        _say(f"{len(decided)} of {args.burst} goals decided ({len(admitted)} admitted, refused {dict(refused)}); "
-             f"{args.cancels} cancel(s) of every goal at once")
-        cancels = [g.handle.cancel_goal_async() for _ in range(args.cancels) for g in goals if g.handle is not None]
-        burst.spin_until(lambda: all(c.done() for c in cancels) and all(g.result_at is not None for g in admitted),
-                         args.reply_timeout)
-        cancelled = collections.Counter(g.result.outcome if g.result is not None else "no result" for g in admitted)
-        listing = burst.lister.call_async(burst.ListStreams.Request())
-        burst.spin_until(listing.done, 15.0)
-        ours = {g.name for g in goals}
-        listed = sorted(set(listing.result().streams) & ours) if listing.done() else None
-        summary = {
-            "burst": args.burst, "workers": args.workers, "max_streams": args.max_streams,
-            "max_pending_goals": args.max_pending_goals,
-            "goal_responses": sum(g.sent.done() for g in goals), "decisions": len(decided),
-            "admitted": len(admitted), "refused": dict(sorted(refused.items())),
-            "unanswered": [g.name for g in goals if not g.decided][:50],
-            "unanswered_total": args.burst - len(decided),
-            "cancels_sent": len(cancels), "cancel_responses": sum(c.done() for c in cancels),
-            "cancelled_results": dict(cancelled), "still_listed": listed, "send_s": round(sent_s, 3),
-            "last_decision_s": None if last_s is None else round(last_s, 3),
-            "server_alive": server.poll() is None,
-        }
-        write_json(args.json, summary)
-        ok = (summary["unanswered_total"] == 0 and cancelled.get("no result", 0) == 0 and summary["server_alive"]
-              and summary["cancel_responses"] == len(cancels) and listed == [])
-        _say(f"{summary['decisions']}/{args.burst} answered, the last after {summary['last_decision_s']} s; "
-             f"{'OK' if ok else 'FAILED'}; JSON {args.json}")
-        return 0 if ok else 1
-    finally:
-        server.stop(30.0)
-        burst.close()
-        rclpy.try_shutdown(context=context)
-        tmp.cleanup()
+    with tempfile.TemporaryDirectory(prefix="physis_bench_") as tmp:
+        log_dir = Path(logs or tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        path = Path(tmp) / "serve.yaml"
+        path.write_text(yaml.safe_dump(config))
+        context = rclpy.Context()
+        rclpy.init(context=context)
+        burst = Burst(context, requests)
+        server = Child("physis-serve", serve_command(path), log=log_dir / "serve.log")
+        try:
+            say(f"starting physis-serve ({config['engine']['workers']} worker(s)); log {log_dir / 'serve.log'}")
+            if burst.spin_until(lambda: burst.client.server_is_ready() and burst.engine_state == "serving",
+                                start_timeout):
+                yield burst, server
+            else:
+                say(f"the server did not serve within {start_timeout:g} s:\n{server.tail()}")
+                yield None
+        finally:
+            server.stop(30.0)
+            burst.close()
+            rclpy.try_shutdown(context=context)
+
+
+def run(args) -> int:
+    with serving(_config(args), args.burst * (1 + args.cancels), args.logs, args.start_timeout, _say) as up:
+        return 1 if up is None else _run(args, *up)
+
+
+def _run(args, burst: Burst, server) -> int:
+    _say(f"sending {args.burst} goals at once")
+    t0 = time.monotonic()
+    goals = [Goal(burst, f"g{i}", t0) for i in range(args.burst)]
+    sent_s = time.monotonic() - t0
+    burst.spin_until(lambda: all(g.decided for g in goals), sent_s + args.reply_timeout)
+    decided = [g for g in goals if g.decided]
+    last_s = max((min(x for x in (g.feedback_at, g.result_at) if x is not None) - t0 for g in decided),
+                 default=None)
+    admitted = [g for g in goals if g.feedback_at is not None]
+    refused = collections.Counter(g.result.reason.partition(":")[0] for g in goals
+                                  if g.feedback_at is None and g.result is not None)
+    _say(f"{len(decided)} of {args.burst} goals decided ({len(admitted)} admitted, refused {dict(refused)}); "
+         f"{args.cancels} cancel(s) of every goal at once")
+    cancels = [g.handle.cancel_goal_async() for _ in range(args.cancels) for g in goals if g.handle is not None]
+    burst.spin_until(lambda: all(c.done() for c in cancels) and all(g.result_at is not None for g in admitted),
+                     args.reply_timeout)
+    cancelled = collections.Counter(g.result.outcome if g.result is not None else "no result" for g in admitted)
+    listing = burst.lister.call_async(burst.ListStreams.Request())
+    burst.spin_until(listing.done, 15.0)
+    ours = {g.name for g in goals}
+    listed = sorted(set(listing.result().streams) & ours) if listing.done() else None
+    summary = {
+        "burst": args.burst, "workers": args.workers, "max_streams": args.max_streams,
+        "max_pending_goals": args.max_pending_goals,
+        "goal_responses": sum(g.sent.done() for g in goals), "decisions": len(decided),
+        "admitted": len(admitted), "refused": dict(sorted(refused.items())),
+        "unanswered": [g.name for g in goals if not g.decided][:50],
+        "unanswered_total": args.burst - len(decided),
+        "cancels_sent": len(cancels), "cancel_responses": sum(c.done() for c in cancels),
+        "cancelled_results": dict(cancelled), "still_listed": listed, "send_s": round(sent_s, 3),
+        "last_decision_s": None if last_s is None else round(last_s, 3),
+        "server_alive": server.poll() is None,
+    }
+    write_json(args.json, summary)
+    ok = (summary["unanswered_total"] == 0 and cancelled.get("no result", 0) == 0 and summary["server_alive"]
+          and summary["cancel_responses"] == len(cancels) and listed == [])
+    _say(f"{summary['decisions']}/{args.burst} answered, the last after {summary['last_decision_s']} s; "
+         f"{'OK' if ok else 'FAILED'}; JSON {args.json}")
+    return 0 if ok else 1
