@@ -191,7 +191,7 @@ def measure_in_child(config: ModelConfig, device: str, repeats: int, *, nice: in
             with lock:
                 children.append(child)
         try:
-            _, err = child.communicate(timeout=timeout_s)
+            err = child.communicate(timeout=timeout_s)[1] or ""
         except subprocess.TimeoutExpired:
             child.kill()
             child.communicate()
@@ -204,8 +204,8 @@ def measure_in_child(config: ModelConfig, device: str, repeats: int, *, nice: in
                     children.remove(child)
         if child.returncode != 0 or not out.is_file():
             # (its progress line ends in a carriage return, not a newline, before the error)
-            last = (err or "").replace("\r", "\n").strip().splitlines()[-1:] or [f"exit status {child.returncode}"]
-            if "MemoryError" in (err or "") or "std::bad_alloc" in (err or "") or "DefaultCPUAllocator" in (err or ""):
+            last = err.replace("\r", "\n").strip().splitlines()[-1:] or [f"exit status {child.returncode}"]
+            if any(word in err for word in ("MemoryError", "std::bad_alloc", "DefaultCPUAllocator")):
                 raise Rejected("memory", f"measuring model '{config.name}' ran out of admission.profile_memory_gb="
                                          f"{(memory_bytes or 0) / GB:g} GB ({last[0][:200]})")
             raise Rejected("profile-failed", f"measuring model '{config.name}' failed: {last[0][:300]}")
