@@ -334,11 +334,21 @@ def check_keys_dir(path: str | Path, key: str = "curve_keys") -> None:
 
 
 def preflight_serve(cfg) -> None:
-    """The files a serve config names (checkpoint, planner profile, CurveZMQ keys) are readable, so that a
-    bad one is a one-line error before anything starts rather than a worker that never comes up."""
+    """The files a serve config names (checkpoint, planner profile, CurveZMQ keys) are readable, and the
+    checkpoint is the model's, so that a bad one is a one-line error before anything starts rather than a
+    worker that never comes up."""
     engine = cfg.engine
     if engine.checkpoint:
         check_checkpoint(engine.checkpoint)
+        from physis_ros.ros.admission import Rejected
+        from physis_ros.ros.models import check_default_checkpoint, model_config_of
+
+        try:
+            model = model_config_of(cfg.model)[0]
+        except Rejected:
+            model = None   # an unusable model is the node's error to report, naming 'model'
+        if model is not None:
+            check_default_checkpoint(model, engine.checkpoint)
     if getattr(engine, "profile", None):
         check_json_file(engine.profile, "engine.profile")
     if engine.curve_keys:

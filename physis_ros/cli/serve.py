@@ -9,7 +9,8 @@ once; ``--no-autostart`` leaves it unconfigured for a lifecycle manager. A lifec
 ends the process (exit 0). The config's streams are admitted at start-up (one not admitted is
 reported, or with ``--strict`` ends the server with exit 2); more robots join through the
 ``~/serve_stream`` action (``physis-stream add``). Exit codes: 0 after a clean
-stop, 1 if the engine failed (did not start, or lost a worker it could not restart), 2 for a
+stop, 1 if the engine failed (did not start, or lost a worker it could not restart) or none of the
+config's streams started (each one's reason on stderr), 2 for a
 config stream refused under --strict, or a usage or configuration error (bad flag or value, a physis-serve flag placed after --ros-args,
 config missing/empty/binary/invalid: the message names the key; unreadable checkpoint, profile
 or keys directory), 70 internal error (a bug; PHYSIS_DEBUG=1 shows the traceback). Errors are
@@ -181,6 +182,14 @@ def _serve(argv: list[str] | None = None) -> int:
                             print(f"physis-serve: error: config stream {n} not admitted ({v}) and --strict",
                                   file=sys.stderr)
                         code = 2
+                        break
+                    if refused and len(refused) == len(node.startup):   # configured robots, none of them served
+                        for n, v in refused.items():
+                            print(f"physis-serve: error: config stream {n} did not start ({v})", file=sys.stderr)
+                        print("physis-serve: error: none of the config's streams started; fix them (or start with "
+                              "no streams: robots join through ~/serve_stream)", file=sys.stderr)
+                        reason["why"] = "no config stream started"
+                        code = 1
                         break
                 elif time.monotonic() - node.engine_started > args.start_timeout:
                     log.error(f"engine did not start within {args.start_timeout:.0f} s")

@@ -71,6 +71,30 @@ def model_config_of(ref: str) -> tuple[ModelConfig, str | None]:
         raise Rejected("unknown-model", f"model '{ref}': {exc}") from None
 
 
+def check_default_checkpoint(model: ModelConfig, checkpoint: str | None) -> None:
+    """``engine.checkpoint`` holds the weights of the default model: ConfigError naming the key (and what
+    differs) if its stored config is another model's, found when the config is loaded rather than when a
+    worker loads the weights and every stream fails to start."""
+    if not checkpoint:
+        return
+    try:
+        stored = read_checkpoint_config(checkpoint)
+    except (ConfigError, CheckpointError, OSError) as exc:
+        raise ConfigError("engine.checkpoint", f"{checkpoint}: {exc}") from None
+    except Exception as exc:  # safetensors' own error types for a corrupt header
+        raise ConfigError("engine.checkpoint", f"{checkpoint} is not a readable safetensors checkpoint "
+                                               f"({type(exc).__name__}: {exc})") from None
+    if stored == model:
+        return
+    differ = [f"{f.name} {getattr(stored, f.name)!r} (model: {getattr(model, f.name)!r})"
+              for f in dataclasses.fields(model) if getattr(stored, f.name) != getattr(model, f.name)
+              and f.name not in ("name", "description")] or ["its name"]
+    raise ConfigError("engine.checkpoint", f"{checkpoint} holds model '{stored.name}', not the configured model "
+                                           f"'{model.name}' ({', '.join(differ[:4])}); set model: to the "
+                                           f"checkpoint itself (it carries its config) or give a checkpoint "
+                                           f"of '{model.name}'")
+
+
 class ModelCatalog:
     """Resolves model references to :class:`~physis_ros.runtime.streams.ServedModel` with a cost profile;
     thread-safe (profiles may be measured on a helper thread while the executor runs)."""

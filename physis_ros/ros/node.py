@@ -26,7 +26,6 @@ from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackRet
 from rclpy.parameter import Parameter
 
 from physis_ros.heap import HeapTrimmer
-from physis_ros.model.presets import load_model_config  # noqa: F401  (re-exported for tools that patch it)
 from physis_ros.msg import ChunkTelemetry
 from physis_ros.ros import conversions as conv
 from physis_ros.ros import diagnostics as diag
@@ -37,7 +36,7 @@ from physis_ros.ros.stream_model import check_stream_model
 from physis_ros.config import ConfigError
 from physis_ros.ros.engine_thread import EngineThread
 from physis_ros.ros.hub import StreamHub
-from physis_ros.ros.models import model_config_of
+from physis_ros.ros.models import check_default_checkpoint, model_config_of
 from physis_ros.ros.parameters import ServeParameters
 from physis_ros.ros.serve_action import ServeStreamServer
 from physis_ros.ros.streams import RosStream
@@ -67,6 +66,7 @@ class PhysisServer(LifecycleNode):
             self.model = model_config_of(self.config.model)[0]   # the default model
         except Rejected as exc:
             raise ConfigError("model", exc.detail) from None
+        check_default_checkpoint(self.model, self.config.engine.checkpoint)
         for name, s in self.config.streams.items():   # the config's streams must fit their models: fail fast
             try:
                 model = model_config_of(s.model)[0] if s.model else self.model

@@ -74,14 +74,20 @@ CORRUPT_KEYS = {"server.key_secret": BINARY, "server.key": b"not a key", "client
                 "authorized/": None}
 
 
-def serve_yaml(**engine) -> str:
-    """The bundled serve config (plain format) with ``engine`` keys changed; ``{tmp}`` is filled in later."""
+def serve_yaml(model: str = "", **engine) -> str:
+    """The bundled serve config (plain format) with ``engine`` keys (and the model) changed; ``{tmp}`` is
+    filled in later."""
     data = yaml.safe_load(SERVE_YAML.read_text())["/**"]["ros__parameters"]
     data["engine"].update(engine)
+    if model:
+        data["model"] = model
     return yaml.safe_dump(data, sort_keys=False)
 
 
 BAD_CHECKPOINT_CONFIG = serve_yaml(checkpoint="{tmp}/model.safetensors")   # {tmp}/model.safetensors: BINARY
+# issue 48 item 5: a checkpoint of another model was found by the workers, every stream failed, exit 0
+OTHER_MODELS_CHECKPOINT_CONFIG = serve_yaml(model="tiny-acwm",
+                                            checkpoint=str(SERVE_YAML.parent / "checkpoints" / "tiny-wam-demo.safetensors"))
 BAD_PROFILE_CONFIG = serve_yaml(profile="{tmp}/profile.json")               # {tmp}/profile.json: "{not json"
 BAD_KEYS_CONFIG = serve_yaml(curve_keys="{tmp}/keys")                       # {tmp}/keys: CORRUPT_KEYS
 
@@ -192,6 +198,10 @@ CASES = [
     case("physis-serve --config {input} --duration 1", serve_yaml(workers=0), 2, ["workers"], ".yaml"),
     case("physis-serve --config {input} --duration 1", BAD_CHECKPOINT_CONFIG, 2, ["checkpoint", "safetensors"],
          ".yaml", **{"model.safetensors": BINARY}),
+    case("physis-serve --config {input} --duration 1", OTHER_MODELS_CHECKPOINT_CONFIG, 2,
+         ["engine.checkpoint", "holds model 'tiny-wam'", "not the configured model 'tiny-acwm'"], ".yaml"),
+    case("physis-demo --config {input} --duration 1", OTHER_MODELS_CHECKPOINT_CONFIG, 2,
+         ["engine.checkpoint", "holds model 'tiny-wam'"], ".yaml"),
     case("physis-serve --config {input} --duration 1", BAD_PROFILE_CONFIG, 2, ["engine.profile", "JSON"],
          ".yaml", **{"profile.json": "{not json"}),
     case("physis-serve --config {input} --duration 1", BAD_KEYS_CONFIG, 2, ["curve_keys", "physis-keys"],
@@ -355,3 +365,22 @@ def test_interrupt_is_130_and_input_errors_are_2(capsys, monkeypatch):
     assert lines[0] == "physis-x: interrupted"
     assert lines[1] == "physis-x: error: /nonexistent/file: No such file or directory"
     assert lines[2].startswith("physis-x: error: an input file is not UTF-8 text")
+
+
+@pytest.mark.slow
+def test_a_server_whose_config_streams_all_fail_exits_1_with_each_reason(tmp_path):
+    """Issue 48 item 5: a server none of whose configured robots could start served nothing and exited 0.
+    Here every config stream is refused (h3-33b does not fit two CPU workers' memory): exit 1, each stream's
+    reason on stderr, no traceback."""
+    config = tmp_path / "serve.yaml"
+    config.write_text(serve_yaml(model="h3-33b"))
+    env = {k: v for k, v in os.environ.items() if k != "PHYSIS_DEBUG"}
+    env.update(ROS_DOMAIN_ID=str(domain("cli")), ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST")
+    p = subprocess.run([str(BIN / "physis-serve"), "--config", str(config), "--duration", "30"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    where = f"exit {p.returncode}\n{p.stderr[-4000:]}"
+    assert p.returncode == 1, where
+    assert "Traceback" not in p.stdout + p.stderr, where
+    for name in ("robot0", "robot1"):
+        assert f"physis-serve: error: config stream {name} did not start (memory: model 'h3-33b' needs" in p.stderr
+    assert "none of the config's streams started" in p.stderr, where
