@@ -173,7 +173,7 @@ def _serve(argv: list[str] | None = None) -> int:
                 code = 1
                 break
             if serving_since is None:
-                node.publish_diagnostics()  # flips the state to serving once the config's streams are in
+                node.update_state()  # serving once the config's streams are in (/diagnostics keeps its own rate)
                 if node.state == "serving":
                     serving_since = time.monotonic()
                     refused = {n: v for n, v in node.startup.items() if v != "admitted"}

@@ -217,6 +217,12 @@ def pending_stream_status(name: str, verdict: str | None, engine_state: str, pre
                    {"admitted": False}, prefix)
 
 
+def removed_stream_status(name: str, prefix: str = PREFIX, hardware_id: str = "") -> DiagnosticStatus:
+    """A stream that left since the last /diagnostics (removed, cancelled, its client gone): said once, OK."""
+    return _status(name, hardware_id or name, OK, "removed: no longer served", {"admitted": False, "removed": True},
+                   prefix)
+
+
 def worker_status(name: str, pid: int, last_seen: float, stats: dict[str, Any], timeout_s: float,
                   alive: bool, hardware_id: str = "", state: str = "", prefix: str = PREFIX) -> DiagnosticStatus:
     """``state``: the engine's word for the worker (up, starting, restarting, down), if it has one."""

@@ -108,6 +108,9 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
             new_rejects=new, engine_state=node.state, idle_s=idle, armed=node.armed, hardware_id=hw,
             miss_rate_warn=cfg.diagnostics_miss_rate_warn, starved_s=cfg.diagnostics_starved_s,
             since_s=None if since is None else min(since, mono - st.admitted_mono), prefix=node.diag_prefix))
+    for name in node.departed:   # once each, then gone
+        streams.append(diag.removed_stream_status(name, prefix=node.diag_prefix, hardware_id=node.hostname))
+    node.departed.clear()
     for name in node.configured:
         verdict = node.startup.get(name)
         if name not in node.streams and verdict != "admitted":    # admitted and then removed: gone

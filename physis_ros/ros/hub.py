@@ -161,6 +161,9 @@ class StreamHub:
         future = self.node.engine.remove_stream(name) if self.node.engine is not None else None
         self._forget(name)
         self.node.params.remove_stream(name)   # its parameters leave with it (a configured one's too)
+        if name in self.node.configured:       # not waited for again (a restart of the engine reads the config)
+            self.node.configured.remove(name)
+        self.node.departed.append(name)        # /diagnostics says so once
         self.node.get_logger().info(f"stream {name} removed; worker utilisation {self.admission.utilisation()}")
         return future
 

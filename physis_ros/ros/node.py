@@ -99,6 +99,7 @@ class PhysisServer(LifecycleNode):
         self.ended: dict[str, dict] = {}    # totals of streams that left (or were stopped)
         self.startup: dict[str, str] = {}   # config stream -> "admitted" or the rejection
         self.configured: list[str] = list(self.config.streams)   # the streams the engine admits when it starts
+        self.departed: list[str] = []       # streams that left since the last /diagnostics (said there once)
         self.hub = StreamHub(self)
         self.pub_telemetry = self.create_publisher(ChunkTelemetry, self.config.telemetry_topic,
                                                    qos.profile(qos.TELEMETRY), qos_overriding_options=qos.OVERRIDES)
@@ -159,7 +160,7 @@ class PhysisServer(LifecycleNode):
             await ticker.sleep(0.05)
         if engine is not self.engine or engine.failure is not None:
             return
-        for name in self.configured:
+        for name in list(self.configured):
             try:
                 await self.hub.join(name, self.config.streams[name], "config", ticker)
                 self.startup[name] = "admitted"
@@ -168,7 +169,7 @@ class PhysisServer(LifecycleNode):
                 if name not in self.streams:      # (not a goal's stream that took the name first)
                     self.params.remove_stream(name)   # no longer a stream of this server; its verdict is reported
                 self.get_logger().error(f"config stream {name} NOT admitted ({exc.reason}): {exc.detail}")
-        self._update_state()
+        self.update_state()
 
     def stop_engine(self, timeout: float = 20.0) -> bool:
         """Stop the engine and its workers (no publishing afterwards); True if it stopped in time."""
@@ -242,12 +243,14 @@ class PhysisServer(LifecycleNode):
     def publish_diagnostics(self) -> None:
         if self.closing and self.state == "stopped":
             return
-        self._update_state()
+        self.update_state()
         statuses = health.statuses(self)
         if not self.closing:
             self.pub_diagnostics.publish(diag.diagnostic_array(self.get_clock().now().to_msg(), statuses))
 
-    def _update_state(self) -> None:
+    def update_state(self) -> None:
+        """The engine's state from its events: ``serving`` once the workers are up and every config stream
+        has its verdict, ``failed`` (goals of streams that cannot come back end) on an engine failure."""
         engine = self.engine
         if engine is None:
             return
@@ -259,7 +262,7 @@ class PhysisServer(LifecycleNode):
                 if snap is not None and name in snap.streams and snap.streams[name].gone:
                     self.actions.end(name, "failed", str(failure))
             return
-        startup_done = len(self.startup) == len(self.configured)
+        startup_done = all(n in self.startup for n in self.configured)
         if self.state == "starting" and engine.ready.is_set() and startup_done:
             self.state, self.serving_since = "serving", time.monotonic()
             admitted = [n for n, v in self.startup.items() if v == "admitted"]

@@ -264,6 +264,19 @@ def contiguous(indices: list[int]) -> bool:
 
 
 # ---- refused goals -------------------------------------------------------------------------------------------
+def diag_stamps(live) -> list[float]:
+    return sorted(msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9 for msg, _ in live.probe.get("diagnostics"))
+
+
+def test_diagnostics_keep_their_rate_through_start_up(live):
+    """Issue 48 item 3: physis-serve published /diagnostics on every spin until it served (1,243 messages in one
+    start-up). At most one message a period (0.5 s here), start-up included."""
+    stamps = diag_stamps(live)
+    assert len(stamps) >= 2, stamps
+    span = stamps[-1] - stamps[0]
+    assert len(stamps) <= span / 0.5 + 2, f"{len(stamps)} /diagnostics messages in {span:.2f} s (period 0.5 s)"
+
+
 def test_goals_that_cannot_be_served_are_refused_with_the_reason(live):
     assert live.listed() == {}
     refused(live, "ghost", "unknown-model", model="no-such-model")
@@ -534,6 +547,19 @@ def test_remove_stream_ends_the_goal_as_removed(live):
     r = live.call(live.remove_client, RemoveStream.Request(stream="b"))
     assert not r.ok and "b" in r.message
     assert sorted(live.listed()) == ["a", "m"]
+    # Issue 48 item 3: a removed robot stayed on /diagnostics for good. It is said once as removed, then gone.
+    removed_at = time.monotonic()
+    def statuses_of_b() -> list[tuple[float, dict]]:
+        return [(msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9, v) for msg, _ in live.probe.get("diagnostics")
+                if (v := diag_values(msg, "b")) is not None]
+
+    live.probe.wait(lambda: any(v.get("removed") == "True" for _, v in statuses_of_b()), 10.0,
+                    "b said once as removed on /diagnostics")
+    said_at = max(t for t, v in statuses_of_b() if v.get("removed") == "True")
+    live.probe.wait(lambda: diag_stamps(live)[-1] > said_at + 1.2, 10.0, "three more /diagnostics periods")
+    after = [v for t, v in statuses_of_b() if t > said_at]
+    assert [v["_message"] for _, v in statuses_of_b()].count("removed: no longer served") == 1
+    assert after == [], f"b still on /diagnostics {time.monotonic() - removed_at:.1f} s after its removal: {after}"
 
 
 def test_clean_stop_leaves_no_process(live):
