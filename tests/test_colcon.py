@@ -212,3 +212,39 @@ def test_colcon_test_runs_pytest(workspace):
     log = (ws / "build" / PKG / "ament_cmake_pytest" / "pytest.txt").read_text()
     assert f"PYTHONPATH={ws / 'install' / 'lib' / PYVER / 'site-packages'}" in log, log[:2000]
     assert QUICK_TESTS.split("/")[-1] in log
+
+
+def readme_clone_block() -> str:
+    """README's colcon block for a clone after `make setup` (the first bash block of the workspace section)."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## In a ROS 2 workspace", 1)[1]
+    return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.parametrize("mode", ["plain", "symlink-install"])
+def test_readme_colcon_block_from_a_clone_runs_as_written(mode, tmp_path):
+    """Issue 48 item 1: README's `colcon build` stopped with "No 'rosidl_typesupport_c'" (only this file knew the
+    environment), and `colcon build --symlink-install` installed lib/physis_ros/* without the run bit. README's
+    block runs here as written, in a copy of the tracked files with this venv as its `.venv`, from an
+    environment with nothing of ROS or the venv in it, in both build modes (the comment on its build line)."""
+    block = readme_clone_block()
+    assert "colcon build" in block and "<" not in block and "rosdep" not in block, block
+    if mode == "symlink-install":
+        block = block.replace("colcon build ", "colcon build --symlink-install ", 1)
+    clone = tmp_path / "physis_ros"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.split("\0")
+    for rel in filter(None, files):
+        if (REPO / rel).is_file():
+            (clone / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, clone / rel)
+    (clone / ".venv").symlink_to(VENV, target_is_directory=True)
+    env = {"HOME": str(tmp_path), "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+           "COLCON_HOME": str(tmp_path / "colcon_home")}
+    proc = subprocess.run(["bash", "-e", "-c", block], cwd=clone, env=env, capture_output=True, text=True,
+                          timeout=BUILD_TIMEOUT_S)
+    assert proc.returncode == 0, f"{block}\n--- exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "usage: physis-serve" in proc.stdout, proc.stdout[-3000:]
+    exe = clone / "install" / PKG / "lib" / PKG / "physis-serve"
+    assert os.access(exe, os.X_OK), exe
+    assert exe.is_symlink() == (mode == "symlink-install")
