@@ -32,7 +32,7 @@ from physis_ros.ros import diagnostics as diag
 from physis_ros.ros import health, qos, rosout
 from physis_ros.ros.admission import Rejected
 from physis_ros.ros.config import ServeConfig
-from physis_ros.ros.stream_model import check_stream_model
+from physis_ros.ros.stream_model import check_stream_model, slo_interval_ms
 from physis_ros.config import ConfigError
 from physis_ros.ros.engine_thread import EngineThread
 from physis_ros.ros.hub import StreamHub
@@ -134,10 +134,10 @@ class PhysisServer(LifecycleNode):
                 continue
             st.config = s                       # read per message / per chunk by the callbacks
             st.input.max_age_s = s.max_age_s
-            if s.slo_interval_ms != old.streams[name].slo_interval_ms and s.slo_interval_ms is not None:
-                st.slo_interval_ms = s.slo_interval_ms
+            if s.slo_interval_ms != old.streams[name].slo_interval_ms:   # None: back to the control timeline's
+                st.slo_interval_ms = slo_interval_ms(s, st.model)
                 if self.engine is not None:
-                    self.engine.set_slo(name, s.slo_interval_ms)
+                    self.engine.set_slo(name, st.slo_interval_ms)
 
     def start_engine(self) -> None:
         c = self.config

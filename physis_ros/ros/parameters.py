@@ -108,29 +108,64 @@ def leaves(config: ServeConfig) -> list[Leaf]:
     return list(_walk(ServeConfig, config, ""))
 
 
-def is_config_key(name: str) -> bool:
-    """Whether a dotted name is a leaf of the serve-config tree (any stream name under ``streams``)."""
+def _field(name: str) -> tuple[Any, bool, dict[str, Any]] | None:
+    """(type, optional, metadata) of the serve-config leaf a dotted name denotes (any stream name under
+    ``streams``), or None if it is not one."""
     cls: Any = ServeConfig
     parts = name.split(".")
     i = 0
     while i < len(parts):
         if not dataclasses.is_dataclass(cls):
-            return False
+            return None
         fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
         if parts[i] not in fields:
-            return False
-        tp, _ = _optional(typing.get_type_hints(cls)[parts[i]])
+            return None
+        f = fields[parts[i]]
+        tp, optional = _optional(typing.get_type_hints(cls)[parts[i]])
         i += 1
         if typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
             if i >= len(parts):
-                return False
+                return None
             i += 1                      # the stream name
             tp = typing.get_args(tp)[1]
         if dataclasses.is_dataclass(tp):
             cls = tp
             continue
-        return i == len(parts)
-    return False
+        return (tp, optional, dict(f.metadata)) if i == len(parts) else None
+    return None
+
+
+def is_config_key(name: str) -> bool:
+    """Whether a dotted name is a leaf of the serve-config tree (any stream name under ``streams``)."""
+    return _field(name) is not None
+
+
+def unset_value(ptype: Parameter.Type, meta: dict[str, Any]) -> Any:
+    """The parameter value that stands for an unset optional key, so that every declared parameter has a
+    value (``ros2 param get`` of an unset key printed none): empty for a string or an array, and for a
+    number the bound just outside its range (0 for ``> 0``, 0 for ``>= 1``, -1 for ``>= 0``); None for a
+    flag or an unbounded number."""
+    if ptype == Parameter.Type.STRING:
+        return ""
+    if ptype in (Parameter.Type.DOUBLE, Parameter.Type.INTEGER):
+        cast = float if ptype == Parameter.Type.DOUBLE else int
+        if meta.get("gt") is not None:
+            return cast(meta["gt"])
+        if meta.get("ge") is not None:
+            return cast(meta["ge"] - 1)
+    if ptype in _ARRAY.values():
+        return []
+    return None   # a flag, or a number without a lower bound: none (the config resolves these to a value)
+
+
+def from_parameter(name: str, value: Any) -> Any:
+    """A parameter's value as the serve config takes it: an optional key's unset value is None."""
+    found = _field(name)
+    if found is None or not found[1] or isinstance(value, bool):
+        return value
+    tp, _, meta = found
+    unset = unset_value(_param_type(tp, name), meta)
+    return None if unset is not None and value == unset else value
 
 
 def is_stream_key(name: str) -> bool:
@@ -155,6 +190,9 @@ def descriptor(leaf: Leaf) -> ParameterDescriptor:
     constraints = ["fixed while the stream is served (a set is refused)"] if fixed and not d.read_only else []
     ge, le, gt = meta.get("ge"), meta.get("le"), meta.get("gt")
     lo = ge if ge is not None else gt
+    unset = unset_value(leaf.type, meta) if leaf.optional else None
+    if unset is not None and lo is not None:
+        lo = min(lo, unset)
     if lo is not None or le is not None:
         if leaf.type == Parameter.Type.DOUBLE:
             d.floating_point_range = [FloatingPointRange(
@@ -167,8 +205,10 @@ def descriptor(leaf: Leaf) -> ParameterDescriptor:
         constraints.append(f"must be > {gt}")
     if meta.get("choices"):
         constraints.append("one of: " + ", ".join(map(str, meta["choices"])))
-    if leaf.optional:
-        constraints.append("optional (unset: none)")
+    if unset is not None:
+        constraints.append(f"optional: {unset!r} means unset (none)")
+    elif leaf.optional:
+        constraints.append("optional")
     d.additional_constraints = "; ".join(constraints)
     return d
 
@@ -184,7 +224,7 @@ def split_overrides(overrides: dict[str, Parameter]) -> tuple[dict[str, Any], li
         if name in NODE_PARAMETERS or name.startswith(NODE_PREFIXES) or param.type_ == Parameter.Type.NOT_SET:
             continue
         if is_config_key(name):
-            known[name] = _plain(param.value)
+            known[name] = from_parameter(name, _plain(param.value))
         else:
             foreign.append(name)
     return known, sorted(foreign)
@@ -254,6 +294,8 @@ class ServeParameters:
                 continue
             desc = descriptor(leaf)
             value = _plain(leaf.value)
+            if value is None and leaf.optional:
+                value = unset_value(leaf.type, leaf.meta)   # every declared parameter has a value
             # our set callbacks take only known names: a declaration (which rclpy runs through them) is no change
             if value is None or value == []:
                 node.declare_parameter(leaf.name, leaf.type, desc, ignore_override=True)
@@ -284,7 +326,7 @@ class ServeParameters:
         return out
 
     def _updated(self, params: list[Parameter]) -> ServeConfig:
-        changes = {p.name: _plain(p.value) for p in params if p.name in self.types}
+        changes = {p.name: from_parameter(p.name, _plain(p.value)) for p in params if p.name in self.types}
         return serve_config(deep_merge(to_mapping(self.config), unflatten(changes)))
 
     def _validate(self, params: list[Parameter]) -> SetParametersResult:

@@ -90,8 +90,14 @@ def test_every_config_key_is_declared_with_its_value_description_and_range():
                 got = node.get_parameter(name).value
                 got = list(got) if isinstance(value, list) else got
                 assert got == value, name
-        # unset optional values are declared with their type and no value
-        assert node.get_parameter_or("engine.profile").type_ == Parameter.Type.NOT_SET
+        # Issue 48 item 2: every declared parameter has a value (`get` of an unset slo_interval_ms printed none);
+        # an unset optional key holds the value that means unset, said in its description
+        unset = sorted(n for n in declared if node.get_parameter(n).type_ == Parameter.Type.NOT_SET)
+        assert unset == [], unset
+        assert node.get_parameter("engine.profile").value == ""
+        assert node.get_parameter("streams.robot0.slo_interval_ms").value == 0.0
+        assert node.get_parameter("streams.robot0.qos.input.depth").value == 0
+        assert "0.0 means unset" in describe(node, "streams.robot0.slo_interval_ms").additional_constraints
         d = describe(node, "engine.workers")
         assert d.read_only and d.integer_range[0].from_value == 1 and d.integer_range[0].to_value == 64
         d = describe(node, "streams.robot0.control_rate_hz")
@@ -173,7 +179,6 @@ def test_runtime_parameters_are_validated_like_the_config_and_applied():
         # Ranges are checked by rclpy from the descriptor ("out of range Min: 0.0, Max: 1.0"), the rest by
         # the config's own validation ("must be > 0.0", "allowed values: ...").
         bad = [(Parameter("streams.robot0.slo_interval_ms", value=-5.0), "Min: 0.0"),
-               (Parameter("streams.robot0.slo_interval_ms", value=0.0), "must be > 0"),
                (Parameter("streams.robot0.slo_interval_ms", value=500.0), "longer than the control timeline"),
                (Parameter("streams.robot0.image.preprocess", value="zoom"), "'resize', 'center_crop', 'pad'"),
                (Parameter("streams.robot0.trajectory_start", value="later"), "'observation', 'emit'"),
@@ -200,6 +205,9 @@ def test_runtime_parameters_are_validated_like_the_config_and_applied():
         assert node.streams["robot0"].config == cfg.streams["robot0"]          # what the callbacks read
         assert node.streams["robot1"].input.max_age_s == 2.5
         assert node.get_parameter("streams.robot0.slo_interval_ms").value == 40.0
+        (result,) = node.set_parameters([Parameter("streams.robot0.slo_interval_ms", value=0.0)])
+        assert result.successful, result.reason                                 # 0: unset again, the timeline's
+        assert node.config.streams["robot0"].slo_interval_ms is None and node.streams["robot0"].slo_interval_ms == 160.0
         # All or nothing: one bad value in an atomic set changes nothing.
         result = node.set_parameters_atomically([Parameter("streams.robot0.max_future_s", value=1.0),
                                                  Parameter("streams.robot0.max_age_s", value=-1.0)])
@@ -326,6 +334,8 @@ def test_live_parameter_services_list_and_describe_every_key(live):
                 f"qos_overrides./{live.ns}/action_chunk.publisher.reliability"):
         assert key in names, key
     assert "controller_frequency" not in names and "base_frame" not in names
+    values = live.call(live.params.get_parameters(sorted(n for n in names if not n.startswith("qos_overrides")))).values
+    assert all(v.type != 0 for v in values), "a declared parameter with no value"      # 0: PARAMETER_NOT_SET
     descs = live.call(live.params.describe_parameters(["engine.workers", "streams.p0.slo_interval_ms"])).descriptors
     assert descs[0].read_only and descs[0].integer_range[0].from_value == 1
     assert not descs[1].read_only and descs[1].description
