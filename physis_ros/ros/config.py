@@ -311,6 +311,10 @@ class ServeConfig:
     diagnostics_starved_s: float = field(default=2.0, metadata=bounded(
         gt=0.0, le=3600.0, doc="a stream is ERROR (starved) after waiting this long for a fresh observation (s, "
                                "at most 3600)"))
+    diagnostics_stale_intervals: float = field(default=1.0, metadata=bounded(
+        gt=0.0, le=1000.0, doc="a stream is WARN (stale inputs) when the observations its chunks used were older "
+                               "than this many of its SLO intervals when the chunk started (median over the "
+                               "window)"))
     stats_window: int = field(default=200, metadata=bounded(
         ge=2, doc="chunks kept per stream for /diagnostics and the exit summary"))
     warn_throttle_s: float = field(default=5.0, metadata=bounded(

@@ -91,6 +91,9 @@ def window_stats(records: Sequence[ChunkRecord], now: float, window_s: float,
         "interval_ms_p99": percentile(intervals, 99),
         "latency_ms_p50": percentile([r.latency_ms for r in recent], 50),
         "latency_ms_p99": percentile([r.latency_ms for r in recent], 99),
+        # how old the observation was when its chunk started: a robot publishing slower than the SLO shows here
+        "observation_age_ms_p50": percentile([r.obs_age_ms for r in recent], 50),
+        "observation_age_ms_p99": percentile([r.obs_age_ms for r in recent], 99),
         "deadline_misses_window": misses,
         "deadline_miss_rate": misses / len(recent) if recent else 0.0,
         "last_chunk_age_s": (now - recs[-1].emit) if recs else math.inf,
@@ -110,11 +113,13 @@ def window_stats(records: Sequence[ChunkRecord], now: float, window_s: float,
 def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, slo_interval_ms: float | None,
                   new_rejects: int, engine_state: str, idle_s: float | None, armed: bool = True,
                   hardware_id: str = "", miss_rate_warn: float = 0.05, starved_s: float = 2.0,
-                  since_s: float | None = None, prefix: str = PREFIX) -> DiagnosticStatus:
+                  since_s: float | None = None, stale_intervals: float = 1.0,
+                  prefix: str = PREFIX) -> DiagnosticStatus:
     """``stats``: :func:`window_stats` (plus the node's handover/publish times); ``inputs``:
     StreamInput.snapshot() plus the node's counters; ``new_rejects``: inputs rejected since the last
     report; ``idle_s``: seconds the stream has waited for an observation for its next chunk (None:
-    not waiting); ``since_s``: seconds since the engine began serving it."""
+    not waiting); ``since_s``: seconds since the engine began serving it; ``stale_intervals``: WARN when the
+    median age of the observations its chunks used exceeds this many SLO intervals."""
     rate = float(stats.get("chunks_per_s", 0.0))
     p50 = float(stats.get("interval_ms_p50", math.nan))
     p99 = float(stats.get("interval_ms_p99", math.nan))
@@ -161,7 +166,8 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
     }
     for key in ("inference_delay_steps", "late_points_window", "late_chunks_window", "seam_blended_chunks_window"):
         values[key] = stats.get(key, 0)
-    for key in ("seam_jump_p50", "seam_jump_p99", "seam_velocity_jump_p99", "tracking_error_p50"):
+    for key in ("seam_jump_p50", "seam_jump_p99", "seam_velocity_jump_p99", "tracking_error_p50",
+                "observation_age_ms_p50", "observation_age_ms_p99"):
         values[key] = float(stats.get(key, math.nan))
     # what admission charges the stream beyond its jitter bound (measured; "none" until measured)
     spread = stats.get("admission_spread_ms")
@@ -194,6 +200,11 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
     elif late:
         level, msg = WARN, (f"{late} chunk(s) in the last {values['window_s']:.0f} s arrived after their last step "
                             f"was due (not sent as trajectories)")
+    elif slo_interval_ms and values["observation_age_ms_p50"] > stale_intervals * slo_interval_ms:
+        level, msg = WARN, (f"stale inputs: the observations its chunks used were "
+                            f"{values['observation_age_ms_p50']:.0f} ms old (median) when the chunk started, over "
+                            f"{stale_intervals:g} x its SLO interval {slo_interval_ms:.0f} ms: is the robot "
+                            f"publishing at its rate? ({rate:.1f} chunks/s)")
     elif slo_interval_ms and not math.isnan(p99) and p99 > slo_interval_ms:
         level, msg = WARN, f"interval p99 {p99:.1f} ms over SLO {slo_interval_ms:.1f} ms ({rate:.1f} chunks/s)"
     elif slo_interval_ms and miss_rate > miss_rate_warn:
@@ -206,6 +217,23 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
     if not armed:
         msg += " [outputs disarmed]"
     return _status(name, hardware_id or name, level, msg, values, prefix)
+
+
+def inputs_summary(inputs: dict[str, Any]) -> str:
+    """What arrived on a stream's inputs, accepted and rejected with the reasons ("images 30 accepted; joint
+    states 0 accepted, 700 rejected (max_age 700)"), for a log line about a stream waiting for them."""
+    parts = []
+    for kind, label in (("images", "images"), ("joints", "joint states"), ("actions", "actions")):
+        accepted = inputs.get("received", {}).get(kind, 0)
+        refused = inputs.get("refused", {}).get(kind, {})
+        if kind == "actions" and not accepted and not refused:
+            continue
+        text = f"{label} {accepted} accepted"
+        if refused:
+            reasons = ", ".join(f"{r} {n}" for r, n in sorted(refused.items(), key=lambda rn: -rn[1]))
+            text += f", {sum(refused.values())} rejected ({reasons})"
+        parts.append(text)
+    return "; ".join(parts)
 
 
 def pending_stream_status(name: str, verdict: str | None, engine_state: str, prefix: str = PREFIX,

@@ -88,9 +88,8 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
         waiting = inputs["waiting_since"]
         idle = None if waiting is None else mono - waiting
         if node.state == "serving" and idle is not None and idle > cfg.diagnostics_starved_s:
-            st.warn("idle", f"stream {name}: no fresh observation for {idle:.1f} s (images "
-                            f"{inputs['received'].get('images', 0)}, joint states "
-                            f"{inputs['received'].get('joints', 0)} received so far)")
+            st.warn("idle", f"stream {name}: no fresh observation for {idle:.1f} s ({diag.inputs_summary(inputs)} "
+                            f"so far)")
         inputs.update(failed=st.health.failed, recovering=st.health.recovering, failures=st.health.failures,
                       lost_chunks=st.health.lost_chunks, unpublished=dict(st.health.unpublished),
                       resets=st.resets(snap["resets"].get(name, {})),
@@ -107,6 +106,7 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
             name, stats, inputs, slo_interval_ms=st.slo_interval_ms,
             new_rejects=new, engine_state=node.state, idle_s=idle, armed=node.armed, hardware_id=hw,
             miss_rate_warn=cfg.diagnostics_miss_rate_warn, starved_s=cfg.diagnostics_starved_s,
+            stale_intervals=cfg.diagnostics_stale_intervals,
             since_s=None if since is None else min(since, mono - st.admitted_mono), prefix=node.diag_prefix))
     for name in node.departed:   # once each, then gone
         streams.append(diag.removed_stream_status(name, prefix=node.diag_prefix, hardware_id=node.hostname))

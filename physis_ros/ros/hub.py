@@ -148,7 +148,7 @@ class StreamHub:
             raise
         finally:
             self.joining.pop(name, None)
-        node.get_logger().info(f"stream {name} admitted ({origin}): {served.config.name}, SLO {slo:g} ms, paced "
+        node.get_logger().info(f"stream {name} admitted ({origin}): {st.model_label}, SLO {slo:g} ms, paced "
                                f"every {pace:g} ms, on "
                                f"{', '.join(admitted.workers)}; worker utilisation {self.admission.utilisation()}")
         return st, admitted

@@ -132,14 +132,18 @@ class StreamInput:
         self.history: dict[str, deque[Sample]] = {name: deque() for name in paired}
         self.received = Counter()   # images, joints, actions
         self.rejected = Counter()   # reason -> count
+        self.refused: dict[str, Counter] = {}   # input kind (images, joints, actions) -> reason -> count
         self.used = 0
         self.last_image_ns: int | None = None
         self.waiting_since: float | None = None  # stalled: no fresh observation for a chunk
 
-    def reject(self, reason: str) -> int:
-        """Count a rejected input message; returns the count for this reason so far."""
+    def reject(self, reason: str, kind: str = "") -> int:
+        """Count a rejected input message (of input ``kind``: images, joints, actions, if it is one of the
+        stream's observations); returns the count for this reason so far."""
         with self.lock:
             self.rejected[reason] += 1
+            if kind:
+                self.refused.setdefault(kind, Counter())[reason] += 1
             return self.rejected[reason]
 
     def put_image(self, sample: Sample) -> None:
@@ -220,7 +224,8 @@ class StreamInput:
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
-            return {"received": dict(self.received), "rejected": dict(self.rejected), "used": self.used,
+            return {"received": dict(self.received), "rejected": dict(self.rejected),
+                    "refused": {kind: dict(c) for kind, c in self.refused.items()}, "used": self.used,
                     "queued": len(self.images), "waiting_since": self.waiting_since,
                     "last_image_ns": self.last_image_ns}
 

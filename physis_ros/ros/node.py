@@ -32,7 +32,7 @@ from physis_ros.ros import diagnostics as diag
 from physis_ros.ros import health, qos, rosout
 from physis_ros.ros.admission import Rejected
 from physis_ros.ros.config import ServeConfig
-from physis_ros.ros.stream_model import check_stream_model, slo_interval_ms
+from physis_ros.ros.stream_model import check_stream_model, model_label, slo_interval_ms
 from physis_ros.config import ConfigError
 from physis_ros.ros.engine_thread import EngineThread
 from physis_ros.ros.hub import StreamHub
@@ -141,7 +141,7 @@ class PhysisServer(LifecycleNode):
 
     def start_engine(self) -> None:
         c = self.config
-        self.get_logger().info(f"starting engine: {c.engine.workers} worker(s), default model {self.model.name}, "
+        self.get_logger().info(f"starting engine: {c.engine.workers} worker(s), default model {model_label(c.model, self.model)}, "
                                f"{'deterministic' if c.deterministic else 'latest'} observations")
         self.closing = False
         self.engine = EngineThread(c.engine, clock=self.now, on_event=self._on_event)

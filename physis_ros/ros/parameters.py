@@ -43,7 +43,7 @@ RUNTIME_STREAM_KEYS = frozenset({"slo_interval_ms", "trajectory_start", "traject
                                  "seam_blend_steps", "image.preprocess", "image.pad_value", "max_future_s",
                                  "max_age_s"})
 RUNTIME_KEYS = frozenset({"warn_throttle_s", "diagnostics_window_s", "diagnostics_miss_rate_warn",
-                          "diagnostics_starved_s"})
+                          "diagnostics_starved_s", "diagnostics_stale_intervals"})
 # Parameters rclpy declares for every node; not serve-config keys handled here.
 NODE_PARAMETERS = frozenset({"use_sim_time", "start_type_description_service"})
 NODE_PREFIXES = ("qos_overrides.",)

@@ -66,3 +66,9 @@ def timeline_interval_ms(stream: StreamConfig, model: ModelConfig) -> float:
 def slo_interval_ms(stream: StreamConfig, model: ModelConfig) -> float:
     """The stream's SLO interval: as configured, else its control timeline's."""
     return stream.slo_interval_ms if stream.slo_interval_ms is not None else timeline_interval_ms(stream, model)
+
+
+def model_label(ref: str, config: ModelConfig) -> str:
+    """A model as its config names it (a bundled checkpoint's name, a YAML, a preset), with the network's own
+    name where that differs: ``tiny-wam-demo (tiny-wam)``."""
+    return ref if not ref or ref == config.name else f"{ref} ({config.name})"

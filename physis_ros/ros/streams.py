@@ -32,7 +32,7 @@ from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
 from physis_ros.ros import acceptance, outputs, qos
 from physis_ros.ros import conversions as conv
 from physis_ros.ros.config import StreamConfig, stream_namespace, stream_topic
-from physis_ros.ros.stream_model import execution_steps, model_horizon, slo_interval_ms
+from physis_ros.ros.stream_model import execution_steps, model_horizon, model_label, slo_interval_ms
 from physis_ros.ros.inputs import Sample, StreamInput
 from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
 from physis_ros.runtime.engine import ChunkOutput, Observation, ServedModel, StreamEvent, Timeline
@@ -41,6 +41,8 @@ from physis_ros.timeline import SeamTracker, kinematics, release_steps, rms
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
+
+INPUT_KINDS = {"image": "images", "joint_states": "joints", "actions": "actions"}   # what -> StreamInput's counters
 
 
 @dataclass
@@ -64,6 +66,7 @@ class RosStream:
         self.config = config
         self.served = served
         self.model: ModelConfig = served.config
+        self.model_label = model_label(config.model or node.config.model, self.model)   # as configured, for logs
         self.origin = origin              # config | action
         self.admitted_mono = time.monotonic()   # its health counts from here, not from the server's start
         self.workers = workers
@@ -136,7 +139,7 @@ class RosStream:
             try:
                 msg = deserialize_message(data, kind)
             except Exception as exc:   # rclpy's RMWError (its own type) for malformed CDR, ValueError, ...
-                n = self.input.reject(f"undecodable_{what}")
+                n = self.input.reject(f"undecodable_{what}", INPUT_KINDS.get(what, ""))
                 self.warn(f"undecodable_{what}", f"stream {self.name}: a message on {topic} could not be decoded "
                                                  f"as {kind.__name__} ({str(exc)[:160]}; {n} so far)")
                 return
@@ -160,7 +163,7 @@ class RosStream:
             self._subscribe(ActionChunk, self.topic("expert"), self.on_expert, qos.profile(s.qos.action_chunk),
                             "expert")
         self.node.get_logger().info(
-            f"stream {self.name} ({self.model.name}, {self.origin}): {', '.join(sub.topic_name for sub in self._subscriptions)}"
+            f"stream {self.name} ({self.model_label}, {self.origin}): {', '.join(sub.topic_name for sub in self._subscriptions)}"
             f" [{qos.describe(in_qos)}] -> {', '.join(p.topic_name for p in self._publishers)}; "
             f"joints {', '.join(s.joint_names)}; workers {', '.join(self.workers)}")
 
@@ -189,7 +192,7 @@ class RosStream:
             self.node.get_logger().warning(text)
 
     def _reject(self, exc: conv.InputRejected, what: str) -> None:
-        n = self.input.reject(exc.reason)
+        n = self.input.reject(exc.reason, INPUT_KINDS.get(what, ""))
         self.warn(exc.reason, f"stream {self.name}: rejected {what} [{exc.reason}]: {exc.detail} ({n} so far)")
 
     def on_image(self, msg: Image | CompressedImage) -> None:

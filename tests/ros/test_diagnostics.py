@@ -276,3 +276,50 @@ def test_a_streams_status_carries_what_admission_charges_it_beyond_its_bound():
     assert values["admission_spread_ms"] == "none"                  # not measured yet
     values = {kv.key: kv.value for kv in status({**stats, "admission_spread_ms": 12.34567}).values}
     assert float(values["admission_spread_ms"]) == 12.346
+
+
+def test_a_robot_publishing_slower_than_its_slo_is_warned_about_stale_inputs():
+    """Issue 48 item 4: a robot publishing at 1 Hz was reported OK at 8.4 chunks/s while its chunks used
+    observations about 1 s old. The age of the observation each chunk used (when the chunk started) is on
+    /diagnostics, and past diagnostics_stale_intervals x the SLO interval (default one) the stream is WARN."""
+    now = 100.0
+    recs = records(80, 0.12, end=now)   # 8.3 chunks/s, SLO 120 ms
+    fresh = diag.window_stats(recs, now, 5.0, 120.0)
+    assert fresh["observation_age_ms_p50"] == pytest.approx(25.0)
+    assert status(fresh, slo_interval_ms=120.0).level == OK
+    for r in recs:                      # the same chunks on a camera stamped once a second
+        r.obs_stamp = math.floor(r.enqueue)
+    stale = diag.window_stats(recs, now, 5.0, 120.0)
+    assert 400.0 < stale["observation_age_ms_p50"] < 600.0 and stale["observation_age_ms_p99"] > 900.0
+    s = status(stale, slo_interval_ms=120.0)
+    assert s.level == WARN and s.message.startswith("stale inputs:") and "chunks/s" in s.message, s.message
+    assert float(values(s)["observation_age_ms_p50"]) == pytest.approx(stale["observation_age_ms_p50"], abs=1e-3)
+    assert status(stale, slo_interval_ms=120.0, stale_intervals=10.0).level == OK   # a looser bound: OK again
+
+
+def test_a_log_line_about_missing_inputs_says_what_arrived_and_why_it_was_rejected():
+    """Issue 48 item 4: "joint states 0 received" was printed while 700 had arrived and been rejected."""
+    inputs = {"received": {"images": 30}, "refused": {"joints": {"max_age": 700, "joint_names": 3}}}
+    assert diag.inputs_summary(inputs) == ("images 30 accepted; joint states 0 accepted, 703 rejected "
+                                           "(max_age 700, joint_names 3)")
+    from physis_ros.ros.inputs import StreamInput
+
+    si = StreamInput()
+    si.reject("max_age", "joints")
+    si.reject("encoding", "images")
+    si.reject("queue_full")
+    snap = si.snapshot()
+    assert snap["refused"] == {"joints": {"max_age": 1}, "images": {"encoding": 1}}
+    assert snap["rejected"] == {"max_age": 1, "encoding": 1, "queue_full": 1}
+    assert diag.inputs_summary(snap) == ("images 0 accepted, 1 rejected (encoding 1); joint states 0 accepted, "
+                                         "1 rejected (max_age 1)")
+
+
+def test_logs_name_the_model_as_configured():
+    """Issue 48 item 4: the logs said tiny-wam for a stream configured with the bundled tiny-wam-demo."""
+    from physis_ros.model.presets import load_model_config
+    from physis_ros.ros.stream_model import model_label
+
+    tiny = load_model_config("tiny-wam")
+    assert model_label("tiny-wam-demo", tiny) == "tiny-wam-demo (tiny-wam)"
+    assert model_label("tiny-wam", tiny) == "tiny-wam"
