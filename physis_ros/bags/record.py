@@ -4,7 +4,9 @@ Topics whose type is known (from the serve config, :func:`server_topics`; by nam
 :data:`~physis_ros.bags.bagio.KNOWN_TOPIC_TYPES`; or given as ``TOPIC:TYPE``) are
 subscribed at once, so nothing published after start is lost; other topics
 are subscribed as soon as discovery shows their type (``--all`` records every
-topic that appears). Subscriber QoS adapts to what the publishers offer.
+topic that appears; with ``follow``, every topic the server node publishes, or with inputs also
+subscribes to, so that streams joining the running server later are recorded too). Subscriber QoS adapts
+to what the publishers offer.
 Messages are stamped with the recorder's node clock at reception.
 """
 
@@ -61,13 +63,19 @@ class Recorder:
 
     def __init__(self, node, out: str | Path, topics: dict[str, str | None] | None = None,
                  storage: str = "mcap", discover_all: bool = False,
-                 on_message: Callable[[str, bytes, int], None] | None = None):
-        if not topics and not discover_all:
+                 on_message: Callable[[str, bytes, int], None] | None = None,
+                 follow: str | None = None, follow_inputs: bool = True):
+        """``follow``: a node's fully qualified name (``/physis_server``): the topics it publishes (and with
+        ``follow_inputs`` those it subscribes to) are recorded as they appear, beyond ``topics`` (not its
+        private ``<node>/...`` topics: actions, lifecycle, leases)."""
+        if not topics and not discover_all and not follow:
             raise BagError("nothing to record: give topics or discover_all")
         self.node = node
         self.path = Path(out)
         self.wanted = dict(topics or {})
         self.discover_all = discover_all
+        self.follow = None if not follow else ("/" + follow.strip("/")).rpartition("/")[::2]   # (namespace, name)
+        self.follow_inputs = follow_inputs
         self.on_message = on_message
         self.subscriptions = {}
         self.failed: dict[str, str] = {}
@@ -134,8 +142,20 @@ class Recorder:
         for topic, types in self.node.get_topic_names_and_types():
             if topic in self.subscriptions or topic in self.failed or topic in IGNORED:
                 continue
-            if topic in self.wanted or self.discover_all:
+            if topic in self.wanted or self.discover_all or self._followed(topic):
                 self._subscribe(topic, types[0])
+
+    def _followed(self, topic: str) -> bool:
+        """The followed node publishes ``topic`` (or, with inputs, subscribes to it)."""
+        if self.follow is None:
+            return False
+        ns, name = self.follow
+        if topic.startswith(f"{ns.rstrip('/')}/{name}/") or "/_action/" in topic:
+            return False
+        ends = list(self.node.get_publishers_info_by_topic(topic))
+        if self.follow_inputs:
+            ends += self.node.get_subscriptions_info_by_topic(topic)
+        return any(e.node_name == name and (e.node_namespace or "/") == (ns or "/") for e in ends)
 
     def _write(self, topic: str, raw: bytes) -> None:
         if self.closed:

@@ -98,6 +98,7 @@ def cmd_record(args) -> int:
     from physis_ros.bags.record import Recorder, parse_topic_specs, server_topics
     from physis_ros.bags.rosnode import RosSession
 
+    follow = None
     if args.topics:
         topics = parse_topic_specs(args.topics)
         for topic, msgtype in topics.items():
@@ -112,11 +113,13 @@ def cmd_record(args) -> int:
     else:
         from physis_ros.bags.serveconf import load_serve_info   # imports torch (model config): only when needed
         topics = server_topics(load_serve_info(args.config), inputs=not args.outputs_only)
+        follow = args.server_node or None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with RosSession("physis_bag_record") as ros:
-        recorder = Recorder(ros.node, args.out, topics, storage=args.storage, discover_all=args.all)
+        recorder = Recorder(ros.node, args.out, topics, storage=args.storage, discover_all=args.all,
+                            follow=follow, follow_inputs=not args.outputs_only)
         print(f"recording {len(topics) if topics else 'all'} topics to {recorder.path} ({args.storage}); "
               f"Ctrl-C to stop", file=sys.stderr)
         deadline = time.monotonic() + args.duration if args.duration else None
@@ -257,6 +260,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--all", action="store_true", help="record every topic that appears")
     p.add_argument("--outputs-only", action="store_true", help="default topics: only the server's outputs")
     p.add_argument("--config", type=yaml_file, help="server config for the default topics (default config/serve.yaml)")
+    p.add_argument("--server-node", default="/physis_server", metavar="NODE",
+                   help="default topics: also those of streams that join this running server later (what it "
+                        "publishes, and with inputs what it subscribes to); empty: the config's streams only")
     p.add_argument("--storage", choices=("mcap", "sqlite3"), default="mcap")
     p.add_argument("--duration", type=positive_float, metavar="S", help="stop after S seconds (default: Ctrl-C)")
     p.set_defaults(func=cmd_record)

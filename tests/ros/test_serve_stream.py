@@ -13,6 +13,7 @@ runs ``--deterministic`` (chunk c consumes the c-th observation), which the worl
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 import uuid
@@ -171,6 +172,12 @@ class Live:
         from rclpy.parameter_client import AsyncParameterClient
         self.params = AsyncParameterClient(self.probe.node, NODE)
         self.goals: dict[str, Goal] = {}
+        # physis-bag record from before the server starts, its topics from the config (no streams): the robots
+        # that join later must be in the bag too (issue 48 item 6)
+        self.recording = tmp / "recorded"
+        self.recorder = Child("recorder", [sys.executable, "-m", "physis_ros.cli.bag", "record", str(self.recording),
+                                           "--config", str(self.config), "--server-node", f"/{NODE}"],
+                              env=child_env(self.marker), log=tmp / "record.log")
         self.server = Child("server", serve_command(self.config, *NODE_ARGS), env=child_env(self.marker),
                             log=tmp / "serve.log")
 
@@ -238,6 +245,7 @@ def live(tmp_path_factory):
         yield live
     finally:
         live.robots.close()
+        live.recorder.stop(30.0)
         live.stop()
         live.probe.close()
 
@@ -534,6 +542,28 @@ def test_a_stream_that_joins_late_is_judged_from_its_admission(live):
     first = first()
     assert not first.message.startswith("no chunk in"), first.message
     assert g.cancel().outcome == "cancelled"
+
+
+def test_a_recording_started_before_the_robots_joined_holds_their_topics(live):
+    """Issue 48 item 6: physis-bag record took its default topics from the config only, so robots that joined
+    the running server later were not recorded. It follows the server node: what it publishes and subscribes to
+    as streams join (here: started before the server, whose config has no stream)."""
+    from physis_ros.bags.bagio import bag_info
+
+    assert live.recorder.stop(30.0) == 0, live.recorder.tail(20)
+    counts = {t.topic: t.count for t in bag_info(live.recording).topics}
+    types = {t.topic: t.msgtype for t in bag_info(live.recording).topics}
+    a = NS["a"]
+    for topic, msgtype in ((f"/{a}/action_chunk", "physis_ros/msg/ActionChunk"),
+                           (f"/{a}/joint_trajectory", "trajectory_msgs/msg/JointTrajectory"),
+                           (f"/{a}/camera/image_raw", "sensor_msgs/msg/Image"),
+                           (f"/{a}/joint_states", "sensor_msgs/msg/JointState"),
+                           (f"/{NS['m']}/predicted_frames", "physis_ros/msg/PredictedFrames")):
+        assert types.get(topic) == msgtype and counts[topic] > 0, (topic, counts)
+    assert counts[TELEMETRY] > 0 and counts["/diagnostics"] > 0
+    assert not any(t.startswith(f"/{NODE}/") for t in counts), sorted(counts)   # not its actions, lease, ...
+    log = live.recorder.log_path.read_text()
+    assert f"/{a}/action_chunk" in log
 
 
 # ---- removal and stop ----------------------------------------------------------------------------------------
