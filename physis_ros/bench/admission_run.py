@@ -10,6 +10,7 @@ from pathlib import Path
 
 from physis_ros.bench.admission_observe import (Mirror, Recorder, _cpu_delta, _cpu_snapshot, _gaps, _r,
                                                   stream_window)
+from physis_ros.ros.admission import CAUSES
 from physis_ros.timeline import release_pace_ms
 
 JOINTS = [f"joint{i}" for i in range(1, 8)]
@@ -158,7 +159,7 @@ class Run:
             r = result.result().result
             got, _, detail = r.reason.partition(": ")
             ev.update(admitted=False, reason=got, detail=detail, outcome=r.outcome,
-                      mirror_agrees=bool(not ok and reason == got))
+                      mirror_agrees=bool(not ok and CAUSES.get(reason, reason) == got))
             if ok:  # the replay would have admitted it: keep it in step with the server
                 self.mirror.remove(name)
         ev["predicted_utilisation"] = self.mirror.utilisation()

@@ -35,23 +35,42 @@ if TYPE_CHECKING:
     from physis_ros.model.spec import ModelConfig
     from physis_ros.ros.config import ServeConfig
 
+# A rejected stream's reason says what its sender must change (README's table is kept in step with this by
+# tests/ros/test_admission_unit.py); the scheduler's own cause (PLACEMENT_REASONS) follows its detail in [].
 REASONS = {
-    **PLACEMENT_REASONS,
-    "unknown-model": "the model is not a preset, a model YAML or a checkpoint this server can read",
-    "model-mismatch": "the model's inputs or outputs do not fit the stream (joint count, observations)",
-    "name-in-use": "a stream of that name is already served",
-    "namespace-in-use": "another stream already uses that namespace",
+    "invalid-request": "a field of the request is malformed (name, namespace, joints, rates, topics): fix the "
+                       "field the detail names",
+    "unknown-model": "the model is not a preset, a model YAML or a checkpoint this server can read: name one "
+                     "that is",
+    "model-mismatch": "the model's inputs or outputs do not fit the stream (joint count, observations): give the "
+                      "joints and topics the model takes, or another model",
+    "timeline": "the SLO interval or execution horizon does not fit the model's control timeline (an SLO longer "
+                "than the executed rows of a chunk last, a horizon longer than the chunk): shorten "
+                "slo_interval_ms or change execution_horizon",
+    "slo-too-tight": "no placement meets the stream's SLO: a stage alone is slower than it, or the chunks sharing "
+                     "a worker (or its cores) would delay this stream's or another's chunks past what their SLO "
+                     "leaves: loosen slo_interval_ms (up to the control timeline's interval), or try again when "
+                     "fewer streams are served",
+    "capacity": "the workers' time, the host's cores or engine.max_streams are taken by the streams served: "
+                "remove a stream, add workers, or try again later",
+    "memory": "the model's weights and KV do not fit the workers' memory (or admission.profile_memory_gb for its "
+              "measurement): a smaller model, or workers with more memory",
+    "name-in-use": "a stream of that name is already served: pick another name",
+    "namespace-in-use": "another stream already uses that namespace: pick another namespace",
     "topic-collision": "a topic the stream would publish on belongs to another stream or the server (or lies "
-                       "outside the namespace of a goal)",
-    "invalid-request": "a field of the request is malformed (name, namespace, joints, rates, topics)",
-    "not-serving": "the server is not serving (not configured, or its engine failed)",
-    "stream-limit": "the server holds engine.max_streams streams already",
-    "profile-failed": "measuring the model's cost profile failed or took longer than admission.profile_timeout_s "
-                      "(give one in admission.profiles)",
+                       "outside the namespace of a goal): change its topics or namespace",
     "busy": "admission.max_pending_goals goals are being admitted already (a burst): ask again shortly",
-    "internal-error": "the server failed while admitting the stream (a bug; its log has the details)",
-    "host-cpu": "the host's cores would be exhausted: CPU workers' load plus what the node spends per stream",
+    "profile-failed": "measuring the model's cost profile failed or took longer than admission.profile_timeout_s: "
+                      "give one in admission.profiles (physis-profile)",
+    "not-serving": "the server is not serving (not configured, or its engine failed, or could not start the "
+                   "stream): see its log, start it again",
+    "internal-error": "the server failed while admitting the stream (a bug): its log has the details; report it",
 }
+# The scheduler's causes, and the reason each is reported under.
+CAUSES = {"slo-unreachable": "slo-too-tight", "latency-unreachable": "slo-too-tight",
+          "latency-jitter": "slo-too-tight", "time-capacity": "capacity", "no-group": "capacity",
+          "memory-unreachable": "memory", "memory": "memory", "host-cpu": "capacity", "stream-limit": "capacity"}
+assert set(PLACEMENT_REASONS) <= set(CAUSES) and set(CAUSES.values()) <= set(REASONS)
 
 
 @dataclass
@@ -69,10 +88,16 @@ class Admitted:
 
 
 class Rejected(Exception):
-    def __init__(self, reason: str, detail: str):
+    """A stream that cannot come in: ``reason`` one of :data:`REASONS` (what to change), ``detail`` what
+    exactly, ending in ``[cause]`` where a finer cause (:data:`CAUSES`) decided it."""
+
+    def __init__(self, reason: str, detail: str, cause: str | None = None):
+        if cause is not None and cause != reason:
+            reason, detail = CAUSES.get(cause, reason), f"{detail} [{cause}]"
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.cause = cause or reason
 
 
 def plan_of(placed: PlacedStream, steps: int, blocks: int) -> Plan:
@@ -168,15 +193,16 @@ class ServerAdmission:
         decision = self.scheduler.admit(StreamRequest(stream, model.id, pace_ms, jitter_budget_ms=budget,
                                                      paced=paced))
         if not decision.admitted:
-            raise Rejected(decision.reason, decision.detail)
+            raise Rejected(CAUSES.get(decision.reason, decision.reason), decision.detail, cause=decision.reason)
         if self.host is not None:
             # the workers' load as they run now: each booking scaled by its worker's measured factor
             used = self.host.used(float((self.cluster.util * factors).sum()), len(self.admitted) + 1)
             if used > self.host.capacity + 1e-9:
                 self.scheduler.remove(stream)   # nothing else moved: undo this placement only
-                raise Rejected("host-cpu", f"{used:.2f} of the host's {self.host.cores} cores would be in use "
+                raise Rejected("capacity", f"{used:.2f} of the host's {self.host.cores} cores would be in use "
                                            f"(at most {self.host.capacity:.2f}: workers' load plus "
-                                           f"{self.host.reserve:g} + {self.host.per_stream:g} per stream)")
+                                           f"{self.host.reserve:g} + {self.host.per_stream:g} per stream)",
+                               cause="host-cpu")
         cfg = model.config
         admitted = Admitted(stream, model, plan_of(decision.placed, cfg.steps, cfg.blocks), decision.placed)
         self.admitted[stream] = admitted

@@ -20,13 +20,14 @@ from physis_ros.ros import health
 from physis_ros.ros.admission import Admitted, Rejected, server_admission
 from physis_ros.ros.config import (StreamConfig, check_stream_name, resolve_topic, stream_namespace,
                                    stream_topics)
-from physis_ros.ros.stream_model import check_stream_model, slo_interval_ms
+from physis_ros.ros.stream_model import TIMELINE_KEYS, check_stream_model, slo_interval_ms
 from physis_ros.ros.models import ModelCatalog
 from physis_ros.ros.streams import RosStream
 from physis_ros.ros.tasks import Ticker
 from physis_ros.timeline import release_pace_ms
 
 if TYPE_CHECKING:
+    from physis_ros.model.spec import ModelConfig
     from physis_ros.ros.node import PhysisServer
 
 class StreamHub:
@@ -65,6 +66,16 @@ class StreamHub:
             raise Rejected("namespace-in-use", f"namespace '{ns}' is used by stream '{used[ns]}'")
         self._check_topics(name, stream, origin)
 
+    @staticmethod
+    def check_fit(name: str, stream: StreamConfig, model: ModelConfig) -> None:
+        """The stream against its model: Rejected ``timeline`` if its SLO interval or execution horizon does
+        not fit the model's control timeline, ``model-mismatch`` if its joints or inputs do not fit."""
+        try:
+            check_stream_model(f"streams.{name}", stream, model)
+        except ConfigError as exc:
+            timeline = exc.key.rsplit(".", 1)[-1] in TIMELINE_KEYS
+            raise Rejected("timeline" if timeline else "model-mismatch", str(exc)) from None
+
     def _check_topics(self, name: str, stream: StreamConfig, origin: str) -> None:
         """A stream publishes only on topics nobody else uses: not another stream's inputs or outputs, not the
         server's own. It may read any topic (a world model imagining what another stream commands)."""
@@ -96,8 +107,8 @@ class StreamHub:
         """Room for one more stream in the engine (its running streams: goals still being checked hold none)."""
         limit = self.node.config.engine.max_streams
         if len(self.node.streams) >= limit:
-            raise Rejected("stream-limit", f"the server holds engine.max_streams={limit} streams already (remove "
-                                           f"one, or raise engine.max_streams)")
+            raise Rejected("capacity", f"the server holds engine.max_streams={limit} streams already (remove "
+                                       f"one, or raise engine.max_streams)", cause="stream-limit")
 
     async def join(self, name: str, stream: StreamConfig, origin: str, ticker: Ticker) -> tuple[RosStream, Admitted]:
         """Admit and start a stream (a coroutine on the executor); Rejected with the reason if it cannot."""
@@ -118,10 +129,7 @@ class StreamHub:
             # serving: a profile measured now yields the CPU to the streams served; with none yet it need not
             resolving = self.loader.submit(self.catalog.resolve, stream.model, bool(node.streams))
             served = await ticker.wait(resolving)
-            try:
-                check_stream_model(f"streams.{name}", stream, served.config)
-            except ConfigError as exc:
-                raise Rejected("model-mismatch", str(exc)) from None
+            self.check_fit(name, stream, served.config)
             slo = slo_interval_ms(stream, served.config)
             pace = release_pace_ms(slo, node.config.admission.pace_margin, stream.control_rate_hz,
                                    stream.cadence == "timeline")    # what runs is what is admitted

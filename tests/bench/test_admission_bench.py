@@ -55,11 +55,11 @@ def test_quick_admission_run_writes_every_phase(tmp_path):
     assert any(e["stream"] == "wm0" for e in joins)   # the second model asked where capacity remained
     newcomer = joins[-1]
     # the leave freed a robot's worth: the newcomer gets it, unless the world model, asking again after the
-    # leave, took it first: then the newcomer's chunks would wait for the world model's (latency-jitter) or
-    # the time is gone (time-capacity; which, depends on the profiles measured on this machine now)
+    # leave, took it first: then the newcomer's chunks would wait for the world model's (slo-too-tight, from
+    # latency-jitter) or the time is gone (capacity; which, depends on the profiles measured on this machine now)
     wm_after = [e for e in joins if e["stream"] == "wm0" and e["admitted"] and e["index"] > leave["index"]]
     assert newcomer["stream"] == "robot2", joins
-    assert newcomer["admitted"] or (wm_after and newcomer["reason"] in ("latency-jitter", "time-capacity")), newcomer
+    assert newcomer["admitted"] or (wm_after and newcomer["reason"] in ("slo-too-tight", "capacity")), newcomer
     labels = [p["label"] for p in run["phases"]]
     assert labels[:len(robots)] == [f"+{n}" for n in robots] and f"-{leave['stream']}" in labels
     assert labels[-1].startswith("+robot2" if newcomer["admitted"] else "+wm0")

@@ -74,7 +74,7 @@ def test_admits_one_by_one_until_a_named_rejection_and_removal_frees_capacity():
     model = served(wam_profile())
     admitted, rejected = admit_until_rejected(adm, model, 20.0)
     assert len(admitted) == 2
-    assert rejected.reason == "time-capacity" and rejected.reason in REASONS
+    assert rejected.cause == "time-capacity" and rejected.reason in REASONS
     assert "16.00 ms" in rejected.detail and "8.00 ms left" in rejected.detail     # says what is missing
     assert sum(adm.utilisation()) == pytest.approx(1.6)       # 0.4 left in all: a third fits nowhere
     booked = adm.utilisation()
@@ -106,7 +106,7 @@ def test_a_short_slo_splits_a_stream_over_workers_and_an_unreachable_one_is_name
     assert sum(adm.utilisation()) == pytest.approx(1.6)
     with pytest.raises(Rejected) as exc:
         adm.admit("fast", model, 0.4)                 # a single 0.5 ms stage cannot meet 0.4 ms
-    assert exc.value.reason == "slo-unreachable"
+    assert exc.value.cause == "slo-unreachable"
     assert set(adm.admitted) == {"wide"}
 
 
@@ -130,7 +130,7 @@ def test_batching_is_credited_at_the_measured_batch_curve():
     batched = ServerAdmission(2, make_device(), make_config(0.0), max_batch=4)
     n_plain = len(admit_until_rejected(plain, model, 20.0)[0])
     batched_admitted, rejected = admit_until_rejected(batched, model, 20.0)
-    assert rejected.reason == "time-capacity"
+    assert rejected.cause == "time-capacity"
     assert len(batched_admitted) > n_plain == 2
     # The utilisation the server books is the cluster's own delta (Cluster.delta_util). A stream alone gets no
     # credit: its stages of a block are its denoising steps, which run one after another. A second stream of
@@ -229,7 +229,7 @@ def test_memory_is_charged_per_stage_and_refused_by_name():
     huge = served(make_profile("tiny-wam", steps=1, blocks=4, stage_ms=0.01, weight_gb=20.0), cfg)
     with pytest.raises(Rejected) as exc:
         ServerAdmission(2, make_device(memory_gb=10.0), make_config(0.0)).admit("big", huge, 100.0)
-    assert exc.value.reason == "memory-unreachable"
+    assert exc.value.cause == "memory-unreachable"
 
 
 def test_plan_of_places_each_stage_on_the_worker_of_its_rank():
@@ -264,7 +264,7 @@ def test_a_world_model_whose_chunks_would_delay_a_policys_is_placed_on_another_w
     assert adm.admit("wm", served(acwm, ACWM), 200.0, 300.0).workers == ["w1"]   # not beside r0 (25 > 20 ms)
     with pytest.raises(Rejected) as exc:                        # free-running, r1 would wait for a 16 ms chunk
         adm.admit("r1", wam, 80.0, 95.0, paced=False)           # of r0 or wm: refused for its own 15 ms budget
-    assert exc.value.reason == "latency-jitter" and "'r1'" in exc.value.detail
+    assert exc.value.cause == "latency-jitter" and "'r1'" in exc.value.detail
     assert set(adm.admitted) == {"r0", "wm"}
     assert adm.admit("r1", wam, 80.0, 100.0, paced=False).workers == ["w0"]   # 16 <= 20 ms beside r0
     # paced at r0's pace, r1 is released half an interval from it, after r0's chunk is done: it waits for
@@ -392,7 +392,7 @@ def test_hub_refuses_beyond_the_engines_stream_limit():
         hub.check("c", stream())                  # the request itself is fine ...
         with pytest.raises(Rejected) as exc:      # ... there is no room for it
             hub.check_room()
-        assert exc.value.reason == "stream-limit"
+        assert exc.value.cause == "stream-limit"
         # A bad request is refused for what is wrong with it, full server or not (it said stream-limit).
         assert refused(hub, "c", stream(joint_names=[])) == "invalid-request"
         assert refused(hub, "c" * 100_000, stream()) == "invalid-request"
@@ -488,14 +488,6 @@ def test_two_goals_racing_for_one_namespace_do_not_both_get_it():
     finally:
         gate.set()
         hub.close()
-
-
-def test_every_reason_raised_in_the_served_path_is_documented():
-    raised = set()
-    for path in ("hub.py", "models.py", "admission.py", "serve_action.py"):
-        text = (ROOT / "physis_ros" / "ros" / path).read_text()
-        raised |= set(re.findall(r'Rejected\("([a-z-]+)"', text))
-    assert raised and raised <= set(REASONS), raised - set(REASONS)
 
 
 # ---- model references -----------------------------------------------------------------------------------
@@ -946,7 +938,7 @@ def test_paced_robots_fill_one_cpu_worker_staggered_before_the_other_worker_is_u
     assert sorted(r.placed.phase_ms for r in robots) == [0.0, 20.0, 40.0]
     with pytest.raises(Rejected) as exc:
         adm.admit("r3", model, 80.0, 100.0)
-    assert exc.value.reason == "host-cpu"
+    assert exc.value.cause == "host-cpu"
 
 
 def test_the_host_budget_rejects_what_the_workers_alone_would_take():
@@ -963,10 +955,46 @@ def test_the_host_budget_rejects_what_the_workers_alone_would_take():
     before = adm.utilisation()
     with pytest.raises(Rejected) as exc:
         adm.admit("c", model, 100.0)
-    assert exc.value.reason == "host-cpu" and exc.value.reason in REASONS and "2 cores" in exc.value.detail
+    assert exc.value.cause == "host-cpu" and exc.value.reason in REASONS and "2 cores" in exc.value.detail
     assert adm.utilisation() == before and set(adm.admitted) == {"a", "b"}
     adm.remove("a")                                    # leaving frees the node's share too
     assert adm.admit("c", model, 100.0).workers
     alone = ServerAdmission(2, make_device(), make_config(0.0))     # no budget (GPU workers): all three fit
     for name in "abc":
         alone.admit(name, model, 100.0)
+
+
+def test_every_rejection_reason_is_in_readmes_table_and_says_what_to_change():
+    """Issue 49 item 1: reasons said what ran out inside the scheduler (time-capacity, latency-jitter), and an
+    SLO past the control timeline was labelled model-mismatch. Each reason the server sends is one of
+    REASONS, each says what to change, README's table is REASONS row for row, and every reason raised in the
+    code is in it (the scheduler's causes map onto them)."""
+    from physis_ros.ros.admission import CAUSES
+    from physis_ros.scheduling.admission import REASONS as PLACEMENT_REASONS
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("### Why a robot is refused", 1)[1]
+    rows = dict(re.findall(r"^\| `([a-z-]+)` \| (.+) \|$", table.split("\n\n", 2)[1], re.M))
+    assert rows == REASONS
+    assert all(":" in text for text in REASONS.values())          # what it means: what to change
+    raised = set()
+    for path in (ROOT / "physis_ros").rglob("*.py"):
+        raised |= set(re.findall(r'(?<![A-Za-z])Rejected\(\s*"([a-z-]+)"', path.read_text()))
+    assert raised and raised <= set(REASONS), raised - set(REASONS)
+    assert set(PLACEMENT_REASONS) <= set(CAUSES) and set(CAUSES.values()) <= set(REASONS)
+    e = Rejected("capacity", "no device has 16 ms left", cause="time-capacity")
+    assert (e.reason, e.cause, str(e)) == ("capacity", "time-capacity", "capacity: no device has 16 ms left [time-capacity]")
+
+
+def test_an_slo_longer_than_the_control_timeline_is_refused_as_timeline():
+    """Issue 49 item 1: README's `physis-stream add ... --slo-ms 300` was refused as model-mismatch."""
+    from physis_ros.model.presets import load_model_config
+    from physis_ros.ros.hub import StreamHub
+
+    tiny = load_model_config("tiny-wam")             # a chunk every 8 of 16 steps at 50 Hz: 160 ms
+    StreamHub.check_fit("r2", stream(slo_interval_ms=160.0), tiny)
+    for cfg, reason in ((stream(slo_interval_ms=300.0), "timeline"), (stream(execution_horizon=20), "timeline"),
+                        (stream(joint_names=["a", "b"]), "model-mismatch")):
+        with pytest.raises(Rejected) as exc:
+            StreamHub.check_fit("r2", cfg, tiny)
+        assert exc.value.reason == reason, exc.value

@@ -84,7 +84,7 @@ def test_admission_books_a_worker_measured_busier_down_to_what_it_can_take_and_n
             names.append(f"s{i}")
             util = adm.utilisation()
             assert util[0] <= 1 / 1.5 + 1e-9 and util[1] <= 1.0 + 1e-9, util   # as w0 runs now, within its time
-    assert exc.value.reason == "time-capacity" and "measured busier than profiled, caps d0 0.67" in exc.value.detail
+    assert exc.value.cause == "time-capacity" and "measured busier than profiled, caps d0 0.67" in exc.value.detail
     assert set(adm.admitted) == set(names) and adm.admitted["a"].plan.assignment == a.plan.assignment  # nobody moved
     assert adm.load_factors() == [1.5, 1.0]
     # the profiles alone book w0 to 1.0: one stream more
@@ -101,7 +101,7 @@ def test_the_host_budget_counts_the_measured_load():
     cal.set_factors({0: 2.0, 1: 2.0})                     # caps 0.5: b fits only on w1 (0.4)
     with pytest.raises(Rejected) as exc:
         adm.admit("b", served_wam(), 40.0)                # host: (0.4 + 0.4) x 2 + 0.5 = 2.1 > 2 cores
-    assert exc.value.reason == "host-cpu" and "2.10 of the host's 2 cores" in exc.value.detail
+    assert exc.value.cause == "host-cpu" and "2.10 of the host's 2 cores" in exc.value.detail
     assert list(adm.admitted) == ["a"] and adm.utilisation() == [pytest.approx(0.4), 0.0]
 
 
@@ -187,7 +187,7 @@ def test_a_robot_measured_near_its_slo_refuses_a_world_model_the_bound_alone_adm
     assert adm.spread_ms("r0") == pytest.approx(17.0)               # p99 97 - pace 80 - its bound 0
     with pytest.raises(Rejected) as exc:
         adm.admit("wm", world, 240.0, 300.0)
-    assert exc.value.reason == "latency-jitter" and "'r0'" in exc.value.detail
+    assert exc.value.cause == "latency-jitter" and "'r0'" in exc.value.detail
     assert list(adm.admitted) == ["r0"]
     r1 = adm.admit("r1", robot, 80.0, 100.0)
     assert r1.workers == ["w0"] and r1.placed.phase_ms == 40.0

@@ -290,7 +290,7 @@ def test_goals_that_cannot_be_served_are_refused_with_the_reason(live):
     refused(live, "ghost", "unknown-model", model="no-such-model")
     refused(live, "ghost", "unknown-model", model="/nonexistent/model.safetensors")
     refused(live, "ghost", "model-mismatch", joint_names=["j1", "j2", "j3"])          # tiny-wam acts on 7 joints
-    refused(live, "ghost", "model-mismatch", slo_interval_ms=500.0)                    # beyond its control timeline
+    refused(live, "ghost", "timeline", slo_interval_ms=500.0)                          # beyond its control timeline
     refused(live, "9ghost", "invalid-request")
     refused(live, "ghost", "invalid-request", joint_names=[])
     refused(live, "ghost", "invalid-request", slo_interval_ms=-1.0)
@@ -320,7 +320,7 @@ def test_admits_robots_one_by_one_until_one_is_rejected_and_a_cancel_frees_its_c
         goals.append(g)
     assert rejected is not None, f"{MAX_STREAMS} streams admitted on 2 workers at a {CAPACITY_SLO_MS:g} ms SLO"
     r = rejected.result()
-    assert (r.accepted, r.outcome) == (False, "rejected") and r.reason.startswith("time-capacity: "), r.reason
+    assert (r.accepted, r.outcome) == (False, "rejected") and r.reason.startswith("capacity: ") and r.reason.endswith("[time-capacity]"), r.reason
     assert len(goals) >= 2, f"only {len(goals)} stream(s) of tiny-wam fit 2 workers at {CAPACITY_SLO_MS} ms: {r.reason}"
     listed = live.listed()
     assert sorted(listed) == sorted(g.stream for g in goals)
@@ -330,7 +330,7 @@ def test_admits_robots_one_by_one_until_one_is_rejected_and_a_cancel_frees_its_c
         assert row["slo_interval_ms"] == pytest.approx(CAPACITY_SLO_MS)
         assert row["workers"] == ",".join(g.feedback[0].workers)
     # Nothing changed, so the same request is refused again ...
-    refused(live, rejected.stream, "time-capacity", **rejected.fields)
+    refused(live, rejected.stream, "capacity", **rejected.fields)
     # ... until a robot leaves: cancelling frees exactly its capacity, and the request fits where it was.
     last = goals.pop()
     r = last.cancel()
