@@ -236,8 +236,7 @@ class AdmissionConfig:
                              "measurement (physis-profile --corun measures it)"))
     pace_margin: float = field(default=0.2, metadata=bounded(
         ge=0.0, le=0.5, doc="streams are released (and admitted) every SLO x (1 - pace_margin): the margin absorbs "
-                            "release and compute jitter, so intervals stay within the SLO (physis-bench "
-                            "admission on a 2-core host: 0.1 let 4 of 8 phases miss, 0.2 held all)"))
+                            "release and compute jitter, so intervals stay within the SLO (fraction of the SLO)"))
     calibrate: bool = field(default=True, metadata=described(
         "also check a placement against each worker's measured load: its compute counter over its booked "
         "utilisation, when it runs busier than its profiles say (never looser than the profiles; off in "
@@ -254,13 +253,10 @@ class AdmissionConfig:
     host_reserve_cores: float = field(default=0.75, metadata=bounded(
         ge=0.0, le=1024.0, doc="CPU workers: cores left to the node and the host's other work: the workers' load "
                                "plus this plus host_cores_per_stream per stream must fit the host's cores (host-cpu), "
-                               "and workers busy at once share the cores less this (the jitter bound). physis-bench "
-                               "admission, 2-core host: 0.5 let two busy workers break 100 ms SLOs in 3 of 5 phases, "
-                               "0.75 held 4 of 5"))
+                               "and workers busy at once share the cores less this (the jitter bound) (cores)"))
     host_cores_per_stream: float = field(default=0.08, metadata=bounded(
         ge=0.0, le=64.0, doc="CPU workers: host cores each stream costs outside the workers (the node's callbacks, "
-                             "image conversion and publishing; about 0.07 per 30 Hz robot measured by "
-                             "physis-bench admission, its synthetic inputs included)"))
+                             "image conversion and publishing) (cores per stream)"))
     goal_outputs_outside_namespace: bool = field(default=False, metadata=described(
         "a ServeStream goal may publish on absolute topics outside its own namespace (e.g. a controller's "
         "/arm_controller/joint_trajectory); streams of the serve config always may"))

@@ -108,6 +108,11 @@ def leaves(config: ServeConfig) -> list[Leaf]:
     return list(_walk(ServeConfig, config, ""))
 
 
+def stream_leaves(stream: StreamConfig, name: str) -> list[Leaf]:
+    """The parameters of one stream (``streams.<name>.*``), in declaration order."""
+    return list(_walk(StreamConfig, stream, f"streams.{name}."))
+
+
 def _field(name: str) -> tuple[Any, bool, dict[str, Any]] | None:
     """(type, optional, metadata) of the serve-config leaf a dotted name denotes (any stream name under
     ``streams``), or None if it is not one."""
@@ -274,7 +279,7 @@ class ServeParameters:
             return
         self.remove_stream(name)
         self.config = dataclasses.replace(self.config, streams={**self.config.streams, name: stream})
-        self._declare(list(_walk(StreamConfig, stream, prefix)))
+        self._declare(stream_leaves(stream, name))
 
     def remove_stream(self, name: str) -> None:
         """A stream left: its keys are undeclared and it leaves the config (a configured stream removed is

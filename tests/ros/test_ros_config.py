@@ -212,3 +212,24 @@ def test_every_runtime_number_has_a_finite_range():
         (r,) = list(d.floating_point_range) + list(d.integer_range)
         assert math.isfinite(r.from_value) and math.isfinite(r.to_value), leaf.name
     assert "streams.robot0.trajectory_start_offset_s" in {leaf.name for leaf in numbers} and len(numbers) >= 8
+
+
+def test_config_reference_is_current_and_the_bundled_config_is_short():
+    """Issue 49 item 3: the bundled serve.yaml listed 31 keys with tuning notes; it sets what a user changes
+    (at most 25 keys) and docs/config.md, generated from the config dataclasses, lists every key."""
+    from physis_ros.ros.config_reference import reference
+    from physis_ros.ros.config import StreamConfig
+    from physis_ros.ros.parameters import leaves, stream_leaves
+
+    doc = (repo_config_dir().parent / "docs" / "config.md").read_text()
+    assert doc == reference(), "docs/config.md is stale: python -m physis_ros.ros.config_reference > docs/config.md"
+    for leaf in leaves(ServeConfig()):
+        assert f"| `{leaf.name}` |" in doc, leaf.name
+    for leaf in stream_leaves(StreamConfig(joint_names=[]), "x"):
+        assert f"| `{leaf.name[len('streams.x.'):]}` |" in doc, leaf.name
+
+    def count(d) -> int:
+        return sum(count(v) if isinstance(v, dict) else 1 for v in d.values())
+
+    raw = yaml.safe_load((repo_config_dir() / "serve.yaml").read_text())["/**"]["ros__parameters"]
+    assert count(raw) <= 25, count(raw)
