@@ -22,17 +22,17 @@ import numpy as np
 from physis_ros.bags.analysis import pct, telemetry_row
 from physis_ros.bags.bagio import BagError, bag_info, read_all
 from physis_ros.bags.control_report import COLUMNS as CONTROL_COLUMNS
-from physis_ros.bags.control_report import control_report, control_summary
+from physis_ros.bags.control_report import control_report, pyplot, save, stream_colors
 
-COLUMNS = [  # key, header, format
+COLUMNS = [  # key, header (with its unit), format
     ("chunks", "chunks", "{:.0f}"), ("chunks_per_s", "chunks/s", "{:.2f}"),
-    ("interval_ms_p50", "interval p50", "{:.1f}"), ("interval_ms_p99", "interval p99", "{:.1f}"),
-    ("interval_ms_jitter", "jitter (std)", "{:.1f}"),
-    ("latency_ms_p50", "latency p50", "{:.1f}"), ("latency_ms_p99", "latency p99", "{:.1f}"),
-    ("latency_ms_max", "latency max", "{:.1f}"),
-    ("obs_age_ms_p50", "obs age p50", "{:.1f}"), ("obs_age_ms_p99", "obs age p99", "{:.1f}"),
-    ("stage_ms_max_p50", "max stage p50", "{:.2f}"), ("stage_ms_sum_p50", "compute p50", "{:.1f}"),
-    ("queue_ms_p50", "queue p50", "{:.1f}"), ("transport_ms_p50", "transport p50", "{:.1f}"),
+    ("interval_ms_p50", "interval p50 (ms)", "{:.1f}"), ("interval_ms_p99", "interval p99 (ms)", "{:.1f}"),
+    ("interval_ms_jitter", "jitter std (ms)", "{:.1f}"),
+    ("latency_ms_p50", "latency p50 (ms)", "{:.1f}"), ("latency_ms_p99", "latency p99 (ms)", "{:.1f}"),
+    ("latency_ms_max", "latency max (ms)", "{:.1f}"),
+    ("obs_age_ms_p50", "obs age p50 (ms)", "{:.1f}"), ("obs_age_ms_p99", "obs age p99 (ms)", "{:.1f}"),
+    ("stage_ms_max_p50", "max stage p50 (ms)", "{:.2f}"), ("stage_ms_sum_p50", "compute p50 (ms)", "{:.1f}"),
+    ("queue_ms_p50", "queue p50 (ms)", "{:.1f}"), ("transport_ms_p50", "transport p50 (ms)", "{:.1f}"),
     ("deadline_misses", "deadline misses", "{:.0f}"),
 ] + CONTROL_COLUMNS
 
@@ -83,9 +83,10 @@ def summary_table(summary: dict[str, dict], markdown: bool = False) -> str:
             lines.append(f"| {head} | " + " | ".join(_fmt(fmt, summary[n].get(key)) for n in names) + " |")
         return "\n".join(lines)
     width = max(12, *(len(n) + 2 for n in names))
-    lines = [f"{'metric (ms)':<16}" + "".join(f"{n:>{width}}" for n in names)]
+    label = max(len(head) for _, head, _ in COLUMNS) + 2
+    lines = [f"{'metric':<{label}}" + "".join(f"{n:>{width}}" for n in names)]
     for key, head, fmt in COLUMNS:
-        lines.append(f"{head:<16}" + "".join(f"{_fmt(fmt, summary[n].get(key)):>{width}}" for n in names))
+        lines.append(f"{head:<{label}}" + "".join(f"{_fmt(fmt, summary[n].get(key)):>{width}}" for n in names))
     return "\n".join(lines)
 
 
@@ -104,7 +105,7 @@ def _by_stream(rows: list[dict]) -> dict[str, list[dict]]:
 
 def write_report(bag, out_dir, topic: str = "/telemetry", slo_ms: float | None = None,
                  title: str | None = None) -> dict[str, dict]:
-    """Summary (returned, and written as markdown + JSON) and the four PNGs into ``out_dir``."""
+    """Summary (returned, and written as markdown + JSON) and the six PNGs into ``out_dir``."""
     rows = load_telemetry(bag, topic)
     streams = _by_stream(rows)
     summary = {name: summarize(rs) for name, rs in streams.items()}
@@ -115,12 +116,10 @@ def write_report(bag, out_dir, topic: str = "/telemetry", slo_ms: float | None =
     title = title or f"{Path(bag).name}: {len(rows)} chunks, {len(streams)} stream(s)"
     for name, control in control_report(bag, streams, out, title).items():
         summary[name].update(control)
-    if "all" in summary:
-        summary["all"].update(control_summary(rows, None))
     (out / "summary.json").write_text(json.dumps({"bag": str(bag), "summary": summary}, indent=2,
                                                  default=lambda v: None) + "\n")
-    (out / "summary.md").write_text(f"# Latency and control report: {title}\n\nTimes in milliseconds, positions in "
-                                    f"rad; from `{topic}` of `{bag}`.\n\n{summary_table(summary, markdown=True)}\n\n"
+    (out / "summary.md").write_text(f"# Latency and control report: {title}\n\nUnits in parentheses; "
+                                    f"from `{topic}` of `{bag}`.\n\n{summary_table(summary, markdown=True)}\n\n"
                                     + "".join(f"![{p}]({p}.png)\n" for p in
                                               ("interval", "latency", "stages", "observation_age", "control", "executed")))
     _plots(streams, out, title, slo_ms)
@@ -128,12 +127,9 @@ def write_report(bag, out_dir, topic: str = "/telemetry", slo_ms: float | None =
 
 
 def _plots(streams: dict[str, list[dict]], out: Path, title: str, slo_ms: float | None) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     t0 = min(r["emit_ns"] for rs in streams.values() for r in rs)
-    colors = dict(zip(streams, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
+    colors = stream_colors(streams)
 
     def t(rs):
         return np.array([(r["emit_ns"] - t0) / 1e9 for r in rs])
@@ -160,8 +156,7 @@ def _plots(streams: dict[str, list[dict]], out: Path, title: str, slo_ms: float 
     ax.set_ylim(0, ax.get_ylim()[1] * 1.25)   # headroom for the legend
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right", fontsize=8, ncol=2 if miss_any else 1)
-    fig.savefig(out / "interval.png", dpi=110)
-    plt.close(fig)
+    save(fig, out / "interval.png")
 
     # 2. response latency: histogram and CDF
     fig, (h, c) = plt.subplots(1, 2, figsize=(11, 4.5), layout="constrained")
@@ -181,8 +176,7 @@ def _plots(streams: dict[str, list[dict]], out: Path, title: str, slo_ms: float 
         a.grid(alpha=0.3)
         a.legend(fontsize=8, loc="lower right" if a is c else "upper right")
     fig.suptitle(title, fontsize=10)
-    fig.savefig(out / "latency.png", dpi=110)
-    plt.close(fig)
+    save(fig, out / "latency.png")
 
     # 3. per-stage compute over time + where the latency goes
     fig, (s, b) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained", width_ratios=[2, 1])
@@ -205,13 +199,12 @@ def _plots(streams: dict[str, list[dict]], out: Path, title: str, slo_ms: float 
         vals = np.array([np.median(col(streams[n], key)) for n in names])
         b.bar(names, vals, bottom=bottom, label=label)
         bottom += vals
-    b.set(title="Median latency breakdown", ylabel="ms")
+    b.set(title="Median latency breakdown", ylabel="median time per chunk [ms]")
     b.legend(fontsize=8, loc="upper right")
     b.set_ylim(0, max(bottom.max() * 1.35, 1e-3))
     b.grid(alpha=0.3, axis="y")
     fig.suptitle(title, fontsize=10)
-    fig.savefig(out / "stages.png", dpi=110)
-    plt.close(fig)
+    save(fig, out / "stages.png")
 
     # 4. observation age
     fig, (a, hh) = plt.subplots(1, 2, figsize=(11, 4.5), layout="constrained", width_ratios=[2, 1])
@@ -226,5 +219,4 @@ def _plots(streams: dict[str, list[dict]], out: Path, title: str, slo_ms: float 
         ax_.grid(alpha=0.3)
         ax_.legend(fontsize=8, loc="upper right")
     fig.suptitle(title, fontsize=10)
-    fig.savefig(out / "observation_age.png", dpi=110)
-    plt.close(fig)
+    save(fig, out / "observation_age.png")
