@@ -162,7 +162,7 @@ def _serve_mapping(args, base: dict, mode: str, profiles_dir: str, cap: int) -> 
 def _check_robot(model_ref: str, slo: float, rate: float, what: str):
     """A robot's request must fit its model (the server would say model-mismatch): exit 2 before running."""
     from physis_ros.config import ConfigError, from_mapping
-    from physis_ros.model.presets import load_model_config
+    from physis_ros.model.spec import load_model_config
     from physis_ros.ros.config import StreamConfig
     from physis_ros.ros.stream_model import check_stream_model
 

@@ -23,7 +23,7 @@ class Mirror:
     """The server's admission (:class:`~physis_ros.ros.hub.StreamHub`'s set-up), replayed here."""
 
     def __init__(self, cfg, profiles: dict):
-        from physis_ros.model.presets import load_model_config
+        from physis_ros.model.spec import load_model_config
         from physis_ros.ros.admission import server_admission
         from physis_ros.runtime.streams import ServedModel
 
@@ -33,7 +33,7 @@ class Mirror:
 
     def model(self, ref: str):
         """The served model of a reference (preset name or model YAML), as the server resolves it."""
-        from physis_ros.model.presets import load_model_config
+        from physis_ros.model.spec import load_model_config
 
         return self.served[load_model_config(ref).name]
 

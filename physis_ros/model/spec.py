@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from physis_ros.config import ConfigError, bounded
+from physis_ros.config import ConfigError, bounded, from_mapping, load_yaml, repo_config_dir
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -127,3 +128,26 @@ class ModelConfig:
         """Bytes of one (stream, step) KV slot of one block."""
         itemsize = 4 if self.dtype == "float32" else 2
         return 2 * (self.window + int(self.sink)) * self.tokens_per_chunk * self.hidden * itemsize
+
+
+def presets_dir() -> Path:
+    return repo_config_dir() / "models"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in presets_dir().glob("*.yaml"))
+
+
+def load_model_config(name_or_path: str | Path) -> ModelConfig:
+    """A preset by name (``tiny-wam``) or a path to a model YAML file."""
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = presets_dir() / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise ConfigError("model", f"unknown model preset '{name_or_path}'; known presets: "
+                                       f"{', '.join(preset_names())} (or give a path to a .yaml file)")
+    data = load_yaml(path)
+    try:
+        return from_mapping(ModelConfig, data)
+    except ConfigError as exc:
+        raise ConfigError(exc.key, exc.problem, source=str(path)) from None

@@ -30,7 +30,7 @@ import yaml
 
 from physis_ros.config import ConfigError, repo_config_dir, to_mapping
 from physis_ros.model.checkpoint import CheckpointError, read_checkpoint_config
-from physis_ros.model.presets import load_model_config
+from physis_ros.model.spec import load_model_config
 from physis_ros.model.spec import ModelConfig
 from physis_ros.ros.admission import Rejected
 from physis_ros.ros.config import AdmissionConfig

@@ -25,7 +25,7 @@ from dataclasses import replace
 import numpy as np
 
 from physis_ros.runtime.settings import EngineConfig
-from physis_ros.model.presets import load_model_config
+from physis_ros.model.spec import load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.runtime.plans import Plan
 from physis_ros.scheduling.admission import StreamRequest

@@ -256,7 +256,7 @@ def roofline_profile(cfg: ModelConfig, dev: DeviceSpec,
 def measure_profile(name: str, batches: Sequence[int] = (1, 2, 4), repeats: int = 5) -> CostProfile:
     """Measure a (tiny) preset in this process with ``physis-profile``'s own measurement
     (:func:`physis_ros.runtime.profiler.measure_profile`): ~1 s for tiny-wam on one thread."""
-    from physis_ros.model.presets import load_model_config
+    from physis_ros.model.spec import load_model_config
     from physis_ros.runtime.profiler import measure_profile as measure
 
     profile = measure(load_model_config(name), "cpu", tuple(batches), repeats)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from physis_ros.model.presets import load_model_config
+from physis_ros.model.spec import load_model_config
 from physis_ros.scheduling.admission import Decision, StreamRequest
 from physis_ros.scheduling.cluster import Cluster
 from physis_ros.scheduling.equal import EqualSplitScheduler

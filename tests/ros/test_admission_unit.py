@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from physis_ros.model import build_model
-from physis_ros.model.presets import load_model_config
+from physis_ros.model.spec import load_model_config
 from physis_ros.ros.admission import REASONS, Rejected, ServerAdmission, plan_of
 from physis_ros.ros.config import ServeConfig, StreamConfig
 from physis_ros.runtime.streams import ServedModel
@@ -988,7 +988,7 @@ def test_every_rejection_reason_is_in_readmes_table_and_says_what_to_change():
 
 def test_an_slo_longer_than_the_control_timeline_is_refused_as_timeline():
     """Issue 49 item 1: README's `physis-stream add ... --slo-ms 300` was refused as model-mismatch."""
-    from physis_ros.model.presets import load_model_config
+    from physis_ros.model.spec import load_model_config
     from physis_ros.ros.hub import StreamHub
 
     tiny = load_model_config("tiny-wam")             # a chunk every 8 of 16 steps at 50 Hz: 160 ms

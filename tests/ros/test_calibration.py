@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from physis_ros.model.presets import load_model_config
+from physis_ros.model.spec import load_model_config
 from physis_ros.ros.admission import HostBudget, Rejected, ServerAdmission
 from physis_ros.ros.calibration import CalibrationSettings, IntervalCalibration, LoadCalibration, SpreadSettings
 from physis_ros.runtime.streams import ServedModel

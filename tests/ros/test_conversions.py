@@ -14,7 +14,7 @@ import pytest
 from builtin_interfaces.msg import Time
 from sensor_msgs.msg import CompressedImage, Image, JointState
 
-from physis_ros.model.presets import load_model_config
+from physis_ros.model.spec import load_model_config
 from physis_ros.ros import conversions as conv
 from physis_ros.ros.config import serve_config
 

@@ -317,7 +317,7 @@ def test_a_log_line_about_missing_inputs_says_what_arrived_and_why_it_was_reject
 
 def test_logs_name_the_model_as_configured():
     """Issue 48 item 4: the logs said tiny-wam for a stream configured with the bundled tiny-wam-demo."""
-    from physis_ros.model.presets import load_model_config
+    from physis_ros.model.spec import load_model_config
     from physis_ros.ros.stream_model import model_label
 
     tiny = load_model_config("tiny-wam")

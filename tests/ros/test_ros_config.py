@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from physis_ros.config import ConfigError, repo_config_dir
-from physis_ros.model.presets import load_model_config
+from physis_ros.model.spec import load_model_config
 from physis_ros.ros.config import (ServeConfig, deep_merge, load_serve_config, load_serve_mapping, serve_config,
                                    unflatten, unwrap_ros_parameters)
 from physis_ros.ros.models import model_config_of

@@ -469,7 +469,7 @@ def test_a_world_model_imagines_exactly_what_the_policy_commands(live):
     joint state and actions the server paired (exact stamp, else the latest at or before the image: its
     acceptance and pairing rules), bit for bit."""
     from physis_ros.model import build_model
-    from physis_ros.model.presets import load_model_config
+    from physis_ros.model.spec import load_model_config
     from physis_ros.reference import ReferenceRollout
     from physis_ros.ros.acceptance import accept_actions, accept_image, accept_joints
     from physis_ros.ros.inputs import pick_joint

@@ -211,3 +211,28 @@ def test_only_other_streams_batch_with_a_stream():
             cluster.add_stream(PlacedStream(f"s{len(cluster.streams)}", "m", 100.0, [rank], [0]))
         expected = 8 * sum(per_task[m] for m in tasks) / 100.0     # 8 stages (4 steps x 2 blocks) per stream
         assert cluster.util[0] == pytest.approx(expected), n
+
+
+def test_placement_decisions_are_pinned_on_a_fixed_mixed_cluster():
+    """Issue 50: a change made for speed must not change what is placed. Two models with pinned synthetic
+    profiles (not the presets, whose numbers change when real backbones land) on six devices of three memory
+    sizes, fourteen arrivals and one departure: each decision (admitted, reason, devices, stages per rank) is
+    what it was before the speed-up work."""
+    profiles = {"a": make_profile("a", steps=2, blocks=4, stage_ms=10.0, weight_gb=2.0, kv_gb=1.0, hop_ms=0.5),
+                "b": make_profile("b", steps=1, blocks=6, stage_ms=[4.0, 6.0, 8.0, 8.0, 6.0, 4.0], weight_gb=3.0,
+                                  kv_gb=2.0, hop_ms=1.0)}
+    devices = [make_device(f"d{i}", memory_gb=m) for i, m in enumerate([100, 100, 60, 60, 40, 40])]
+    sched = JointScheduler(Cluster(devices, 0.1, profiles), make_config(0.1, discrepancies=2))
+    arrivals = [("a", 100.0), ("b", 60.0), ("a", 50.0), ("b", 200.0), ("a", 90.0), ("b", 45.0), ("a", 300.0),
+                ("b", 60.0), ("a", 40.0), ("b", 120.0), ("a", 100.0), ("b", 60.0), ("a", 25.0), ("b", 90.0)]
+    got = []
+    for i, (model, slo) in enumerate(arrivals):
+        d = sched.admit(StreamRequest(f"s{i}", model, slo))
+        got.append((d.admitted, d.reason, d.placed.devices if d.placed else None,
+                    [len(r.stages) for r in d.placed.ranks] if d.placed else None))
+        if i == 7:
+            sched.remove("s1")
+    capacity = (False, "time-capacity", None, None)
+    assert got == [(True, None, [0], [8]), (True, None, [1], [6]), (True, None, [1, 2, 3], [1, 4, 3]),
+                   (True, None, [3], [6]), (True, None, [4], [8]), (True, None, [5], [6]), capacity, capacity,
+                   capacity, (True, None, [1], [6]), capacity, capacity, capacity, (True, None, [1, 5], [5, 1])]
