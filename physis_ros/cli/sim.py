@@ -41,7 +41,7 @@ SWEEP_X = (0.3, 0.45, 0.55, 0.7, 0.9, 1.05, 1.1, 1.25, 1.4, 1.6, 1.9, 2.1, 2.4, 
 
 def _table(rows: list[dict]) -> None:
     print(f"{'model':<16} {'dev':>5} {'slo_ms':>9} {'W_ms':>8} {'x':>6} {'group':>5} {'equal':>6} {'joint':>6} "
-          f"{'ratio':>6} {'p99_ms':>7} {'report':>8}")
+          f"{'ratio':>6} {'p99_ms':>7} {'vs_BF':>6} {'report':>8}")
     for r in rows:
         name = r["model"] if not r["model"].startswith("mixed:") else f"mixed({r['model'].count(',') + 1})"
         slo = r["slo_ms"]
@@ -53,7 +53,18 @@ def _table(rows: list[dict]) -> None:
               f"{x if x is not None else '':>6} "
               f"{r['equal_group_size'] or '-':>5} {r['admitted']['equal']:>6} {r['admitted']['joint']:>6} "
               f"{(r['ratio'] if r['ratio'] is not None else '-'):>6} {r['placement_ms_p99']:>7.3f} "
+              f"{_vs_best_fit(r):>6} "
               f"{(str(paper['equal']) + '->' + str(paper['joint'])) if paper else '':>8}")
+
+
+def _vs_best_fit(row: dict) -> str:
+    """The decision's p99 over the simplest Best-Fit's on the same cluster states, flagged past the limit."""
+    from physis_ros.scheduling.simulator import PLACEMENT_VS_BEST_FIT_LIMIT
+
+    v = row.get("placement_vs_best_fit_p99")
+    if v is None:
+        return "-"
+    return f"{v:g}" + ("!" if v > PLACEMENT_VS_BEST_FIT_LIMIT else "")
 
 
 def _implied(setting: dict) -> None:

@@ -93,6 +93,21 @@ class JointScheduler(Scheduler):
         """The stream's fewest virtual ranks (what it is cut into when nothing needs filling)."""
         return self.seq(model, slo_ms).fewest
 
+    def simplest_best_fit(self, req: StreamRequest) -> list[int] | None:
+        """The baseline a benchmark times a decision against: each of the stream's fewest ranks on the fullest
+        device it fits (time and memory), one rank after another, no gap filling, no search, nothing placed.
+        The devices it would take, or None."""
+        seq = self.seq(req.model, req.slo_ms)
+        devices: list[int] = []
+        for rank in seq.fewest:
+            util_after, _, _, ok = self._fit(rank, req.slo_ms)
+            ok = ok.copy()
+            ok[devices] = False
+            if not ok.any():
+                return None
+            devices.append(int(np.argmax(np.where(ok, util_after, -np.inf))))
+        return devices
+
     # ------------------------------------------------------------------ candidates
 
     def _fit(self, rank: VirtualRank, slo_ms: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -48,6 +48,11 @@ REPORT24_SLO_MS = 1600.0
 REPORT24_GROUPS = {"wan2.1-1.3b": 2, "wan2.2-5b": 1, "wan2.1-14b": 1, "ltx-22b": 3, "h3-33b": 4}
 
 
+# A placement decision (rank cut, Best-Fit with gap filling, LDS, the jitter bound) may take at most this many
+# times the simplest Best-Fit over the same cluster state (p99 over p99, one run): a guard against the next
+# slowdown. Measured 1-15x at 24, 128 and 1,024 devices (bench/RESULTS.md, "Placement decision time").
+PLACEMENT_VS_BEST_FIT_LIMIT = 30.0
+
 def load_profiles(models: Sequence[str], device: DeviceSpec,
                   paths: dict[str, str] | None = None) -> dict[str, CostProfile]:
     paths = paths or {}
@@ -113,10 +118,15 @@ def run_policy(policy: str, device: DeviceSpec, devices: int, profiles: dict[str
     else:
         sched = EqualSplitScheduler(cluster, config, group or devices + 1)
     decisions: list[Decision] = []
+    baseline: list[float] = []   # joint: the simplest Best-Fit over the same cluster state, timed the same way
     misses = 0
     for req in workload.requests():
         if len(decisions) >= arrivals or misses >= patience:
             break
+        if policy == "joint":
+            t0 = time.perf_counter()
+            sched.simplest_best_fit(req)
+            baseline.append((time.perf_counter() - t0) * 1e3)
         d = sched.admit(req)
         decisions.append(d)
         misses = 0 if d.admitted else misses + 1
@@ -146,6 +156,8 @@ def run_policy(policy: str, device: DeviceSpec, devices: int, profiles: dict[str
                          "max": round(max(times, default=0.0), 4)},
         "placement_cpu_ms": {"p50": round(percentile(cpu, 50), 4), "p99": round(percentile(cpu, 99), 4),
                              "max": round(max(cpu, default=0.0), 4)},
+        "baseline_best_fit_ms": ({"p50": round(percentile(baseline, 50), 4), "p99": round(percentile(baseline, 99), 4)}
+                                 if baseline else None),
         "decision_ms": [round(t, 4) for t in times],
         "decision_cpu_ms": [round(t, 4) for t in cpu],
         "prepare_ms": round(prepare_ms, 3),
@@ -171,6 +183,10 @@ def compare(device: DeviceSpec, devices: int, profiles: dict[str, CostProfile], 
         "ratio": round(joint["admitted"] / equal["admitted"], 3) if equal["admitted"] else None,
         "placement_ms_p99": joint["placement_ms"]["p99"],
         "placement_cpu_ms_p99": joint["placement_cpu_ms"]["p99"],
+        # the decision's p99 over the simplest Best-Fit's on the same cluster states (SCHEDULING_RATIO_LIMIT)
+        "placement_vs_best_fit_p99": (round(joint["placement_ms"]["p99"] / joint["baseline_best_fit_ms"]["p99"], 2)
+                                      if joint["baseline_best_fit_ms"] and joint["baseline_best_fit_ms"]["p99"] > 0
+                                      else None),
         "equal_group_size": equal["group_size"],
         "equal_group_rule": equal["group_rule"],
         "headroom": config.headroom,

@@ -236,3 +236,15 @@ def test_placement_decisions_are_pinned_on_a_fixed_mixed_cluster():
     assert got == [(True, None, [0], [8]), (True, None, [1], [6]), (True, None, [1, 2, 3], [1, 4, 3]),
                    (True, None, [3], [6]), (True, None, [4], [8]), (True, None, [5], [6]), capacity, capacity,
                    capacity, (True, None, [1], [6]), capacity, capacity, capacity, (True, None, [1, 5], [5, 1])]
+
+
+def test_the_simplest_best_fit_baseline_places_nothing_and_says_where_it_would():
+    """Issue 50's benchmark times each decision against this baseline on the same cluster state."""
+    profiles = {"m": make_profile("m", steps=1, blocks=4, stage_ms=10.0, weight_gb=10.0)}
+    sched = JointScheduler(Cluster([make_device("d0", 100), make_device("d1", 30)], 0.1, profiles), make_config(0.1))
+    req = StreamRequest("a", "m", 100.0)
+    before = sched.cluster.util.copy()
+    assert sched.simplest_best_fit(req) == [0]          # 40 GB of weights: only d0 holds them
+    assert (sched.cluster.util == before).all()
+    assert sched.admit(req).admitted and sched.admit(StreamRequest("b", "m", 100.0)).admitted
+    assert sched.simplest_best_fit(StreamRequest("c", "m", 50.0)) is None    # 0.8 + 0.8 of 0.9: no time left
