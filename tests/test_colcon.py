@@ -215,9 +215,9 @@ def test_colcon_test_runs_pytest(workspace):
 
 
 def readme_clone_block() -> str:
-    """README's colcon block for a clone after `make setup` (the first bash block of the workspace section)."""
+    """README's colcon block for a clone after `make setup` (the first bash block of its colcon section)."""
     text = (REPO / "README.md").read_text()
-    section = text.split("## In a ROS 2 workspace", 1)[1]
+    section = text.split("## Building with colcon", 1)[1]
     return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
 
 

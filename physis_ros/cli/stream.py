@@ -2,7 +2,7 @@
 
     physis-stream add --name NAME --namespace NS --joints j1,j2,... [--model PRESET] [--slo-ms X]
                       [--control-rate-hz R] [--json OUT] [--duration S] [--*-topic T]
-    physis-stream list [--json OUT]
+    physis-stream list [--wait NAME,...] [--json OUT]
     physis-stream remove NAME
 
 ``add`` sends a ServeStream goal to ``<server>/serve_stream`` and prints one JSON line once the
@@ -10,12 +10,15 @@ server has decided, ``{"accepted": bool, "reason": str, "workers": [...]}`` (als
 ``--json``). An admitted stream stays served while the command runs: it prints the server's
 feedback about once per second, and cancels the goal (freeing the capacity) on Ctrl-C or after
 ``--duration`` seconds (counted from the admission); a server that goes away ends it (exit 1).
-``list`` and ``remove`` call ``<server>/list_streams`` and ``<server>/remove_stream``. ``--server``
+``list`` and ``remove`` call ``<server>/list_streams`` and ``<server>/remove_stream``; ``list --wait
+robot0,robot1`` first waits (up to ``--timeout``) until the server serves those streams, e.g. in a script
+that starts the server. ``--server``
 is the node's name (default /physis_server); ROS arguments go after ``--ros-args``.
 
 Exit status: 0 success (admitted, then cancelled; listed; removed); 1 not admitted, the stream
 ended by the server (removed, failed, shutdown) or the server went away, or nothing to remove; 2
-usage error or no server answering within ``--timeout``; 70 internal error (a bug; PHYSIS_DEBUG=1
+usage error or no server answering within ``--timeout`` (or, with ``list --wait``, the streams not
+served by then); 70 internal error (a bug; PHYSIS_DEBUG=1
 shows the traceback); 130 interrupted before the server answered. Errors are one line on stderr: 'physis-stream: error: <what and the fix>'.
 """
 
@@ -64,6 +67,8 @@ def build_parser() -> ArgumentParser:
     add.add_argument("--json", help="write the admission decision here")
     lst = sub.add_parser("list", description=__doc__, help="the streams served")
     lst.add_argument("--json", help="write the list here")
+    lst.add_argument("--wait", default="", metavar="NAME,...",
+                     help="first wait (up to --timeout) until the server serves these streams")
     rm = sub.add_parser("remove", description=__doc__, help="remove a stream (any: config or joined)")
     rm.add_argument("name")
     return p
@@ -118,7 +123,18 @@ def _service(node, kind, name: str, request, timeout: float):
 def _list(node, args) -> int:
     from physis_ros.srv import ListStreams
 
-    r = _service(node, ListStreams, f"{args.server}/list_streams", ListStreams.Request(), args.timeout)
+    wanted = {n.strip() for n in args.wait.split(",") if n.strip()}
+    deadline = time.monotonic() + args.timeout
+    while True:
+        r = _service(node, ListStreams, f"{args.server}/list_streams", ListStreams.Request(),
+                     max(0.1, deadline - time.monotonic()))
+        missing = sorted(wanted - set(r.streams))
+        if not missing:
+            break
+        if time.monotonic() >= deadline:
+            raise CliError(f"--wait: {', '.join(missing)} not served within --timeout {args.timeout:g} s (not yet "
+                           f"admitted, or refused: see the server's log)")
+        time.sleep(0.2)
     rows = [{"stream": s, "model": m, "namespace": n, "origin": o, "slo_interval_ms": slo, "workers": w.split(",")}
             for s, m, n, o, slo, w in zip(r.streams, r.models, r.namespaces, r.origins, r.slo_interval_ms, r.workers)]
     for row in rows:
