@@ -113,12 +113,13 @@ def stream_leaves(stream: StreamConfig, name: str) -> list[Leaf]:
     return list(_walk(StreamConfig, stream, f"streams.{name}."))
 
 
-def _field(name: str) -> tuple[Any, bool, dict[str, Any]] | None:
-    """(type, optional, metadata) of the serve-config leaf a dotted name denotes (any stream name under
-    ``streams``), or None if it is not one."""
+def _field(name: str) -> tuple[Any, bool, dict[str, Any], bool] | None:
+    """(type, optional, metadata, in an optional section) of the serve-config leaf a dotted name denotes (any
+    stream name under ``streams``), or None if it is not one."""
     cls: Any = ServeConfig
     parts = name.split(".")
     i = 0
+    in_optional = False
     while i < len(parts):
         if not dataclasses.is_dataclass(cls):
             return None
@@ -134,9 +135,9 @@ def _field(name: str) -> tuple[Any, bool, dict[str, Any]] | None:
             i += 1                      # the stream name
             tp = typing.get_args(tp)[1]
         if dataclasses.is_dataclass(tp):
-            cls = tp
+            cls, in_optional = tp, in_optional or optional
             continue
-        return (tp, optional, dict(f.metadata)) if i == len(parts) else None
+        return (tp, optional, dict(f.metadata), in_optional) if i == len(parts) else None
     return None
 
 
@@ -163,14 +164,19 @@ def unset_value(ptype: Parameter.Type, meta: dict[str, Any]) -> Any:
     return None   # a flag, or a number without a lower bound: none (the config resolves these to a value)
 
 
-def from_parameter(name: str, value: Any) -> Any:
-    """A parameter's value as the serve config takes it: an optional key's unset value is None."""
+def from_parameter(name: str, value: Any) -> tuple[bool, Any]:
+    """(given, value) of a parameter as the serve config takes it: an optional key's unset value is None; a
+    key of an optional section given its unset value is not given (the section stays unset)."""
     found = _field(name)
-    if found is None or not found[1] or isinstance(value, bool):
-        return value
-    tp, _, meta = found
+    if found is None or isinstance(value, bool):
+        return True, value
+    tp, optional, meta, in_optional = found
+    if not optional and not in_optional:
+        return True, value
     unset = unset_value(_param_type(tp, name), meta)
-    return None if unset is not None and value == unset else value
+    if unset is None or value != unset:
+        return True, value
+    return optional, None
 
 
 def is_stream_key(name: str) -> bool:
@@ -229,7 +235,9 @@ def split_overrides(overrides: dict[str, Parameter]) -> tuple[dict[str, Any], li
         if name in NODE_PARAMETERS or name.startswith(NODE_PREFIXES) or param.type_ == Parameter.Type.NOT_SET:
             continue
         if is_config_key(name):
-            known[name] = from_parameter(name, _plain(param.value))
+            given, value = from_parameter(name, _plain(param.value))
+            if given:
+                known[name] = value
         else:
             foreign.append(name)
     return known, sorted(foreign)
@@ -331,7 +339,12 @@ class ServeParameters:
         return out
 
     def _updated(self, params: list[Parameter]) -> ServeConfig:
-        changes = {p.name: from_parameter(p.name, _plain(p.value)) for p in params if p.name in self.types}
+        changes = {}
+        for p in params:
+            if p.name in self.types:
+                given, value = from_parameter(p.name, _plain(p.value))
+                if given:
+                    changes[p.name] = value
         return serve_config(deep_merge(to_mapping(self.config), unflatten(changes)))
 
     def _validate(self, params: list[Parameter]) -> SetParametersResult:

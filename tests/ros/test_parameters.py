@@ -123,6 +123,24 @@ def test_every_config_key_is_declared_with_its_value_description_and_range():
             assert not d.read_only and "fixed while the stream is served" in d.additional_constraints, name
 
 
+def test_every_parameter_read_back_and_passed_in_again_gives_the_same_config(tmp_path):
+    """Issue 48 item 2: what `ros2 param get` returns for every key (an unset one reads as its unset value) can
+    be given back as a parameter and means the same: a params file of every declared value read from one node
+    starts a second node on the same config (unset QoS sections stay unset, unset SLOs stay unset)."""
+    from physis_ros.ros.config import unflatten
+
+    with server_node("--params-file", str(SERVE_YAML)) as node:
+        values = {n: node.get_parameter(n).value for n in node.params.types}
+        first = node.config
+    values = {n: list(v) if isinstance(v, (list, tuple)) or hasattr(v, "tolist") else v for n, v in values.items()}
+    assert values["streams.robot0.slo_interval_ms"] == 0.0 and values["streams.robot0.qos.input.depth"] == 0
+    path = tmp_path / "all.yaml"
+    path.write_text(yaml.safe_dump({"/**": {"ros__parameters": unflatten(values)}}))
+    with server_node("--params-file", str(path)) as node:
+        assert node.config == first
+        assert node.config.streams["robot0"].qos.input is None and node.config.streams["robot0"].slo_interval_ms is None
+
+
 def _described(node, prefix: str) -> list[str]:
     names = [n for n in node._parameters if n.startswith(prefix)]
     assert names
