@@ -93,7 +93,7 @@ class Rejected(Exception):
 
     def __init__(self, reason: str, detail: str, cause: str | None = None):
         if cause is not None and cause != reason:
-            reason, detail = CAUSES.get(cause, reason), f"{detail} [{cause}]"
+            detail = f"{detail} [{cause}]"
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail

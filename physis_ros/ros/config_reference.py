@@ -71,7 +71,7 @@ def _table(rows: list[Leaf], strip: str = "") -> list[str]:
 
 def reference() -> str:
     """The whole reference, as docs/config.md holds it."""
-    node = [leaf for leaf in leaves(ServeConfig())]
+    node = leaves(ServeConfig())
     lines = [HEADER]
     for title, prefix in SECTIONS:
         if prefix:

@@ -231,3 +231,5 @@ class StreamInput:
 
 
 _COUNTER = {"state": "joints"}   # what /diagnostics has always called joint states
+# A stream's subscription (its ``what``) -> the input counter its rejections are counted under.
+INPUT_KINDS = {"image": "images", "joint_states": "joints", "actions": "actions"}

@@ -33,7 +33,7 @@ from physis_ros.ros import acceptance, outputs, qos
 from physis_ros.ros import conversions as conv
 from physis_ros.ros.config import StreamConfig, stream_namespace, stream_topic
 from physis_ros.ros.stream_model import execution_steps, model_horizon, model_label, slo_interval_ms
-from physis_ros.ros.inputs import Sample, StreamInput
+from physis_ros.ros.inputs import INPUT_KINDS, Sample, StreamInput
 from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
 from physis_ros.runtime.engine import ChunkOutput, Observation, ServedModel, StreamEvent, Timeline
 from physis_ros.telemetry import ChunkRecord, RollingStats
@@ -41,8 +41,6 @@ from physis_ros.timeline import SeamTracker, kinematics, release_steps, rms
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
-
-INPUT_KINDS = {"image": "images", "joint_states": "joints", "actions": "actions"}   # what -> StreamInput's counters
 
 
 @dataclass

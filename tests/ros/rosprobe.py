@@ -105,6 +105,15 @@ class Probe:
         with self.lock:
             return list(self.msgs[key])
 
+    def status(self, what: str, key: str = "diagnostics") -> dict[str, str]:
+        """The newest /diagnostics values (:func:`diag_values`) of our server's status ``what`` heard on
+        ``key``; {} if none yet."""
+        for msg, _ in reversed(self.get(key)):
+            v = diag_values(msg, what)
+            if v is not None:
+                return v
+        return {}
+
     def count(self, key: str) -> int:
         with self.lock:
             return len(self.msgs[key])

@@ -74,13 +74,6 @@ class Live:
         from lifecycle_msgs.srv import GetState
         return self.call(self.get_state, GetState.Request()).current_state.label
 
-    def status(self, what: str) -> dict:
-        for msg, _ in reversed(self.probe.get("diagnostics")):
-            v = diag_values(msg, what)
-            if v is not None:
-                return v
-        return {}
-
     def statuses_since(self, n: int, what: str) -> list[dict]:
         out = []
         for msg, _ in self.probe.get("diagnostics")[n:]:
@@ -109,12 +102,12 @@ def live(tmp_path_factory):
 
 def test_starts_unconfigured_without_workers_or_outputs(live):
     assert live.state() == "unconfigured"
-    live.probe.wait(lambda: live.status("engine").get("state") == "unconfigured", 10, "an 'unconfigured' status")
-    engine = live.status("engine")
+    live.probe.wait(lambda: live.probe.status("engine").get("state") == "unconfigured", 10, "an 'unconfigured' status")
+    engine = live.probe.status("engine")
     assert engine["_level"] == 1 and engine["armed"] == "False" and engine["lifecycle"] == "unconfigured"
-    stream = live.status("l0")
+    stream = live.probe.status("l0")
     assert stream["_level"] == 1 and "unconfigured" in stream["_message"]   # WARN, never STALE
-    assert live.status("worker w0") == {}
+    assert live.probe.status("worker w0") == {}
     time.sleep(0.5)
     assert live.others() == [] and live.probe.count("telemetry") == 0
 
@@ -128,11 +121,11 @@ def test_configure_computes_but_publishes_no_outputs(live):
     except AssertionError:
         raise AssertionError(live.server.tail(40)) from None
     assert live.probe.count("traj") == 0 and live.probe.count("chunk") == 0
-    live.probe.wait(lambda: live.status("engine").get("state") == "serving", 10, "engine serving")
-    engine = live.status("engine")
+    live.probe.wait(lambda: live.probe.status("engine").get("state") == "serving", 10, "engine serving")
+    engine = live.probe.status("engine")
     assert engine["armed"] == "False" and engine["_level"] == 1 and "disarmed" in engine["_message"]
     assert engine["lifecycle"] == "inactive" and live.others() != []
-    assert live.status("worker w0").get("_level") == 0
+    assert live.probe.status("worker w0").get("_level") == 0
 
 
 def test_engine_and_worker_log_lines_reach_rosout(live):
@@ -166,8 +159,8 @@ def test_activate_publishes_trajectories_on_the_controllers_topic(live):
     assert live.probe.node.get_publishers_info_by_topic(f"/{NS}/joint_trajectory") == []
     # per-robot telemetry beside the global topic
     assert live.probe.count("robot_telemetry") >= 5
-    live.probe.wait(lambda: live.status("engine").get("armed") == "True", 5, "armed on /diagnostics")
-    assert live.status("engine")["_level"] == 0 and live.status("engine")["_message"] == "serving"
+    live.probe.wait(lambda: live.probe.status("engine").get("armed") == "True", 5, "armed on /diagnostics")
+    assert live.probe.status("engine")["_level"] == 0 and live.probe.status("engine")["_message"] == "serving"
 
 
 def one_interval_s(live) -> float:
@@ -197,7 +190,7 @@ def test_deactivate_stops_trajectories_within_one_chunk_interval(live):
     first = next((i for i, e in enumerate(engine) if e["armed"] == "False"), None)
     assert first is not None and "disarmed" in engine[first]["_message"], engine
     assert first <= 1 and all(e["armed"] == "False" for e in engine[first:]), engine
-    assert live.status("l0")["armed"] == "False"
+    assert live.probe.status("l0")["armed"] == "False"
 
 
 def test_activate_resumes(live):
@@ -205,21 +198,21 @@ def test_activate_resumes(live):
     before = live.probe.count("traj")
     assert live.transition(Transition.TRANSITION_ACTIVATE)
     live.probe.wait(lambda: live.probe.count("traj") >= before + 5, 30, "trajectories again")
-    live.probe.wait(lambda: live.status("l0").get("_level") == 0, 10, "stream OK")
+    live.probe.wait(lambda: live.probe.status("l0").get("_level") == 0, 10, "stream OK")
 
 
 def test_silent_robot_turns_error_and_the_rate_decays(live):
-    assert float(live.status("l0").get("chunks_per_s", -1)) > 0, live.status("l0")
+    assert float(live.probe.status("l0").get("chunks_per_s", -1)) > 0, live.probe.status("l0")
     live.synthetic.stop(10.0)
     stopped = time.monotonic()
-    live.probe.wait(lambda: live.status("l0").get("_level") == 2, 10, "ERROR for a silent robot")
+    live.probe.wait(lambda: live.probe.status("l0").get("_level") == 2, 10, "ERROR for a silent robot")
     took = time.monotonic() - stopped
-    msg = live.status("l0")["_message"]
+    msg = live.probe.status("l0")["_message"]
     assert "no chunk for" in msg or "starved" in msg, msg
     # within two SLO intervals (+ max_age_s, which still lets the last image through, + reporting periods)
     assert took < 1.0 + 2 * 0.4 + 3.0, took
-    live.probe.wait(lambda: live.status("l0").get("chunks_per_s") == "0.000", 10, "the rate to decay to 0")
-    live.probe.wait(lambda: "starved" in live.status("l0").get("_message", ""), 10, "a starved verdict")
+    live.probe.wait(lambda: live.probe.status("l0").get("chunks_per_s") == "0.000", 10, "the rate to decay to 0")
+    live.probe.wait(lambda: "starved" in live.probe.status("l0").get("_message", ""), 10, "a starved verdict")
 
 
 def test_cleanup_stops_the_workers_and_shutdown_exits_cleanly(live):
@@ -228,7 +221,7 @@ def test_cleanup_stops_the_workers_and_shutdown_exits_cleanly(live):
     assert live.transition(Transition.TRANSITION_CLEANUP)
     assert live.state() == "unconfigured"
     live.probe.wait(lambda: live.others() == [], 10, "the workers to exit")
-    live.probe.wait(lambda: live.status("engine").get("state") == "unconfigured", 10, "unconfigured status")
+    live.probe.wait(lambda: live.probe.status("engine").get("state") == "unconfigured", 10, "unconfigured status")
     assert live.transition(Transition.TRANSITION_UNCONFIGURED_SHUTDOWN)
     deadline = time.monotonic() + 15
     while live.server.poll() is None and time.monotonic() < deadline:

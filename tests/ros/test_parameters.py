@@ -19,7 +19,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 from physis_ros.config import ConfigError, repo_config_dir, to_mapping
 from physis_ros.ros.launcher import Child, serve_command, synthetic_command
 
-from rosprobe import DOMAIN, JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, diag_values, write_config
+from rosprobe import DOMAIN, JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, write_config
 
 pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
 
@@ -385,14 +385,6 @@ def test_live_bad_values_are_refused_with_the_key_and_the_fix(live):
     assert (got[0].double_value, got[1].integer_value, got[2].double_value) == (50.0, 1, 0.0)
 
 
-def latest_status(live, what: str) -> dict:
-    for msg, _ in reversed(live.probe.get("diagnostics")):
-        v = diag_values(msg, what)
-        if v is not None:
-            return v
-    return {}
-
-
 def test_live_slo_change_takes_effect_in_telemetry_and_diagnostics(live):
     (r,) = live.set(streams__p0__slo_interval_ms=1.0)   # far below what a CPU pipeline can do
     assert r.successful, r.reason
@@ -400,9 +392,9 @@ def test_live_slo_change_takes_effect_in_telemetry_and_diagnostics(live):
     live.probe.wait(lambda: live.probe.count("telemetry") >= start + 6, 20, "more telemetry")
     after = [m for m, _ in live.probe.get("telemetry")[start + 2:]]
     assert after and all(m.deadline_miss for m in after), [m.output_interval_ms for m in after]
-    live.probe.wait(lambda: latest_status(live, "p0").get("slo_interval_ms") == "1.000", 10,
+    live.probe.wait(lambda: live.probe.status("p0").get("slo_interval_ms") == "1.000", 10,
                     "/diagnostics to show the new SLO")
-    live.probe.wait(lambda: latest_status(live, "p0").get("_level") == 1, 10, "a WARN for the missed SLO")
+    live.probe.wait(lambda: live.probe.status("p0").get("_level") == 1, 10, "a WARN for the missed SLO")
     (r,) = live.set(streams__p0__slo_interval_ms=500.0)   # longer than its control timeline allows: refused
     assert not r.successful and "control timeline" in r.reason and "160 ms" in r.reason, r.reason
     (r,) = live.set(streams__p0__slo_interval_ms=160.0)   # back to its timeline (it is paced 5 % faster)

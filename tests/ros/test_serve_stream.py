@@ -183,11 +183,7 @@ class Live:
 
     # ---- what the server says ----------------------------------------------------------------------------
     def engine_state(self) -> str | None:
-        for msg, _ in reversed(self.probe.get("diagnostics")):
-            v = diag_values(msg, "engine")
-            if v is not None:
-                return v["state"]
-        return None
+        return self.probe.status("engine").get("state")
 
     def call(self, client, request):
         future = client.call_async(request)

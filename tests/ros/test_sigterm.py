@@ -13,7 +13,7 @@ import yaml
 
 from physis_ros.ros.launcher import Child, serve_command
 
-from rosprobe import JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, diag_values, processes_with_marker
+from rosprobe import JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, processes_with_marker
 
 pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
 
@@ -51,11 +51,7 @@ class Server:
                             log=tmp / "serve.log")
 
     def engine_state(self) -> str | None:
-        for msg, _ in reversed(self.probe.get("diagnostics")):
-            v = diag_values(msg, "engine")
-            if v is not None:
-                return v["state"]
-        return None
+        return self.probe.status("engine").get("state")
 
     def wait_serving(self) -> None:
         try:

@@ -176,33 +176,25 @@ def test_deterministic_outputs_equal_the_sequential_reference(sim, tiny_wam):
         assert np.array_equal(got, expected), f"chunk {m.chunk_index} differs from the reference"
 
 
-def latest_status(sim, suffix):
-    for a, _ in reversed(sim.probe.get("diagnostics")):
-        v = diag_values(a, suffix)
-        if v is not None:
-            return v
-    return None
-
-
 def test_lost_worker_is_reported_restarted_and_the_stream_carries_on(sim):
     import os
     import signal
 
-    worker = latest_status(sim, "worker w0")
-    assert worker is not None and worker["_level"] == 0, "no healthy worker status on /diagnostics"
+    worker = sim.probe.status("worker w0")
+    assert worker and worker["_level"] == 0, "no healthy worker status on /diagnostics"
     old_pid = int(worker["pid"])
     os.kill(old_pid, signal.SIGKILL)
-    sim.probe.wait(lambda: int((latest_status(sim, STREAM) or {}).get("failures_total", 0)) >= 1, 15,
+    sim.probe.wait(lambda: int(sim.probe.status(STREAM).get("failures_total", 0)) >= 1, 15,
                    "/diagnostics to report the stream's failure")
 
     def restarted():
-        w = latest_status(sim, "worker w0") or {}
+        w = sim.probe.status("worker w0")
         return w.get("_level") == 0 and int(w.get("pid", old_pid)) != old_pid
     sim.probe.wait(restarted, 90, "the worker to be restarted")
     # Re-admitted: no longer "failed", but ERROR until it publishes again (no input arrives until below).
-    sim.probe.wait(lambda: not (latest_status(sim, STREAM) or {}).get("_message", "stream failed").startswith(
+    sim.probe.wait(lambda: not sim.probe.status(STREAM).get("_message", "stream failed").startswith(
         "stream failed"), 15, "the stream to be re-admitted")
-    readmitted = latest_status(sim, STREAM)
+    readmitted = sim.probe.status(STREAM)
     assert readmitted["_level"] == 2 and readmitted["_message"].startswith("recovering"), readmitted
     assert int(readmitted["resets.worker_lost"]) >= 1, readmitted
     more = []
@@ -216,7 +208,7 @@ def test_lost_worker_is_reported_restarted_and_the_stream_carries_on(sim):
     after = [m for m, _ in sim.probe.get("chunk")][N:]
     assert [m.header.stamp for m in after] == [img.header.stamp for img in more]
     assert [m.chunk_index for m in after] == list(range(N, N + 3))  # nothing was in flight: no gap
-    sim.probe.wait(lambda: not (latest_status(sim, STREAM) or {}).get("_message", "recovering").startswith(
+    sim.probe.wait(lambda: not sim.probe.status(STREAM).get("_message", "recovering").startswith(
         "recovering"), 15, "/diagnostics to see the stream publishing again")
     assert sim.server.poll() is None
     assert "stream d0 reset (worker_lost)" in sim.server.log_path.read_text()
