@@ -4,7 +4,7 @@ and the inputs it must reject, with the node's reason.
 Every message goes through the node's own acceptance rule (:mod:`physis_ros.ros.acceptance`: encoding,
 sizes, finite joint positions, every configured joint present; for a world model's actions,
 :func:`~physis_ros.ros.acceptance.accept_actions`) and the node's pairing rule
-(:func:`physis_ros.ros.inputs.match_observations`: exact stamp, else the latest at or before), so what the
+(:func:`physis_ros.serving.intake.match_observations`: exact stamp, else the latest at or before), so what the
 checker expects is what the node does, not a copy of it. :mod:`physis_ros.bags.analysis` compares a
 recorded run against this.
 """
@@ -134,7 +134,7 @@ def collect_inputs(bag, serve: ServeInfo) -> Inputs:
 
     from physis_ros.bags.bagio import bag_info
     from physis_ros.ros.acceptance import InputRejected
-    from physis_ros.ros.inputs import match_observations
+    from physis_ros.serving.intake import match_observations
 
     received: dict[tuple[str, str], list] = defaultdict(list)    # (stream, role) -> [(stamp, PairedInput)]
     rejected: dict[str, list[Rejection]] = {s.name: [] for s in serve.streams}

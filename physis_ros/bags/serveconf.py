@@ -2,7 +2,7 @@
 
 Streams (engine stream name, ROS namespace, joint names, model, full topic names and their
 message types), the default model and the seed, from the node's own
-:class:`~physis_ros.ros.config.ServeConfig` and the node's own rules (a stream's model:
+:class:`~physis_ros.serving.config.ServeConfig` and the node's own rules (a stream's model:
 ``streams.<name>.model``, empty: the server's ``model``; what it takes and what it publishes: its
 kind) so that the tools and the node agree. Without a config file, the default server: streams
 ``robot0`` and ``robot1`` with joints ``joint1..joint7``.
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from physis_ros.config import ConfigError
-from physis_ros.ros.config import ServeConfig, default_serve_path, load_serve_config, serve_config
+from physis_ros.serving.config import ServeConfig, default_serve_path, load_serve_config, serve_config
 
 if TYPE_CHECKING:
     from physis_ros.model.spec import ModelConfig
@@ -173,10 +173,10 @@ def default_serve_config() -> Path | None:
 
 def stream_model(config: ServeConfig, name: str) -> tuple[str, ModelConfig, str | None]:
     """(reference, model config, checkpoint or None) of a stream's model, resolved as the server resolves it
-    (:class:`physis_ros.ros.models.ModelCatalog`: empty is the server's ``model``, whose weights are
+    (:class:`physis_ros.serving.catalog.ModelCatalog`: empty is the server's ``model``, whose weights are
     ``engine.checkpoint`` if set); ConfigError naming ``streams.<name>.model`` (or ``model``) if unusable."""
-    from physis_ros.ros.admission import Rejected
-    from physis_ros.ros.models import model_config_of
+    from physis_ros.serving.capacity import Rejected
+    from physis_ros.serving.catalog import model_config_of
 
     own = config.streams[name].model
     ref = own or config.model
@@ -192,7 +192,7 @@ def stream_model(config: ServeConfig, name: str) -> tuple[str, ModelConfig, str 
 def stream_info(config: ServeConfig, name: str) -> StreamInfo:
     """One stream of a config: its model and kind, its topics and their types (ConfigError if its model
     cannot be loaded or does not fit the stream, as the server refuses it at start)."""
-    from physis_ros.ros.stream_model import check_stream_model
+    from physis_ros.serving.fit import check_stream_model
 
     s = config.streams[name]
     ref, model, checkpoint = stream_model(config, name)

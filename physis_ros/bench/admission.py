@@ -14,7 +14,7 @@ benchmark (the robots' ServeStream clients, a subscriber of each robot's ``actio
 it asks for each ``--second-slo-ms`` in turn until admitted. Both models are profiled once, in this
 process, before the first server starts, and every server of the run admits with those files
 (``admission.profiles``): the modes differ only by the batching credit, and the benchmark replays each
-decision on the same :class:`~physis_ros.ros.admission.ServerAdmission` to report the placements
+decision on the same :class:`~physis_ros.serving.capacity.ServerAdmission` to report the placements
 (checked against the server: its ``ListStreams`` workers and the utilisation it logs).
 
 After every admitted join, and after the leave, each running stream is measured over ``--window``
@@ -141,7 +141,7 @@ def _settings(args: argparse.Namespace) -> dict:
 
 
 def _serve_mapping(args, base: dict, mode: str, profiles_dir: str, cap: int) -> dict:
-    from physis_ros.ros.config import deep_merge
+    from physis_ros.serving.config import deep_merge
 
     engine = base.get("engine") or {}
     admission = {"profiles": profiles_dir}
@@ -163,8 +163,8 @@ def _check_robot(model_ref: str, slo: float, rate: float, what: str):
     """A robot's request must fit its model (the server would say model-mismatch): exit 2 before running."""
     from physis_ros.config import ConfigError, from_mapping
     from physis_ros.model.spec import load_model_config
-    from physis_ros.ros.config import StreamConfig
-    from physis_ros.ros.stream_model import check_stream_model
+    from physis_ros.serving.config import StreamConfig
+    from physis_ros.serving.fit import check_stream_model
 
     try:
         cfg = load_model_config(model_ref)
@@ -197,7 +197,7 @@ def _profiles(args, models: list, repeats: int, corun: float, out_dir: Path) -> 
 
             _say(f"measuring the {cfg.name} profile ({repeats} rounds)")
             profile = measure_profile(cfg, "cpu", repeats=repeats)
-            # what the server does with a profile it measures itself (physis_ros.ros.models)
+            # what the server does with a profile it measures itself (physis_ros.serving.catalog)
             profile = dataclasses.replace(profile, corun_slowdown=max(profile.corun_slowdown, corun))
             how = "measured in the benchmark process before the servers started"
         path.write_text(json.dumps(profile.to_json(), indent=1))
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from physis_ros.cli.common import serve_config_or_exit, write_json
-    from physis_ros.ros.config import load_serve_mapping, serve_config
+    from physis_ros.serving.config import load_serve_mapping, serve_config
 
     st = _settings(args)
     wall0 = time.monotonic()

@@ -24,7 +24,7 @@ class Mirror:
 
     def __init__(self, cfg, profiles: dict):
         from physis_ros.model.spec import load_model_config
-        from physis_ros.ros.admission import server_admission
+        from physis_ros.serving.capacity import server_admission
         from physis_ros.runtime.streams import ServedModel
 
         self.admission, _ = server_admission(cfg)
@@ -38,7 +38,7 @@ class Mirror:
         return self.served[load_model_config(ref).name]
 
     def admit(self, name: str, model: str, pace_ms: float, slo_ms: float) -> tuple[bool, str, dict | None]:
-        from physis_ros.ros.admission import Rejected
+        from physis_ros.serving.capacity import Rejected
 
         try:
             a = self.admission.admit(name, self.model(model), pace_ms, slo_ms)

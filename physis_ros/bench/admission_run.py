@@ -10,7 +10,7 @@ from pathlib import Path
 
 from physis_ros.bench.admission_observe import (Mirror, Recorder, _cpu_delta, _cpu_snapshot, _gaps, _r,
                                                   stream_window)
-from physis_ros.ros.admission import CAUSES
+from physis_ros.serving.capacity import CAUSES
 from physis_ros.timeline import release_pace_ms
 
 JOINTS = [f"joint{i}" for i in range(1, 8)]

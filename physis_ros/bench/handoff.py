@@ -52,9 +52,9 @@ from physis_ros.bench.robot import SimulatedRobot
 from physis_ros.cli.common import write_json
 from physis_ros.model.handoff import MODES
 from physis_ros.observations import ScriptedExpert, SyntheticScene
-from physis_ros.ros.admission import ServerAdmission
-from physis_ros.ros.config import AdmissionConfig, StreamConfig
-from physis_ros.ros.models import ModelCatalog
+from physis_ros.serving.capacity import ServerAdmission
+from physis_ros.serving.config import AdmissionConfig, StreamConfig
+from physis_ros.serving.catalog import ModelCatalog
 from physis_ros.runtime.engine import ChunkOutput, Engine, Observation, ServedModel, Timeline
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.scheduling.settings import load_device, load_scheduling

@@ -340,8 +340,8 @@ def preflight_serve(cfg) -> None:
     engine = cfg.engine
     if engine.checkpoint:
         check_checkpoint(engine.checkpoint)
-        from physis_ros.ros.admission import Rejected
-        from physis_ros.ros.models import check_default_checkpoint, model_config_of
+        from physis_ros.serving.capacity import Rejected
+        from physis_ros.serving.catalog import check_default_checkpoint, model_config_of
 
         try:
             model = model_config_of(cfg.model)[0]
@@ -359,7 +359,7 @@ def serve_config_or_exit(path: str | None, prog: str):
     """The serve config a tool was pointed at (the shipped one if None), as (path, ServeConfig); a bad
     one (or a bad file it names) ends the tool with exit code 2 and one line naming the problem."""
     from physis_ros.config import ConfigError
-    from physis_ros.ros.config import default_serve_path, load_serve_config
+    from physis_ros.serving.config import default_serve_path, load_serve_config
 
     try:
         config = Path(path) if path else default_serve_path()

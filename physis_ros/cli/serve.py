@@ -100,7 +100,7 @@ def _serve(argv: list[str] | None = None) -> int:
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.signals import SignalHandlerOptions
 
-    from physis_ros.ros.config import deep_merge, load_serve_mapping, serve_config
+    from physis_ros.serving.config import deep_merge, load_serve_mapping, serve_config
     from physis_ros.ros.parameters import apply_trajectory_topic
 
     overrides = overrides_from_args(args)

@@ -24,7 +24,7 @@ from trajectory_msgs.msg import JointTrajectory
 from physis_ros.model.spec import ModelConfig
 from physis_ros.msg import ActionChunk
 from physis_ros.ros import conversions as conv
-from physis_ros.ros.config import StreamConfig
+from physis_ros.serving.config import StreamConfig
 
 InputRejected = conv.InputRejected
 

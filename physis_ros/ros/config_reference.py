@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import sys
 
-from physis_ros.ros.config import ServeConfig, StreamConfig
+from physis_ros.serving.config import ServeConfig, StreamConfig
 from physis_ros.ros.parameters import Leaf, is_runtime, leaves, stream_leaves, unset_value
 
 HEADER = """# Serve config reference

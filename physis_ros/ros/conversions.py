@@ -26,7 +26,7 @@ from trajectory_msgs.msg import JointTrajectory
 
 from physis_ros.model.spec import ModelConfig
 from physis_ros.msg import ActionChunk
-from physis_ros.ros.config import StreamConfig
+from physis_ros.serving.config import StreamConfig
 
 # encoding -> (channels in the message, indices of R, G, B; None for mono)
 ENCODINGS: dict[str, tuple[int, tuple[int, int, int] | None]] = {

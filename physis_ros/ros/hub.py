@@ -4,7 +4,7 @@ Every stream comes in the same way, from the serve config at start-up or from a 
 its request is checked (name, namespace, joints, topics), its model resolved with a cost profile
 (off the executor thread: a first profile takes a second or two), the model checked against the
 robot, the stream admitted by the joint scheduler over the server's workers
-(:class:`~physis_ros.ros.admission.ServerAdmission`), its ROS side made, and finally the engine
+(:class:`~physis_ros.serving.capacity.ServerAdmission`), its ROS side made, and finally the engine
 places it on its workers and feeds it, paced at its SLO interval: what admission assumed is what
 runs. A stream that cannot come in is refused with a named reason and nothing running changes.
 Leaving frees its capacity; the other streams never move.
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 from physis_ros.config import ConfigError
 from physis_ros.ros import health
-from physis_ros.ros.admission import Admitted, Rejected, server_admission
-from physis_ros.ros.config import (StreamConfig, check_stream_name, resolve_topic, stream_namespace,
+from physis_ros.serving.capacity import Admitted, Rejected, server_admission
+from physis_ros.serving.config import (StreamConfig, check_stream_name, resolve_topic, stream_namespace,
                                    stream_topics)
-from physis_ros.ros.stream_model import TIMELINE_KEYS, check_stream_model, slo_interval_ms
-from physis_ros.ros.models import ModelCatalog
+from physis_ros.serving.fit import TIMELINE_KEYS, check_stream_model, slo_interval_ms
+from physis_ros.serving.catalog import ModelCatalog
 from physis_ros.ros.streams import RosStream
 from physis_ros.ros.tasks import Ticker
 from physis_ros.timeline import release_pace_ms

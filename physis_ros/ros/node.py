@@ -10,7 +10,7 @@ active; every config key is a declared parameter (:mod:`physis_ros.ros.parameter
 
 Threads: the rclpy executor runs the subscriptions, the action's goals (coroutines), the services
 and the diagnostics timer; the engine runs on its own uvloop thread
-(:class:`~physis_ros.ros.engine_thread.EngineThread`), takes observations from the streams and
+(:class:`~physis_ros.serving.engine_thread.EngineThread`), takes observations from the streams and
 publishes each finished chunk from its loop thread. All stamps come from the node clock, so
 ``use_sim_time`` replay works.
 """
@@ -30,13 +30,13 @@ from physis_ros.msg import ChunkTelemetry
 from physis_ros.ros import conversions as conv
 from physis_ros.ros import diagnostics as diag
 from physis_ros.ros import health, qos, rosout
-from physis_ros.ros.admission import Rejected
-from physis_ros.ros.config import ServeConfig
-from physis_ros.ros.stream_model import check_stream_model, model_label, slo_interval_ms
+from physis_ros.serving.capacity import Rejected
+from physis_ros.serving.config import ServeConfig
+from physis_ros.serving.fit import check_stream_model, model_label, slo_interval_ms
 from physis_ros.config import ConfigError
-from physis_ros.ros.engine_thread import EngineThread
+from physis_ros.serving.engine_thread import EngineThread
 from physis_ros.ros.hub import StreamHub
-from physis_ros.ros.models import check_default_checkpoint, model_config_of
+from physis_ros.serving.catalog import check_default_checkpoint, model_config_of
 from physis_ros.ros.parameters import ServeParameters
 from physis_ros.ros.serve_action import ServeStreamServer
 from physis_ros.ros.streams import RosStream

@@ -19,7 +19,7 @@ from builtin_interfaces.msg import Time
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
-from physis_ros.ros.config import StreamConfig
+from physis_ros.serving.config import StreamConfig
 from physis_ros.ros.conversions import duration_msg, time_msg
 from physis_ros.telemetry import ChunkRecord
 from physis_ros.timeline import first_due_row

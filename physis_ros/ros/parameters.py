@@ -1,6 +1,6 @@
 """ROS 2 parameters of ``physis_server``, derived from the serve config's dataclass tree.
 
-Every leaf of :class:`~physis_ros.ros.config.ServeConfig` (``EngineConfig`` included) is declared as a
+Every leaf of :class:`~physis_ros.serving.config.ServeConfig` (``EngineConfig`` included) is declared as a
 parameter with a dotted name (``engine.workers``, ``streams.robot0.slo_interval_ms``), its value from
 the merged config (file < ROS parameters < command line), and a descriptor built from the field's
 metadata (``bounded(ge=, le=, gt=, choices=, doc=)``): description, integer or floating-point range,
@@ -36,7 +36,7 @@ from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescri
 from rclpy.parameter import Parameter
 
 from physis_ros.config import ConfigError, to_mapping
-from physis_ros.ros.config import ServeConfig, StreamConfig, deep_merge, serve_config, unflatten
+from physis_ros.serving.config import ServeConfig, StreamConfig, deep_merge, serve_config, unflatten
 
 # Per stream (``streams.<name>.<key>``) and node-wide keys that take effect while the node runs.
 RUNTIME_STREAM_KEYS = frozenset({"slo_interval_ms", "trajectory_start", "trajectory_start_offset_s",

@@ -1,4 +1,4 @@
-"""QoS profiles of the node's topics, from :class:`~physis_ros.ros.config.QoSConfig`."""
+"""QoS profiles of the node's topics, from :class:`~physis_ros.serving.config.QoSConfig`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSPolicyKind, QoSProfil
                        qos_profile_sensor_data)
 from rclpy.qos_overriding_options import QoSOverridingOptions
 
-from physis_ros.ros.config import QoSConfig
+from physis_ros.serving.config import QoSConfig
 
 _RELIABILITY = {"reliable": ReliabilityPolicy.RELIABLE, "best_effort": ReliabilityPolicy.BEST_EFFORT}
 _DURABILITY = {"volatile": DurabilityPolicy.VOLATILE, "transient_local": DurabilityPolicy.TRANSIENT_LOCAL}

@@ -27,7 +27,7 @@ from builtin_interfaces.msg import Time
 from rclpy.serialization import serialize_message
 
 from physis_ros.ros import outputs
-from physis_ros.ros.config import StreamConfig
+from physis_ros.serving.config import StreamConfig
 from physis_ros.ros.conversions import time_msg
 
 _ENCAPSULATION = b"\x00\x01\x00\x00"   # CDR little endian, no options: what rmw_fastrtps sends

@@ -32,8 +32,8 @@ from physis_ros.action import ServeStream
 from physis_ros.config import ConfigError, from_mapping
 from physis_ros.ros import diagnostics as diag
 from physis_ros.ros import qos
-from physis_ros.ros.admission import Rejected
-from physis_ros.ros.config import QoSConfig, StreamConfig
+from physis_ros.serving.capacity import Rejected
+from physis_ros.serving.config import QoSConfig, StreamConfig
 from physis_ros.ros.tasks import Ticker
 from physis_ros.srv import ListStreams, RemoveStream
 

@@ -4,7 +4,7 @@ and its statistics (:class:`RosStream`).
 Inputs: every observation the model takes has its topic (``image`` <- camera, ``state`` <-
 joint_states, ``actions`` <- the actions a world model imagines), validated by the server's
 acceptance rule (:mod:`physis_ros.ros.acceptance`) on the executor thread and paired to the camera
-image by stamp (:class:`~physis_ros.ros.inputs.StreamInput`). Outputs by what the model produces:
+image by stamp (:class:`~physis_ros.serving.intake.StreamInput`). Outputs by what the model produces:
 a world-action model's chunk goes out as ``action_chunk`` and, for the rows still ahead of the robot
 on its control timeline, ``joint_trajectory`` (pre-serialized, :mod:`physis_ros.ros.raw`; what is
 late and how the chunk meets the previous one is measured here, :mod:`physis_ros.timeline`); a
@@ -31,9 +31,9 @@ from physis_ros.model.spec import ModelConfig
 from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
 from physis_ros.ros import acceptance, outputs, qos
 from physis_ros.ros import conversions as conv
-from physis_ros.ros.config import StreamConfig, stream_namespace, stream_topic
-from physis_ros.ros.stream_model import execution_steps, model_horizon, model_label, slo_interval_ms
-from physis_ros.ros.inputs import INPUT_KINDS, Sample, StreamInput
+from physis_ros.serving.config import StreamConfig, stream_namespace, stream_topic
+from physis_ros.serving.fit import execution_steps, model_horizon, model_label, slo_interval_ms
+from physis_ros.serving.intake import INPUT_KINDS, Sample, StreamInput
 from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
 from physis_ros.runtime.engine import ChunkOutput, Observation, ServedModel, StreamEvent, Timeline
 from physis_ros.telemetry import ChunkRecord, RollingStats

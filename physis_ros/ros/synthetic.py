@@ -124,9 +124,9 @@ class SyntheticRobots:
 
 
 def streams_from_config(path: str) -> dict[str, SyntheticStream]:
-    from physis_ros.ros.config import load_serve_config
-    from physis_ros.ros.stream_model import model_horizon
-    from physis_ros.ros.models import model_config_of
+    from physis_ros.serving.config import load_serve_config
+    from physis_ros.serving.fit import model_horizon
+    from physis_ros.serving.catalog import model_config_of
     cfg = load_serve_config(path)
     out = {}
     for name, s in cfg.streams.items():
@@ -161,7 +161,7 @@ def _main(argv: list[str] | None = None) -> int:
         if not streams:
             p.error("argument --streams: give comma-separated namespaces, e.g. robot0,robot1")
     else:
-        from physis_ros.ros.config import default_serve_path
+        from physis_ros.serving.config import default_serve_path
         config = args.config or str(default_serve_path())
         check_yaml_file(config, "--config")
         streams = streams_from_config(config)

@@ -244,7 +244,7 @@ def test_actions_replay_reliable_into_the_servers_subscription():
 
     from physis_ros.bags.rosnode import qos_for
     from physis_ros.ros import qos
-    from physis_ros.ros.config import QoSConfig
+    from physis_ros.serving.config import QoSConfig
 
     for msgtype in ("physis_ros/msg/ActionChunk", "trajectory_msgs/msg/JointTrajectory"):
         for reliable in (False, True):

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ros"))
 from domains import domain as domain_of  # noqa: E402
 
-from physis_ros.ros.admission import REASONS  # noqa: E402
+from physis_ros.serving.capacity import REASONS  # noqa: E402
 
 
 @pytest.mark.slow

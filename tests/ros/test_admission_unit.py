@@ -1,6 +1,6 @@
 """Admission in the served product, in-process (no workers, no server): the joint scheduler over the
-server's workers on the one cost model (:mod:`physis_ros.ros.admission`), the hub's checks before any
-placement (:mod:`physis_ros.ros.hub`), model references (:mod:`physis_ros.ros.models`), a goal's
+server's workers on the one cost model (:mod:`physis_ros.serving.capacity`), the hub's checks before any
+placement (:mod:`physis_ros.ros.hub`), model references (:mod:`physis_ros.serving.catalog`), a goal's
 request (:mod:`physis_ros.ros.serve_action`), and memory: what the cost model charges for KV is what a
 worker allocates.
 
@@ -26,8 +26,8 @@ import pytest
 
 from physis_ros.model import build_model
 from physis_ros.model.spec import load_model_config
-from physis_ros.ros.admission import REASONS, Rejected, ServerAdmission, plan_of
-from physis_ros.ros.config import ServeConfig, StreamConfig
+from physis_ros.serving.capacity import REASONS, Rejected, ServerAdmission, plan_of
+from physis_ros.serving.config import ServeConfig, StreamConfig
 from physis_ros.runtime.streams import ServedModel
 from physis_ros.scheduling.profiles import CostProfile, memory_fields
 from physis_ros.scheduling.settings import GB
@@ -174,7 +174,7 @@ def test_a_model_that_cannot_fit_the_workers_is_refused_from_its_shape_before_an
     """Issue 46 item 1: a goal for the wan2.1-14b preset made the server build and profile it in-process (RSS
     0.34 -> 20.7 GB on a 24 GB host). One stream of it needs 63.3 GB (32.3 GB of weights, 30.9 GB of KV), the
     2 CPU workers hold 14 GB: refused as ``memory`` with the figures, the same whatever is served."""
-    from physis_ros.ros.admission import server_admission
+    from physis_ros.serving.capacity import server_admission
 
     cfg = ServeConfig(engine=dataclasses.replace(ServeConfig().engine, workers=2))
     adm, device = server_admission(cfg, cores=2)
@@ -190,7 +190,7 @@ def test_a_model_that_cannot_fit_the_workers_is_refused_from_its_shape_before_an
     with pytest.raises(Rejected):
         one.check_memory(load_model_config("wan2.1-1.3b"))         # but not one worker's 7
     # CPU workers share the host's memory: 8 of them "hold" 56 GB, a 9 GB host does not
-    monkeypatch.setattr("physis_ros.ros.admission.host_memory_bytes", lambda: 9e9)
+    monkeypatch.setattr("physis_ros.serving.capacity.host_memory_bytes", lambda: 9e9)
     eight, _ = server_admission(ServeConfig(engine=dataclasses.replace(ServeConfig().engine, workers=8)), cores=2)
     with pytest.raises(Rejected) as exc:
         eight.check_memory(load_model_config("wan2.1-1.3b"))
@@ -198,7 +198,7 @@ def test_a_model_that_cannot_fit_the_workers_is_refused_from_its_shape_before_an
 
     # In the hub: refused before the catalog resolves (builds, profiles) anything.
     built = []
-    monkeypatch.setattr("physis_ros.ros.models.measure_in_child", lambda *a, **k: built.append(a))
+    monkeypatch.setattr("physis_ros.serving.catalog.measure_in_child", lambda *a, **k: built.append(a))
     hub = hub_with(workers=2)
     hub.node.engine = SimpleNamespace(ready=SimpleNamespace(is_set=lambda: True), failure=None)
     hub.catalog.resolve = lambda *a, **k: built.append(a)
@@ -279,8 +279,8 @@ def test_a_world_model_whose_chunks_would_delay_a_policys_is_placed_on_another_w
 
 
 def test_the_engines_dispatch_policy_decides_whose_chunks_count_as_delay():
-    from physis_ros.ros.admission import server_admission
-    from physis_ros.ros.config import serve_config
+    from physis_ros.serving.capacity import server_admission
+    from physis_ros.serving.config import serve_config
 
     for policy, deadline_order in (("oldest", False), ("edf", True)):
         cfg = serve_config({"engine": {"workers": 2, "policy": policy}})
@@ -412,7 +412,7 @@ def test_goal_fields_are_checked_against_what_ros_and_the_timeline_take():
     control_rate_hz 1e-300 was admitted and then not served (an infinite period as an int). Each is now one
     invalid-request naming the field, and the detail never quotes the whole value back."""
     from physis_ros.action import ServeStream
-    from physis_ros.ros.config import MAX_STREAM_NAME
+    from physis_ros.serving.config import MAX_STREAM_NAME
     from physis_ros.ros.serve_action import stream_config_of
 
     hub = hub_with()
@@ -441,7 +441,7 @@ def test_the_topic_length_limit_is_ros_own():
     from rclpy.exceptions import InvalidTopicNameException
     from rclpy.validate_full_topic_name import validate_full_topic_name
 
-    from physis_ros.ros.config import ROS_TOPIC_MAX
+    from physis_ros.serving.config import ROS_TOPIC_MAX
 
     validate_full_topic_name("/" + "a" * (ROS_TOPIC_MAX - 1))
     with pytest.raises(InvalidTopicNameException):
@@ -492,7 +492,7 @@ def test_two_goals_racing_for_one_namespace_do_not_both_get_it():
 
 # ---- model references -----------------------------------------------------------------------------------
 def test_model_config_of_refuses_unknown_models(tmp_path):
-    from physis_ros.ros.models import model_config_of
+    from physis_ros.serving.catalog import model_config_of
 
     assert model_config_of("tiny-acwm") == (ACWM, None)
     (tmp_path / "garbage.yaml").write_text("- not\n- a model\n")
@@ -505,8 +505,8 @@ def test_model_config_of_refuses_unknown_models(tmp_path):
 
 
 def catalog_with_profiles(tmp_path):
-    from physis_ros.ros.config import AdmissionConfig
-    from physis_ros.ros.models import ModelCatalog
+    from physis_ros.serving.config import AdmissionConfig
+    from physis_ros.serving.catalog import ModelCatalog
 
     profiles = tmp_path / "profiles"
     profiles.mkdir()
@@ -529,7 +529,7 @@ def test_catalog_resolves_once_per_model_from_a_profile_file(tmp_path):
 def test_a_bundled_checkpoint_is_named_by_its_stem(tmp_path):
     """The shipped config serves `model: tiny-wam-demo`: the trained checkpoint in config/checkpoints/, found
     wherever the server runs from; its weights, not the preset's random init, go to the workers."""
-    from physis_ros.ros.models import bundled_checkpoint, model_config_of
+    from physis_ros.serving.catalog import bundled_checkpoint, model_config_of
 
     config, checkpoint = model_config_of("tiny-wam-demo")
     assert config == WAM and checkpoint == str(ROOT / "config" / "checkpoints" / "tiny-wam-demo.safetensors")
@@ -782,8 +782,8 @@ def test_a_first_profile_is_measured_at_the_lowest_priority_while_robots_are_ser
     Bug found in CI: the server's first profile (its config streams at start-up, nothing served yet) was
     measured at the lowest priority beside the robots' and workers' own start-up, read a tiny-wam chunk at
     70 ms and refused the second robot (latency-jitter). With nothing to yield to, it keeps its priority."""
-    from physis_ros.ros import models
-    from physis_ros.ros.config import AdmissionConfig
+    from physis_ros.serving import catalog as models
+    from physis_ros.serving.config import AdmissionConfig
 
     seen = []
 
@@ -804,8 +804,8 @@ def test_goals_for_a_resolved_model_are_not_held_up_by_one_being_measured(monkey
     """Issue 46 item 1: a model measured for minutes held the catalog's one lock and one thread, and every
     later goal, whatever its model, went undecided for 150 s or more. Two goals for the model being measured
     wait for one measurement, and its failure is theirs (the next goal tries again)."""
-    from physis_ros.ros import models
-    from physis_ros.ros.config import AdmissionConfig
+    from physis_ros.serving import catalog as models
+    from physis_ros.serving.config import AdmissionConfig
 
     release, calls = threading.Event(), []
 
@@ -859,8 +859,8 @@ def test_a_first_profile_runs_in_a_child_with_a_memory_and_a_time_limit():
     GB). The measurement now runs in a physis-profile child: the tiny presets are measured there; one that
     outgrows the child's address space is refused as ``memory``, one that takes too long as
     ``profile-failed``, and one whose weights alone exceed the limit is refused before any child starts."""
-    from physis_ros.ros import models
-    from physis_ros.ros.config import AdmissionConfig
+    from physis_ros.serving import catalog as models
+    from physis_ros.serving.config import AdmissionConfig
 
     tiny = load_model_config("tiny-acwm")
     profile = models.measure_in_child(tiny, "cpu", 2, memory_bytes=int(3e9), timeout_s=120.0)
@@ -905,8 +905,8 @@ def test_cpu_workers_are_admitted_against_the_cores_the_host_leaves_them():
     while the node and the robots' inputs took half a core or more, so every stream missed its SLO once
     the workers' predicted load passed about 1.1 cores. A CPU worker may use at most cores - reserve of a
     core (the host budget bounds them together, test below); GPU workers keep the configured headroom."""
-    from physis_ros.ros.admission import server_admission, worker_headroom
-    from physis_ros.ros.config import serve_config
+    from physis_ros.serving.capacity import server_admission, worker_headroom
+    from physis_ros.serving.config import serve_config
 
     assert worker_headroom(0.1, "cpu", 0.5, cores=2) == pytest.approx(0.1)      # a core each, at most
     assert worker_headroom(0.1, "cpu", 1.5, cores=2) == pytest.approx(0.5)      # half a core is left
@@ -924,8 +924,8 @@ def test_paced_robots_fill_one_cpu_worker_staggered_before_the_other_worker_is_u
     idle worker, and robots on both workers fought over the cores (p99 100-108 ms of a 100 ms SLO). Three
     robots staggered on one worker, the other idle, held p99 88-91 ms in one run (a lone robot: 94) and
     came within 6 % of the SLO in three more (bench/RESULTS.md). The host budget still refuses the fourth."""
-    from physis_ros.ros.admission import HostBudget, worker_headroom
-    from physis_ros.ros.calibration import LoadCalibration
+    from physis_ros.serving.capacity import HostBudget, worker_headroom
+    from physis_ros.serving.calibration import LoadCalibration
 
     host = HostBudget(cores=2, reserve=0.75, per_stream=0.08, headroom=0.1)
     adm = ServerAdmission(2, make_device(), make_config(worker_headroom(0.1, "cpu", 0.75, cores=2)), host=host,
@@ -945,7 +945,7 @@ def test_the_host_budget_rejects_what_the_workers_alone_would_take():
     """CPU workers: their load in cores plus what the node spends per stream must fit the host's cores.
     Each stream here is 16 ms of work per 100 ms (0.16 core) plus 0.5 core of the node's: two fit 1.8
     cores, a third does not (host-cpu), and that rejection leaves every placement as it was."""
-    from physis_ros.ros.admission import HostBudget
+    from physis_ros.serving.capacity import HostBudget
 
     host = HostBudget(cores=2, reserve=0.0, per_stream=0.5, headroom=0.1)
     adm = ServerAdmission(2, make_device(), make_config(0.0), host=host)
@@ -969,7 +969,7 @@ def test_every_rejection_reason_is_in_readmes_table_and_says_what_to_change():
     SLO past the control timeline was labelled model-mismatch. Each reason the server sends is one of
     REASONS, each says what to change, README's table is REASONS row for row, and every reason raised in the
     code is in it (the scheduler's causes map onto them)."""
-    from physis_ros.ros.admission import CAUSES
+    from physis_ros.serving.capacity import CAUSES
     from physis_ros.scheduling.admission import REASONS as PLACEMENT_REASONS
 
     readme = (ROOT / "README.md").read_text()

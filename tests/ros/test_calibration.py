@@ -1,4 +1,4 @@
-"""Admission's calibration (:mod:`physis_ros.ros.calibration`): a worker's measured busy time over what
+"""Admission's calibration (:mod:`physis_ros.serving.calibration`): a worker's measured busy time over what
 admission booked there, a stream's measured interval p99, and admission refusing what fits the profiles
 and the bound but not what was measured."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from physis_ros.model.spec import load_model_config
-from physis_ros.ros.admission import HostBudget, Rejected, ServerAdmission
-from physis_ros.ros.calibration import CalibrationSettings, IntervalCalibration, LoadCalibration, SpreadSettings
+from physis_ros.serving.capacity import HostBudget, Rejected, ServerAdmission
+from physis_ros.serving.calibration import CalibrationSettings, IntervalCalibration, LoadCalibration, SpreadSettings
 from physis_ros.runtime.streams import ServedModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scheduling"))
@@ -159,7 +159,7 @@ def test_a_streams_spread_is_the_largest_of_the_last_minute():
 
 def robot_admission(intervals: IntervalCalibration | None) -> ServerAdmission:
     """Two CPU workers on a 2-core host, as the server sets them up (defaults: reserve 0.75 core)."""
-    from physis_ros.ros.admission import worker_headroom
+    from physis_ros.serving.capacity import worker_headroom
 
     host = HostBudget(cores=2, reserve=0.75, per_stream=0.08, headroom=0.1)
     return ServerAdmission(2, make_device(), make_config(worker_headroom(0.1, "cpu", 0.75, cores=2)), host=host,

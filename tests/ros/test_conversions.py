@@ -16,7 +16,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 
 from physis_ros.model.spec import load_model_config
 from physis_ros.ros import conversions as conv
-from physis_ros.ros.config import serve_config
+from physis_ros.serving.config import serve_config
 
 JOINTS = [f"joint{i}" for i in range(1, 8)]
 MODEL = load_model_config("tiny-wam")

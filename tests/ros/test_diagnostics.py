@@ -302,7 +302,7 @@ def test_a_log_line_about_missing_inputs_says_what_arrived_and_why_it_was_reject
     inputs = {"received": {"images": 30}, "refused": {"joints": {"max_age": 700, "joint_names": 3}}}
     assert diag.inputs_summary(inputs) == ("images 30 accepted; joint states 0 accepted, 703 rejected "
                                            "(max_age 700, joint_names 3)")
-    from physis_ros.ros.inputs import StreamInput
+    from physis_ros.serving.intake import StreamInput
 
     si = StreamInput()
     si.reject("max_age", "joints")
@@ -318,7 +318,7 @@ def test_a_log_line_about_missing_inputs_says_what_arrived_and_why_it_was_reject
 def test_logs_name_the_model_as_configured():
     """Issue 48 item 4: the logs said tiny-wam for a stream configured with the bundled tiny-wam-demo."""
     from physis_ros.model.spec import load_model_config
-    from physis_ros.ros.stream_model import model_label
+    from physis_ros.serving.fit import model_label
 
     tiny = load_model_config("tiny-wam")
     assert model_label("tiny-wam-demo", tiny) == "tiny-wam-demo (tiny-wam)"

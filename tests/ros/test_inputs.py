@@ -5,7 +5,7 @@ import time
 import numpy as np
 from builtin_interfaces.msg import Time
 
-from physis_ros.ros.inputs import Sample, StreamInput, pair_observations, pick_joint
+from physis_ros.serving.intake import Sample, StreamInput, pair_observations, pick_joint
 
 
 def sample(ns: int, value: float = 0.0) -> Sample:
@@ -103,7 +103,7 @@ def test_offline_pairing_of_several_inputs_matches_online():
     the same rule; the offline pairing (what physis-bag check predicts) equals StreamInput's online one,
     images that cannot pair (counted ``unpaired``) included, and also when image stamps go backwards
     (the server forgets entries older than what an image used)."""
-    from physis_ros.ros.inputs import match_observations
+    from physis_ros.serving.intake import match_observations
 
     rng = np.random.default_rng(7)
     for trial in range(20):

@@ -10,7 +10,7 @@ from builtin_interfaces.msg import Time
 
 from physis_ros.ros import conversions as conv
 from physis_ros.ros import outputs
-from physis_ros.ros.config import serve_config
+from physis_ros.serving.config import serve_config
 from physis_ros.telemetry import ChunkRecord
 from physis_ros.timeline import kinematics
 

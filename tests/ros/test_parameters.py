@@ -127,7 +127,7 @@ def test_every_parameter_read_back_and_passed_in_again_gives_the_same_config(tmp
     """Issue 48 item 2: what `ros2 param get` returns for every key (an unset one reads as its unset value) can
     be given back as a parameter and means the same: a params file of every declared value read from one node
     starts a second node on the same config (unset QoS sections stay unset, unset SLOs stay unset)."""
-    from physis_ros.ros.config import unflatten
+    from physis_ros.serving.config import unflatten
 
     with server_node("--params-file", str(SERVE_YAML)) as node:
         values = {n: node.get_parameter(n).value for n in node.params.types}

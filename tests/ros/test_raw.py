@@ -20,7 +20,7 @@ from trajectory_msgs.msg import JointTrajectory
 
 from physis_ros.msg import ActionChunk
 from physis_ros.ros import outputs
-from physis_ros.ros.config import serve_config
+from physis_ros.serving.config import serve_config
 from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
 from physis_ros.timeline import kinematics
 from domains import domain

@@ -7,10 +7,10 @@ import yaml
 
 from physis_ros.config import ConfigError, repo_config_dir
 from physis_ros.model.spec import load_model_config
-from physis_ros.ros.config import (ServeConfig, deep_merge, load_serve_config, load_serve_mapping, serve_config,
+from physis_ros.serving.config import (ServeConfig, deep_merge, load_serve_config, load_serve_mapping, serve_config,
                                    unflatten, unwrap_ros_parameters)
-from physis_ros.ros.models import model_config_of
-from physis_ros.ros.stream_model import check_stream_model, slo_interval_ms
+from physis_ros.serving.catalog import model_config_of
+from physis_ros.serving.fit import check_stream_model, slo_interval_ms
 
 from rosprobe import DOMAIN
 
@@ -218,7 +218,7 @@ def test_config_reference_is_current_and_the_bundled_config_is_short():
     """Issue 49 item 3: the bundled serve.yaml listed 31 keys with tuning notes; it sets what a user changes
     (at most 25 keys) and docs/config.md, generated from the config dataclasses, lists every key."""
     from physis_ros.ros.config_reference import reference
-    from physis_ros.ros.config import StreamConfig
+    from physis_ros.serving.config import StreamConfig
     from physis_ros.ros.parameters import leaves, stream_leaves
 
     doc = (repo_config_dir().parent / "docs" / "config.md").read_text()

@@ -468,7 +468,7 @@ def test_a_world_model_imagines_exactly_what_the_policy_commands(live):
     from physis_ros.model.spec import load_model_config
     from physis_ros.reference import ReferenceRollout
     from physis_ros.ros.acceptance import accept_actions, accept_image, accept_joints
-    from physis_ros.ros.inputs import pick_joint
+    from physis_ros.serving.intake import pick_joint
     from physis_ros.ros.serve_action import stream_config_of
 
     a = f"/{NS['a']}"

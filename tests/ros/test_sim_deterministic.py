@@ -162,7 +162,7 @@ def test_chunk_c_uses_observation_c_and_stamps_come_from_clock(sim):
 def test_deterministic_outputs_equal_the_sequential_reference(sim, tiny_wam):
     from physis_ros.model.spec import load_model_config
     from physis_ros.reference import ReferenceRollout
-    from physis_ros.ros.config import load_serve_config
+    from physis_ros.serving.config import load_serve_config
     from physis_ros.ros.conversions import observation_from_msgs
 
     cfg = load_serve_config(sim.config)

@@ -135,7 +135,7 @@ def test_devices_sharing_too_few_cores_slow_each_other_down():
 
 
 def test_a_server_with_cpu_workers_shares_the_cores_its_host_budget_leaves():
-    from physis_ros.ros.admission import HostBudget, ServerAdmission
+    from physis_ros.serving.capacity import HostBudget, ServerAdmission
 
     host = HostBudget(cores=2, reserve=0.75, per_stream=0.08, headroom=0.1)
     assert ServerAdmission(2, make_device(), make_config(0.1), host=host).cluster.jitter.shared_cores == pytest.approx(1.25)

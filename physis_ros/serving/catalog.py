@@ -32,8 +32,8 @@ from physis_ros.config import ConfigError, repo_config_dir, to_mapping
 from physis_ros.model.checkpoint import CheckpointError, read_checkpoint_config
 from physis_ros.model.spec import load_model_config
 from physis_ros.model.spec import ModelConfig
-from physis_ros.ros.admission import Rejected
-from physis_ros.ros.config import AdmissionConfig
+from physis_ros.serving.capacity import Rejected
+from physis_ros.serving.config import AdmissionConfig
 from physis_ros.runtime.streams import ServedModel
 from physis_ros.scheduling.profiles import CostProfile, profile_from_json, stream_memory_bytes
 from physis_ros.scheduling.settings import GB

@@ -99,7 +99,7 @@ class IntervalCalibration:
 
     What the jitter bound leaves out (a chunk's own compute spread, a late release, transport, the node on
     the same cores) shows in the intervals a stream publishes; admission charges what its bound does not
-    explain (:meth:`~physis_ros.ros.admission.ServerAdmission.observe_intervals`). Every join or leave
+    explain (:meth:`~physis_ros.serving.capacity.ServerAdmission.observe_intervals`). Every join or leave
     anywhere on the host restarts every stream's window (``version``): two busy workers share the cores, so
     the interference a stream's intervals hold is that of one set of placements.
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
-from builtin_interfaces.msg import Time
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -34,7 +33,7 @@ U = TypeVar("U")
 @dataclass
 class Sample:
     data: np.ndarray
-    stamp: Time            # header stamp, kept exact for the outputs
+    stamp: Any             # the front end's own stamp (a ROS header stamp), handed back with the chunk
     ns: int                # the same stamp in nanoseconds
     arrival: float = 0.0   # time.monotonic() at arrival (pairing timeout only)
 
@@ -42,7 +41,7 @@ class Sample:
 @dataclass
 class Taken:
     data: dict[str, np.ndarray]
-    stamp: Time
+    stamp: Any
     sec: float
 
 

@@ -7,7 +7,7 @@ use, bad joint names), then placed by Best-Fit + LDS as virtual ranks
 (:class:`~physis_ros.scheduling.placement.JointScheduler`) on the model's cost profile, with
 time-sharing credited at the measured batch-cost curve when the workers batch, and checked against
 each worker's measured load and each running stream's measured intervals
-(:mod:`physis_ros.ros.calibration`). An admitted
+(:mod:`physis_ros.serving.calibration`). An admitted
 stream gets its own plan (its ranks' stages on their workers) and never moves; removing it frees
 its time and memory for the next. Rejections name the reason (:data:`REASONS`).
 """
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from physis_ros.ros.calibration import IntervalCalibration, LoadCalibration
+from physis_ros.serving.calibration import IntervalCalibration, LoadCalibration
 from physis_ros.runtime.plans import Plan
 from physis_ros.runtime.streams import ServedModel
 from physis_ros.scheduling.admission import REASONS as PLACEMENT_REASONS
@@ -33,7 +33,7 @@ from physis_ros.scheduling.settings import GB, DeviceSpec, SchedulingConfig, loa
 
 if TYPE_CHECKING:
     from physis_ros.model.spec import ModelConfig
-    from physis_ros.ros.config import ServeConfig
+    from physis_ros.serving.config import ServeConfig
 
 # A rejected stream's reason says what its sender must change (README's table is kept in step with this by
 # tests/ros/test_admission_unit.py); the scheduler's own cause (PLACEMENT_REASONS) follows its detail in [].

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from physis_ros.config import ConfigError
 from physis_ros.model.spec import ModelConfig
-from physis_ros.ros.config import StreamConfig
+from physis_ros.serving.config import StreamConfig
 
 TIMELINE_KEYS = ("slo_interval_ms", "execution_horizon", "extra_delay_steps")   # checked against the timeline
 OBSERVATION_TOPICS = {"image": "topics.image", "state": "topics.joint_states", "actions": "topics.actions"}
