@@ -30,7 +30,6 @@ from typing import Any
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
-from physis_ros.telemetry import ChunkRecord, percentile
 
 OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 PREFIX = "physis_server"
@@ -59,63 +58,12 @@ def stream_hardware_id(host: str, worker_ids: Iterable[str]) -> str:
     return ",".join(sorted(set(worker_ids))) or host
 
 
-def window_stats(records: Sequence[ChunkRecord], now: float, window_s: float,
-                 slo_interval_ms: float | None = None, total: int | None = None,
-                 misses_total: int | None = None) -> dict[str, Any]:
-    """Rate, intervals, latency and deadline-miss rate of the chunks emitted in ``(now - window_s, now]``
-    (``records``: the stream's recent chunks, oldest first, ``emit`` on the clock of ``now``).
-
-    Where the records do not reach back a whole window (a young stream, or a stats deque shorter
-    than the window) the rate is measured over the span they cover, up to ``now``, so it decays too.
-    """
-    recs = list(records)
-    recent = [r for r in recs if r.emit > now - window_s]
-    if not recent:
-        rate = 0.0
-    elif recs[0].emit > now - window_s:
-        span = now - recent[0].emit
-        rate = (len(recent) - 1) / span if len(recent) > 1 and span > 0 else 0.0
-    else:
-        rate = len(recent) / window_s
-    intervals = [r.interval_ms for r in recent if not math.isnan(r.interval_ms)]
-    own = percentile([r.interval_ms for r in recs], 50)
-    expected = max(slo_interval_ms or 0.0, 0.0 if math.isnan(own) else own)
-    misses = sum(bool(r.deadline_miss) for r in recent)
-    return {
-        "total": len(recs) if total is None else total,
-        "deadline_misses_total": sum(bool(r.deadline_miss) for r in recs) if misses_total is None else misses_total,
-        "window_s": float(window_s),
-        "chunks_window": len(recent),
-        "chunks_per_s": float(rate),
-        "interval_ms_p50": percentile(intervals, 50),
-        "interval_ms_p99": percentile(intervals, 99),
-        "latency_ms_p50": percentile([r.latency_ms for r in recent], 50),
-        "latency_ms_p99": percentile([r.latency_ms for r in recent], 99),
-        # how old the observation was when its chunk started: a robot publishing slower than the SLO shows here
-        "observation_age_ms_p50": percentile([r.obs_age_ms for r in recent], 50),
-        "observation_age_ms_p99": percentile([r.obs_age_ms for r in recent], 99),
-        "deadline_misses_window": misses,
-        "deadline_miss_rate": misses / len(recent) if recent else 0.0,
-        "last_chunk_age_s": (now - recs[-1].emit) if recs else math.inf,
-        "expected_interval_ms": expected if expected > 0 else math.nan,
-        # on the control timeline (physis_ros.timeline): what reached the robot, and how it met the last chunk
-        "inference_delay_steps": recent[-1].delay_steps if recent else 0,
-        "late_points_window": sum(r.late_points for r in recent),
-        "late_chunks_window": sum(bool(r.late) for r in recent),
-        "seam_jump_p50": percentile([r.seam_position_jump for r in recent], 50),
-        "seam_jump_p99": percentile([r.seam_position_jump for r in recent], 99),
-        "seam_velocity_jump_p99": percentile([r.seam_velocity_jump for r in recent], 99),
-        "seam_blended_chunks_window": sum(r.seam_blended_rows > 0 for r in recent),   # sent eased from a jump
-        "tracking_error_p50": percentile([r.tracking_error for r in recent], 50),
-    }
-
-
 def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, slo_interval_ms: float | None,
                   new_rejects: int, engine_state: str, idle_s: float | None, armed: bool = True,
                   hardware_id: str = "", miss_rate_warn: float = 0.05, starved_s: float = 2.0,
                   since_s: float | None = None, stale_intervals: float = 1.0,
                   prefix: str = PREFIX) -> DiagnosticStatus:
-    """``stats``: :func:`window_stats` (plus the node's handover/publish times); ``inputs``:
+    """``stats``: :func:`~physis_ros.telemetry.window_stats` (plus the node's handover/publish times); ``inputs``:
     StreamInput.snapshot() plus the node's counters; ``new_rejects``: inputs rejected since the last
     report; ``idle_s``: seconds the stream has waited for an observation for its next chunk (None:
     not waiting); ``since_s``: seconds since the engine began serving it; ``stale_intervals``: WARN when the

@@ -5,7 +5,6 @@ and the lifecycle state, turned into statuses by the pure functions of
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -14,7 +13,7 @@ from diagnostic_msgs.msg import DiagnosticStatus
 
 from physis_ros import heap
 from physis_ros.ros import diagnostics as diag
-from physis_ros.telemetry import percentile
+from physis_ros.telemetry import percentile, window_stats
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
@@ -25,7 +24,7 @@ def stream_stats(node: PhysisServer, st: RosStream, now: float, snapshot: tuple 
     """Windowed stats of one stream (node clock ``now``) plus the node-side handover/publish times
     (``snapshot``: its ``records()`` if already taken)."""
     records, total, misses, handover, publish = snapshot or st.records()
-    out = diag.window_stats(records, now, node.config.diagnostics_window_s, st.slo_interval_ms,
+    out = window_stats(records, now, node.config.diagnostics_window_s, st.slo_interval_ms,
                             total=total, misses_total=misses)
     out.update(handover_ms_p50=percentile(handover, 50), handover_ms_p99=percentile(handover, 99),
                publish_ms_p50=percentile(publish, 50), publish_ms_p99=percentile(publish, 99))
@@ -33,18 +32,8 @@ def stream_stats(node: PhysisServer, st: RosStream, now: float, snapshot: tuple 
 
 
 def engine_snapshot(node: PhysisServer) -> dict[str, Any]:
-    """The engine's workers and each stream's workers, as plain data, from its ``health()`` snapshot (taken
-    on its own loop: the one place the node reads the engine)."""
-    h = node.engine.health() if node.engine is not None else None
-    if h is None:
-        return {"workers": {}, "streams": {}, "resets": {}}
-    workers = {w.name: {"pid": w.pid, "state": w.state, "alive": w.state in ("up", "starting"),
-                        "last_seen": h.taken - w.heartbeat_age_s if math.isfinite(w.heartbeat_age_s) else 0.0,
-                        "host": w.host, "device": w.device,
-                        "stats": {**dict(w.stats), "restarts": w.restarts, "queue": w.queue}}
-               for w in h.workers}
-    return {"workers": workers, "streams": {name: list(s.workers) for name, s in h.streams.items()},
-            "resets": {name: dict(s.resets) for name, s in h.streams.items()}}
+    """The engine's workers and each stream's workers and resets (:meth:`EngineThread.snapshot`)."""
+    return node.engine.snapshot() if node.engine is not None else {"workers": {}, "streams": {}, "resets": {}}
 
 
 def _index(worker: str) -> int:

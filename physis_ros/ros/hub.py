@@ -20,14 +20,13 @@ from physis_ros.ros import health
 from physis_ros.serving.capacity import Admitted, Rejected, server_admission
 from physis_ros.serving.config import (StreamConfig, check_stream_name, resolve_topic, stream_namespace,
                                    stream_topics)
-from physis_ros.serving.fit import TIMELINE_KEYS, check_stream_model, slo_interval_ms
+from physis_ros.serving.fit import check_fit, slo_interval_ms
 from physis_ros.serving.catalog import ModelCatalog
 from physis_ros.ros.streams import RosStream
 from physis_ros.ros.tasks import Ticker
 from physis_ros.timeline import release_pace_ms
 
 if TYPE_CHECKING:
-    from physis_ros.model.spec import ModelConfig
     from physis_ros.ros.node import PhysisServer
 
 class StreamHub:
@@ -65,16 +64,6 @@ class StreamHub:
         if ns in used:
             raise Rejected("namespace-in-use", f"namespace '{ns}' is used by stream '{used[ns]}'")
         self._check_topics(name, stream, origin)
-
-    @staticmethod
-    def check_fit(name: str, stream: StreamConfig, model: ModelConfig) -> None:
-        """The stream against its model: Rejected ``timeline`` if its SLO interval or execution horizon does
-        not fit the model's control timeline, ``model-mismatch`` if its joints or inputs do not fit."""
-        try:
-            check_stream_model(f"streams.{name}", stream, model)
-        except ConfigError as exc:
-            timeline = exc.key.rsplit(".", 1)[-1] in TIMELINE_KEYS
-            raise Rejected("timeline" if timeline else "model-mismatch", str(exc)) from None
 
     def _check_topics(self, name: str, stream: StreamConfig, origin: str) -> None:
         """A stream publishes only on topics nobody else uses: not another stream's inputs or outputs, not the
@@ -129,7 +118,7 @@ class StreamHub:
             # serving: a profile measured now yields the CPU to the streams served; with none yet it need not
             resolving = self.loader.submit(self.catalog.resolve, stream.model, bool(node.streams))
             served = await ticker.wait(resolving)
-            self.check_fit(name, stream, served.config)
+            check_fit(name, stream, served.config)
             slo = slo_interval_ms(stream, served.config)
             pace = release_pace_ms(slo, node.config.admission.pace_margin, stream.control_rate_hz,
                                    stream.cadence == "timeline")    # what runs is what is admitted

@@ -35,8 +35,8 @@ from physis_ros.serving.config import ServeConfig
 from physis_ros.serving.fit import check_stream_model, model_label, slo_interval_ms
 from physis_ros.config import ConfigError
 from physis_ros.serving.engine_thread import EngineThread
+from physis_ros.serving.server import check_config_models
 from physis_ros.ros.hub import StreamHub
-from physis_ros.serving.catalog import check_default_checkpoint, model_config_of
 from physis_ros.ros.parameters import ServeParameters
 from physis_ros.ros.serve_action import ServeStreamServer
 from physis_ros.ros.streams import RosStream
@@ -62,17 +62,8 @@ class PhysisServer(LifecycleNode):
         super().__init__(NODE_NAME, context=context, namespace=namespace)
         self._rosout = rosout.attach(self.get_logger())  # engine and worker log lines -> /rosout
         self.params = ServeParameters(self, file_mapping, overrides, trajectory_topic)
-        try:
-            self.model = model_config_of(self.config.model)[0]   # the default model
-        except Rejected as exc:
-            raise ConfigError("model", exc.detail) from None
-        check_default_checkpoint(self.model, self.config.engine.checkpoint)
-        for name, s in self.config.streams.items():   # the config's streams must fit their models: fail fast
-            try:
-                model = model_config_of(s.model)[0] if s.model else self.model
-            except Rejected as exc:
-                raise ConfigError(f"streams.{name}.model", exc.detail) from None
-            check_stream_model(f"streams.{name}", s, model)
+        self.model = check_config_models(self.config)   # the default model; the config's streams fit theirs
+        for name, s in self.config.streams.items():
             if s.compressed and conv.compressed_decoder_available():
                 raise ConfigError(f"streams.{name}.compressed",
                                   f"CompressedImage input needs {conv.compressed_decoder_available()}")

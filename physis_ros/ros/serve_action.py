@@ -30,12 +30,12 @@ from std_msgs.msg import String
 
 from physis_ros.action import ServeStream
 from physis_ros.config import ConfigError, from_mapping
-from physis_ros.ros import diagnostics as diag
 from physis_ros.ros import qos
 from physis_ros.serving.capacity import Rejected
 from physis_ros.serving.config import QoSConfig, StreamConfig
 from physis_ros.ros.tasks import Ticker
 from physis_ros.srv import ListStreams, RemoveStream
+from physis_ros.telemetry import window_stats
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
@@ -168,7 +168,7 @@ class ServeStreamServer:
 
     def _feedback(self, st) -> ServeStream.Feedback:
         records, total, misses, _, _ = st.records()
-        w = diag.window_stats(records, self.node.now(), self.node.config.diagnostics_window_s, st.slo_interval_ms,
+        w = window_stats(records, self.node.now(), self.node.config.diagnostics_window_s, st.slo_interval_ms,
                               total=total, misses_total=misses)
         fb = ServeStream.Feedback()
         fb.state = "resetting" if st.health.failed else "serving"

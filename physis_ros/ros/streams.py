@@ -32,10 +32,10 @@ from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
 from physis_ros.ros import acceptance, outputs, qos
 from physis_ros.ros import conversions as conv
 from physis_ros.serving.config import StreamConfig, stream_namespace, stream_topic
-from physis_ros.serving.fit import execution_steps, model_horizon, model_label, slo_interval_ms
+from physis_ros.serving.fit import model_label, slo_interval_ms, stream_timeline
 from physis_ros.serving.intake import INPUT_KINDS, Sample, StreamInput
 from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
-from physis_ros.runtime.engine import ChunkOutput, Observation, ServedModel, StreamEvent, Timeline
+from physis_ros.runtime.engine import ChunkOutput, Observation, ServedModel, StreamEvent
 from physis_ros.telemetry import ChunkRecord, RollingStats
 from physis_ros.timeline import SeamTracker, kinematics, release_steps, rms
 
@@ -71,11 +71,7 @@ class RosStream:
         self.slo_interval_ms = slo_interval_ms(config, self.model)
         self.namespace = stream_namespace(name, config)
         serve = node.config
-        # Deterministic serving (replay equal to the reference) takes no hand-off: it depends on measured delays.
-        self.timeline = Timeline(config.control_rate_hz, model_horizon(self.model), execution_steps(config, self.model),
-                                 handoff="none" if serve.deterministic else config.handoff,
-                                 extra_delay=config.extra_delay_steps, lead_s=config.trajectory_min_lead_s,
-                                 capture_margin=config.capture_margin_steps)
+        self.timeline = stream_timeline(config, self.model, serve.deterministic)
         paired = [k for k in self.model.observation_shapes if k != "image"]
         self.input = StreamInput(serve.deterministic, serve.deterministic_queue, serve.pair_timeout_s,
                                  config.max_age_s, node.now, paired)

@@ -2,6 +2,9 @@
 models a server can serve, observations in and chunks out. Front ends (the ROS node, benchmarks, an
 embedding program) sit on top of it.
 
+- :mod:`~physis_ros.serving.server`: :class:`Server`, the application's API; a stream joined is a
+  :class:`Session` (:mod:`~physis_ros.serving.session`) that takes observations and gives chunks.
+- :mod:`~physis_ros.serving.tensors`: observations as the model takes them, from plain arrays.
 - :mod:`~physis_ros.serving.config`: the serve config (``config/serve.yaml``), validated once; errors name
   the dotted key.
 - :mod:`~physis_ros.serving.capacity`: admission over this server's workers and the reasons a stream is
@@ -18,8 +21,9 @@ from __future__ import annotations
 
 import importlib
 
-_WHERE = {"Rejected": "capacity", "REASONS": "capacity", "ServeConfig": "config", "StreamConfig": "config",
-          "load_serve_config": "config"}
+_WHERE = {"Server": "server", "ServerEvent": "server", "Session": "session", "Chunk": "session",
+          "Rejected": "capacity", "REASONS": "capacity", "InputRejected": "tensors", "ServeConfig": "config",
+          "StreamConfig": "config", "load_serve_config": "config"}
 
 __all__ = sorted(_WHERE)
 

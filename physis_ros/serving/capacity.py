@@ -99,6 +99,11 @@ class Rejected(Exception):
         self.detail = detail
         self.cause = cause or reason
 
+    @property
+    def label(self) -> str:
+        """The reason label (README's "Why a robot is refused"): the same as ``reason``."""
+        return self.reason
+
 
 def plan_of(placed: PlacedStream, steps: int, blocks: int) -> Plan:
     """The runtime plan of a placed stream: each stage on the worker (device) of its rank."""

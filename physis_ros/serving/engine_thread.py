@@ -1,6 +1,7 @@
-"""The engine's asyncio loop (uvloop) in a thread of its own, beside the rclpy executor.
+"""The engine's asyncio loop (uvloop) in a thread of its own, beside the front end's threads (the rclpy
+executor, a caller of the Server API).
 
-The executor thread never waits on the engine: streams are added and removed through
+A front end's thread never waits on the engine: streams are added and removed through
 :meth:`EngineThread.submit` (a ``concurrent.futures.Future`` the caller polls), observations reach
 the engine through ``observe`` callbacks and outputs leave through ``on_output`` callbacks (both
 called on the engine's loop, non-blocking), and health is the engine's own snapshot.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import signal
 import threading
 from collections.abc import Callable, Coroutine
@@ -54,6 +56,20 @@ class EngineThread:
 
     def health(self) -> EngineHealth | None:
         return self.engine.health() if self.engine is not None else None
+
+    def snapshot(self) -> dict[str, Any]:
+        """The workers and each stream's workers and resets, as plain data, from the engine's own
+        :meth:`health` snapshot (taken on its loop: the one place a front end reads the engine)."""
+        h = self.health()
+        if h is None:
+            return {"workers": {}, "streams": {}, "resets": {}}
+        workers = {w.name: {"pid": w.pid, "state": w.state, "alive": w.state in ("up", "starting"),
+                            "last_seen": h.taken - w.heartbeat_age_s if math.isfinite(w.heartbeat_age_s) else 0.0,
+                            "host": w.host, "device": w.device,
+                            "stats": {**dict(w.stats), "restarts": w.restarts, "queue": w.queue}}
+                   for w in h.workers}
+        return {"workers": workers, "streams": {name: list(s.workers) for name, s in h.streams.items()},
+                "resets": {name: dict(s.resets) for name, s in h.streams.items()}}
 
     # ---- streams (any thread) -------------------------------------------------------------------
     def submit(self, make: Callable[[Engine], Coroutine[Any, Any, Any]]) -> concurrent.futures.Future:

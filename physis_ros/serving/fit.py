@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from physis_ros.config import ConfigError
 from physis_ros.model.spec import ModelConfig
+from physis_ros.runtime.streams import Timeline
+from physis_ros.serving.capacity import Rejected
 from physis_ros.serving.config import StreamConfig
 
 TIMELINE_KEYS = ("slo_interval_ms", "execution_horizon", "extra_delay_steps")   # checked against the timeline
@@ -73,3 +75,21 @@ def model_label(ref: str, config: ModelConfig) -> str:
     """A model as its config names it (a bundled checkpoint's name, a YAML, a preset), with the network's own
     name where that differs: ``tiny-wam-demo (tiny-wam)``."""
     return ref if not ref or ref == config.name else f"{ref} ({config.name})"
+
+
+def stream_timeline(stream: StreamConfig, model: ModelConfig, deterministic: bool) -> Timeline:
+    """The stream's control timeline. Deterministic serving (replay equal to the reference) takes no
+    hand-off: it depends on measured delays."""
+    return Timeline(stream.control_rate_hz, model_horizon(model), execution_steps(stream, model),
+                    handoff="none" if deterministic else stream.handoff, extra_delay=stream.extra_delay_steps,
+                    lead_s=stream.trajectory_min_lead_s, capture_margin=stream.capture_margin_steps)
+
+
+def check_fit(name: str, stream: StreamConfig, model: ModelConfig) -> None:
+    """The stream against its model: Rejected ``timeline`` if its SLO interval or execution horizon does
+    not fit the model's control timeline, ``model-mismatch`` if its joints or inputs do not fit."""
+    try:
+        check_stream_model(f"streams.{name}", stream, model)
+    except ConfigError as exc:
+        timeline = exc.key.rsplit(".", 1)[-1] in TIMELINE_KEYS
+        raise Rejected("timeline" if timeline else "model-mismatch", str(exc)) from None

@@ -989,12 +989,12 @@ def test_every_rejection_reason_is_in_readmes_table_and_says_what_to_change():
 def test_an_slo_longer_than_the_control_timeline_is_refused_as_timeline():
     """Issue 49 item 1: README's `physis-stream add ... --slo-ms 300` was refused as model-mismatch."""
     from physis_ros.model.spec import load_model_config
-    from physis_ros.ros.hub import StreamHub
+    from physis_ros.serving.fit import check_fit
 
     tiny = load_model_config("tiny-wam")             # a chunk every 8 of 16 steps at 50 Hz: 160 ms
-    StreamHub.check_fit("r2", stream(slo_interval_ms=160.0), tiny)
+    check_fit("r2", stream(slo_interval_ms=160.0), tiny)
     for cfg, reason in ((stream(slo_interval_ms=300.0), "timeline"), (stream(execution_horizon=20), "timeline"),
                         (stream(joint_names=["a", "b"]), "model-mismatch")):
         with pytest.raises(Rejected) as exc:
-            StreamHub.check_fit("r2", cfg, tiny)
+            check_fit("r2", cfg, tiny)
         assert exc.value.reason == reason, exc.value

@@ -8,7 +8,7 @@ import pytest
 from diagnostic_msgs.msg import DiagnosticStatus
 
 from physis_ros.ros import diagnostics as diag
-from physis_ros.telemetry import ChunkRecord, RollingStats
+from physis_ros.telemetry import ChunkRecord, RollingStats, window_stats
 
 from rosprobe import served_stream
 
@@ -44,13 +44,13 @@ def test_stalled_stream_decays_to_error_instead_of_staying_ok_forever():
     still read 'OK 22.0 chunks/s'. Over a time window the rate falls to 0 and the verdict is ERROR."""
     now = 1000.0
     recs = records(300, 1 / 22, end=now - 10.0)
-    stats = diag.window_stats(recs, now, window_s=5.0, slo_interval_ms=100.0)
+    stats = window_stats(recs, now, window_s=5.0, slo_interval_ms=100.0)
     assert stats["chunks_per_s"] == 0.0 and stats["chunks_window"] == 0
     assert stats["last_chunk_age_s"] == 10.0 and stats["total"] == 300
     s = status(stats)
     assert s.level == ERROR and "no chunk for 10.0 s" in s.message, s.message
     # The same stream while it is live: OK at its real rate.
-    live = diag.window_stats(records(300, 1 / 22, end=now - 0.01), now, window_s=5.0, slo_interval_ms=100.0)
+    live = window_stats(records(300, 1 / 22, end=now - 0.01), now, window_s=5.0, slo_interval_ms=100.0)
     assert abs(live["chunks_per_s"] - 22.0) < 0.5
     ok = status(live)
     assert ok.level == OK and "22.0 chunks/s" in ok.message, ok.message
@@ -58,27 +58,27 @@ def test_stalled_stream_decays_to_error_instead_of_staying_ok_forever():
 
 def test_rate_is_honest_when_the_window_is_not_yet_full_and_when_the_deque_truncates():
     now = 50.0
-    young = diag.window_stats(records(11, 0.1, end=now), now, window_s=5.0)  # 1 s of history
+    young = window_stats(records(11, 0.1, end=now), now, window_s=5.0)  # 1 s of history
     assert abs(young["chunks_per_s"] - 10.0) < 0.2
     rs = RollingStats(20)  # keeps only 20 records: less than the window at 10 chunks/s
     for r in records(100, 0.1, end=now):
         rs.add(r)
-    capped = diag.window_stats(list(rs.records), now, window_s=5.0, total=rs.total)
+    capped = window_stats(list(rs.records), now, window_s=5.0, total=rs.total)
     assert abs(capped["chunks_per_s"] - 10.0) < 0.2 and capped["total"] == 100
 
 
 def test_no_chunk_for_two_intervals_is_error_and_the_threshold_follows_the_stream():
     now = 100.0
     # SLO 100 ms, running at it: 0.15 s without a chunk is fine, 0.25 s is not.
-    assert status(diag.window_stats(records(50, 0.1, end=now - 0.15), now, 5.0, 100.0)).level == OK
-    late = status(diag.window_stats(records(50, 0.1, end=now - 0.3), now, 5.0, 100.0))
+    assert status(window_stats(records(50, 0.1, end=now - 0.15), now, 5.0, 100.0)).level == OK
+    late = status(window_stats(records(50, 0.1, end=now - 0.3), now, 5.0, 100.0))
     assert late.level == ERROR and "no chunk for 0.3 s" in late.message, late.message
     # No SLO: two of its own (median) intervals.
-    assert status(diag.window_stats(records(50, 0.2, end=now - 0.3), now, 5.0), slo_interval_ms=None).level == OK
-    assert status(diag.window_stats(records(50, 0.2, end=now - 0.5), now, 5.0),
+    assert status(window_stats(records(50, 0.2, end=now - 0.3), now, 5.0), slo_interval_ms=None).level == OK
+    assert status(window_stats(records(50, 0.2, end=now - 0.5), now, 5.0),
                   slo_interval_ms=None).level == ERROR
     # Never produced a chunk: ERROR once the stream has served longer than the starvation time.
-    none = diag.window_stats([], now, 5.0, 100.0)
+    none = window_stats([], now, 5.0, 100.0)
     assert status(none, since_s=0.5).level == WARN
     nothing = status(none, since_s=3.0)
     assert nothing.level == ERROR and "no chunk" in nothing.message
@@ -88,21 +88,21 @@ def test_warn_on_p99_over_slo_and_on_miss_rate_in_the_window():
     now = 10.0
     slow = records(100, 0.1, end=now)
     slow[-2].interval_ms = 250.0  # one slow interval: p99 over the SLO, p50 fine
-    s = status(diag.window_stats(slow, now, 5.0, 100.0))
+    s = status(window_stats(slow, now, 5.0, 100.0))
     assert s.level == WARN and "p99" in s.message, s.message
-    missing = diag.window_stats(records(100, 0.09, end=now, miss_every=10), now, 5.0, 100.0)
+    missing = window_stats(records(100, 0.09, end=now, miss_every=10), now, 5.0, 100.0)
     assert abs(missing["deadline_miss_rate"] - 0.1) < 0.03
     s = status(missing)
     assert s.level == WARN and "deadline miss" in s.message, s.message
     assert status(missing, miss_rate_warn=0.5).level == OK
     # Misses long gone from the window no longer count.
     old = records(100, 0.09, end=now - 20, miss_every=2) + records(60, 0.09, end=now)
-    assert diag.window_stats(old, now, 5.0, 100.0)["deadline_miss_rate"] == 0.0
+    assert window_stats(old, now, 5.0, 100.0)["deadline_miss_rate"] == 0.0
 
 
 def test_starved_failed_rejects_and_engine_states():
     now = 10.0
-    stats = diag.window_stats(records(100, 0.1, end=now), now, 5.0, 100.0)
+    stats = window_stats(records(100, 0.1, end=now), now, 5.0, 100.0)
     s = status(stats)
     assert s.level == OK and s.name == "physis_server: r0" and s.hardware_id == "host:cpu"
     v = values(s)
@@ -118,7 +118,7 @@ def test_starved_failed_rejects_and_engine_states():
     assert f.level == ERROR and "worker w1 lost" in f.message
     # Before the engine serves: WARN "starting", never STALE (that is the aggregator's word).
     for state in ("starting", "unconfigured", "stopping", "stopped"):
-        s = status(diag.window_stats([], now, 5.0), engine_state=state)
+        s = status(window_stats([], now, 5.0), engine_state=state)
         assert s.level == WARN and state in s.message and s.level != STALE
     disarmed = status(stats, armed=False)
     assert values(disarmed)["armed"] == "False" and "disarmed" in disarmed.message
@@ -162,7 +162,7 @@ def test_timeline_metrics_and_late_chunks_reach_diagnostics():
         r.delay_steps, r.late_points = 3, 3
         r.seam_position_jump, r.seam_velocity_jump, r.tracking_error = 0.01 * (i % 5), 0.2, 0.05
         r.seam_blended_rows = 3 if i % 10 == 4 else 0
-    stats = diag.window_stats(recs, now, 5.0, 100.0)
+    stats = window_stats(recs, now, 5.0, 100.0)
     ok = status(stats, inputs={**INPUTS, "blended_chunks": 9})
     v = values(ok)
     assert ok.level == OK, ok.message
@@ -170,7 +170,7 @@ def test_timeline_metrics_and_late_chunks_reach_diagnostics():
     assert v["seam_blended_chunks_window"] == "4" and v["seam_blended_chunks_total"] == "9"
     assert float(v["seam_jump_p99"]) > 0.039 and float(v["tracking_error_p50"]) == 0.05
     recs[-2].late = True
-    late = status(diag.window_stats(recs, now, 5.0, 100.0))
+    late = status(window_stats(recs, now, 5.0, 100.0))
     assert late.level == WARN and "1 chunk(s)" in late.message and "not sent" in late.message, late.message
     assert values(late)["late_chunks_window"] == "1"
 
@@ -271,7 +271,7 @@ def test_a_storm_of_resets_logs_one_line_per_cause_per_period():
 
 def test_a_streams_status_carries_what_admission_charges_it_beyond_its_bound():
     now = 100.0
-    stats = diag.window_stats(records(50, 0.08, end=now), now, window_s=5.0, slo_interval_ms=100.0)
+    stats = window_stats(records(50, 0.08, end=now), now, window_s=5.0, slo_interval_ms=100.0)
     values = {kv.key: kv.value for kv in status(stats).values}
     assert values["admission_spread_ms"] == "none"                  # not measured yet
     values = {kv.key: kv.value for kv in status({**stats, "admission_spread_ms": 12.34567}).values}
@@ -284,12 +284,12 @@ def test_a_robot_publishing_slower_than_its_slo_is_warned_about_stale_inputs():
     /diagnostics, and past diagnostics_stale_intervals x the SLO interval (default one) the stream is WARN."""
     now = 100.0
     recs = records(80, 0.12, end=now)   # 8.3 chunks/s, SLO 120 ms
-    fresh = diag.window_stats(recs, now, 5.0, 120.0)
+    fresh = window_stats(recs, now, 5.0, 120.0)
     assert fresh["observation_age_ms_p50"] == pytest.approx(25.0)
     assert status(fresh, slo_interval_ms=120.0).level == OK
     for r in recs:                      # the same chunks on a camera stamped once a second
         r.obs_stamp = math.floor(r.enqueue)
-    stale = diag.window_stats(recs, now, 5.0, 120.0)
+    stale = window_stats(recs, now, 5.0, 120.0)
     assert 400.0 < stale["observation_age_ms_p50"] < 600.0 and stale["observation_age_ms_p99"] > 900.0
     s = status(stale, slo_interval_ms=120.0)
     assert s.level == WARN and s.message.startswith("stale inputs:") and "chunks/s" in s.message, s.message

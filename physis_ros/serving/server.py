@@ -1,0 +1,402 @@
+"""The serving application without ROS (:class:`Server`): workers, admission, streams joining and
+leaving, observations in and chunks out.
+
+::
+
+    from physis_ros.serving import Server, Rejected
+    with Server.from_config("config/serve.yaml") as server:     # starts the workers it configures
+        session = server.join("r0", model="tiny-wam", slo_ms=150, joint_names=[...])   # or Rejected
+        session.observe(images={"camera": frame}, state=joints, stamp_s=time.time())
+        chunk = session.next_chunk(timeout_s=5.0)                 # Chunk: .index, .epoch, .actions, ...
+        server.leave("r0")
+
+Every stream comes in the same way, whether named in the config (admitted at :meth:`Server.start`) or
+joining later (:meth:`Server.join`): its request is checked for what no placement can fix (a field, its
+name), its model resolved with a cost profile (:mod:`~physis_ros.serving.catalog`), checked against the
+stream (:mod:`~physis_ros.serving.fit`), admitted by the joint scheduler over the server's workers
+(:mod:`~physis_ros.serving.capacity`) and handed to the engine with the placement admission chose, paced
+at the interval admission booked. A stream that cannot come in raises :class:`Rejected` with one of the
+documented reason labels, and nothing running changes; leaving frees its capacity and the other
+streams never move. A housekeeping thread feeds admission what the workers and streams measure (its
+load and spread calibrations) and notices an engine failure. Listeners (:meth:`Server.subscribe`) hear
+each stream joined, rejected, reset, re-admitted and ended, with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from physis_ros import heap
+from physis_ros.config import ConfigError, from_mapping
+from physis_ros.model.spec import ModelConfig
+from physis_ros.runtime.streams import StreamEvent
+from physis_ros.serving.capacity import Rejected, server_admission
+from physis_ros.serving.catalog import ModelCatalog, check_default_checkpoint, model_config_of
+from physis_ros.serving.config import ServeConfig, StreamConfig, check_stream_name, load_serve_config, serve_config
+from physis_ros.serving.engine_thread import EngineThread
+from physis_ros.serving.fit import check_fit, check_stream_model, slo_interval_ms, stream_timeline
+from physis_ros.serving.intake import StreamInput
+from physis_ros.serving.session import Chunk, Session
+from physis_ros.telemetry import window_stats
+from physis_ros.timeline import release_pace_ms
+
+EVENT_KINDS = ("joined", "rejected", "reset", "readmitted", "ended")
+
+
+@dataclass(frozen=True)
+class ServerEvent:
+    """Something that happened to a stream: ``kind`` one of :data:`EVENT_KINDS`; ``reason`` a reason
+    label for ``rejected`` (:data:`~physis_ros.serving.capacity.REASONS`), the cause for ``reset``, and
+    ``left``, ``failed`` or ``shutdown`` for ``ended``; ``detail`` says more; ``time`` on the server clock."""
+
+    stream: str
+    kind: str
+    reason: str
+    detail: str = ""
+    time: float = 0.0
+
+
+def check_config_models(config: ServeConfig) -> ModelConfig:
+    """The config's default model, and every config stream against its model (ConfigError naming the key):
+    what would otherwise fail only when the workers start."""
+    try:
+        model = model_config_of(config.model)[0]
+    except Rejected as exc:
+        raise ConfigError("model", exc.detail) from None
+    check_default_checkpoint(model, config.engine.checkpoint)
+    for name, s in config.streams.items():
+        try:
+            own = model_config_of(s.model)[0] if s.model else model
+        except Rejected as exc:
+            raise ConfigError(f"streams.{name}.model", exc.detail) from None
+        check_stream_model(f"streams.{name}", s, own)
+    return model
+
+
+class Server:
+    """The serving application (see the module's docstring). ``config``: a validated ServeConfig;
+    ``clock``: the server clock in seconds (``time.time``; a front end may give its own, e.g. simulated
+    time), on which observation stamps, chunk telemetry and the control timeline are counted."""
+
+    def __init__(self, config: ServeConfig, *, clock: Callable[[], float] | None = None,
+                 log: logging.Logger | None = None):
+        self.config = config
+        self.clock = clock or time.time
+        self.log = log or logging.getLogger("physis.serving")
+        self.model = check_config_models(config)
+        self.admission, device = server_admission(config)
+        self.catalog = ModelCatalog(config.model, "cpu" if device == "cpu" else "cuda", config.admission,
+                                    config.engine.checkpoint)
+        self.engine: EngineThread | None = None
+        self.state = "unstarted"     # unstarted, starting, serving, failed, stopped
+        self.startup: dict[str, str] = {}     # config stream -> "admitted" or its rejection
+        self.ended: dict[str, dict[str, Any]] = {}   # totals of streams that left
+        self.rejections: list[tuple[str, str, str]] = []   # (stream, reason, detail), newest last
+        self._sessions: dict[str, Session] = {}
+        self._joining: set[str] = set()
+        self._lock = threading.RLock()      # the streams, admission's books
+        self._listeners: list[Callable[[ServerEvent], None]] = []
+        self._stop = threading.Event()
+        self._housekeeper: threading.Thread | None = None
+
+    @classmethod
+    def from_config(cls, config: str | Path | Mapping[str, Any] | ServeConfig | None = None,
+                    overrides: Mapping[str, Any] | None = None, **kwargs: Any) -> Server:
+        """A server (not started: ``with`` or :meth:`start` starts it) of a serve config file (None: the
+        shipped one), a mapping of one, or a ServeConfig; ``overrides`` (a nested mapping) over the file's
+        keys. ConfigError names the dotted key of a bad value."""
+        if isinstance(config, ServeConfig):
+            cfg = config
+        elif isinstance(config, Mapping):
+            cfg = serve_config({**config, **(overrides or {})})
+        else:
+            cfg = load_serve_config(config, dict(overrides or {}))
+        return cls(cfg, **kwargs)
+
+    # ---- life ------------------------------------------------------------------------------------
+    def __enter__(self) -> Server:
+        if self.state == "unstarted":
+            self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start the workers (RuntimeError if they cannot), then admit the config's streams one by one (a
+        stream refused is logged, recorded in :attr:`startup` and heard as a ``rejected`` event)."""
+        if self.state != "unstarted":
+            raise RuntimeError(f"the server is {self.state}; a server starts once")
+        self.state = "starting"
+        self.engine = EngineThread(self.config.engine, clock=self.clock, on_event=self._on_engine_event)
+        self.engine.start()
+        if not self.engine.ready.wait(timeout_s) or self.engine.failure is not None:
+            failure = self.engine.failure or f"the workers did not start within {timeout_s:g} s"
+            self.engine.stop()
+            self.state = "failed"
+            raise RuntimeError(f"the engine could not start: {failure}")
+        self.state = "serving"
+        for name, stream in self.config.streams.items():
+            try:
+                self.admit(name, stream, origin="config")
+                self.startup[name] = "admitted"
+            except Rejected as exc:
+                self.startup[name] = f"{exc.reason}: {exc.detail}"
+                self.log.error(f"config stream {name} NOT admitted ({exc.reason}): {exc.detail}")
+        self._housekeeper = threading.Thread(target=self._housekeeping, name="physis-housekeeping", daemon=True)
+        self._housekeeper.start()
+
+    def close(self, timeout_s: float = 20.0) -> bool:
+        """Stop every stream (``ended``: shutdown) and the workers; True if the engine stopped in time."""
+        self._stop.set()
+        with self._lock:
+            names = list(self._sessions)
+        for name in names:
+            self._drop(name, "shutdown", "the server is stopping")
+        done = self.engine.stop(timeout_s) if self.engine is not None else True
+        self.catalog.close()
+        if self.state != "failed":
+            self.state = "stopped"
+        return done
+
+    # ---- streams ------------------------------------------------------------------------------------
+    def join(self, name: str, model: str = "", slo_ms: float | None = None, *,
+             on_chunk: Callable[[Chunk], None] | None = None, **fields: Any) -> Session:
+        """Admit stream ``name`` of ``model`` (a preset, model YAML or checkpoint; empty: the config's
+        default) with SLO interval ``slo_ms`` (None: its control timeline's); ``fields``: the stream's other
+        keys as a serve config names them (``joint_names=[...]``, ``control_rate_hz=``,
+        ``execution_horizon=``, ``handoff=``, ``image={...}``, ``max_age_s=``, ...). ``on_chunk``: called
+        with each finished chunk on the engine's thread (it must not block), instead of queueing it for
+        :meth:`Session.next_chunk`. Raises :class:`Rejected` (``.reason`` a documented label)."""
+        mapping = {**fields, "model": model}
+        if slo_ms is not None:
+            mapping["slo_interval_ms"] = slo_ms
+        try:
+            check_stream_name(name, "stream")
+            stream = from_mapping(StreamConfig, mapping, f"streams.{name}")
+        except ConfigError as exc:
+            self._rejected(name, Rejected("invalid-request", str(exc)))
+        return self.admit(name, stream, on_chunk=on_chunk)
+
+    def admit(self, name: str, stream: StreamConfig, *, origin: str = "api",
+              on_chunk: Callable[[Chunk], None] | None = None) -> Session:
+        """Admit a stream given as a StreamConfig (what :meth:`join` builds from its keywords)."""
+        try:
+            session = self._admit(name, stream, origin, on_chunk)
+        except Rejected as exc:
+            self._rejected(name, exc)
+        self.log.info(f"stream {name} admitted ({origin}): {session.model.name}, SLO {session.slo_interval_ms:g} "
+                      f"ms, on {', '.join(session.workers)}; worker utilisation {self.admission.utilisation()}")
+        self._emit(ServerEvent(name, "joined", origin, f"on {', '.join(session.workers)}", self.clock()))
+        return session
+
+    def _admit(self, name: str, stream: StreamConfig, origin: str, on_chunk) -> Session:
+        # What is wrong with the request first, whether or not there is room: capacity comes later.
+        try:
+            check_stream_name(name, "stream")
+            stream.check(f"streams.{name}")
+        except ConfigError as exc:
+            raise Rejected("invalid-request", str(exc)) from None
+        engine = self.engine
+        if self.state != "serving" or engine is None or engine.failure is not None:
+            raise Rejected("not-serving", f"the server is {self.state}")
+        pending = self.config.admission.max_pending_goals
+        with self._lock:
+            if name in self._sessions or name in self._joining:
+                raise Rejected("name-in-use", f"stream '{name}' is already served")
+            if len(self._joining) >= pending:
+                raise Rejected("busy", f"{len(self._joining)} streams are being admitted already "
+                                       f"(admission.max_pending_goals={pending}): ask again shortly")
+            self._joining.add(name)
+        try:
+            # A model that can never fit the workers' memory is refused from its shape, before it is profiled.
+            self.admission.check_memory(self.catalog.config_of(stream.model))
+            served = self.catalog.resolve(stream.model, bool(self._sessions))
+            check_fit(name, stream, served.config)
+            slo = slo_interval_ms(stream, served.config)
+            paced = stream.cadence == "timeline"
+            pace = release_pace_ms(slo, self.config.admission.pace_margin, stream.control_rate_hz, paced)
+            with self._lock:
+                self._check_room()
+                admitted = self.admission.admit(name, served, pace, slo, paced=paced)
+            cfg = self.config
+            paired = [k for k in served.config.observation_shapes if k != "image"]
+            session = Session(name, stream, served, origin, admitted.workers, slo,
+                              StreamInput(cfg.deterministic, cfg.deterministic_queue, cfg.pair_timeout_s,
+                                          stream.max_age_s, self.clock, paired),
+                              self.clock, on_chunk, cfg.stats_window)
+            future = engine.add_stream(name, session.take, session.deliver, model=served, plan=admitted.plan,
+                                       slo_interval_ms=slo, release_interval_ms=pace if paced else None,
+                                       timeline=stream_timeline(stream, served.config, cfg.deterministic),
+                                       release_phase_ms=admitted.placed.phase_ms)
+            try:
+                future.result(timeout=cfg.admission.profile_timeout_s)
+            except (Exception, FutureTimeout) as exc:
+                with self._lock:
+                    self.admission.remove(name)
+                engine.remove_stream(name)
+                raise Rejected("not-serving", f"the engine could not start stream '{name}': {exc}") from None
+            with self._lock:
+                self._sessions[name] = session
+            return session
+        finally:
+            with self._lock:
+                self._joining.discard(name)
+
+    def _check_room(self) -> None:
+        limit = self.config.engine.max_streams
+        if len(self.admission.admitted) >= limit:
+            raise Rejected("capacity", f"the server holds engine.max_streams={limit} streams already (remove "
+                                       f"one, or raise engine.max_streams)", cause="stream-limit")
+
+    def leave(self, name: str, timeout_s: float = 10.0) -> None:
+        """Stop serving stream ``name`` and free its capacity (KeyError if it is not served); its readers
+        hear it ended (``left``)."""
+        if not self._drop(name, "left", "the stream left", timeout_s):
+            raise KeyError(f"no stream '{name}' is served (served: {', '.join(self.streams()) or 'none'})")
+
+    def _drop(self, name: str, reason: str, detail: str, timeout_s: float = 10.0) -> bool:
+        with self._lock:
+            session = self._sessions.pop(name, None)
+            if session is None:
+                return False
+            self.admission.remove(name)
+        session.end(reason)
+        if self.engine is not None:
+            future = self.engine.remove_stream(name)
+            try:
+                future.result(timeout=timeout_s)
+            except (Exception, FutureTimeout):
+                pass   # the engine is gone or failed: nothing of the stream runs any more
+        self.ended[name] = self._report(session)
+        self.log.info(f"stream {name} removed ({reason}); worker utilisation {self.admission.utilisation()}")
+        self._emit(ServerEvent(name, "ended", reason, detail, self.clock()))
+        return True
+
+    def session(self, name: str) -> Session:
+        """The session of a served stream (a config stream's, too); KeyError if it is not served."""
+        with self._lock:
+            if name not in self._sessions:
+                raise KeyError(f"no stream '{name}' is served")
+            return self._sessions[name]
+
+    def streams(self) -> dict[str, dict[str, Any]]:
+        """The streams served: model, origin, SLO interval (ms), workers, and state (serving, resetting)."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return {s.name: {"model": s.model.name, "origin": s.origin, "slo_interval_ms": s.slo_interval_ms,
+                         "workers": list(s.workers), "state": "resetting" if s.health.failed else "serving"}
+                for s in sessions}
+
+    # ---- events ---------------------------------------------------------------------------------------
+    def subscribe(self, listener: Callable[[ServerEvent], None]) -> Callable[[], None]:
+        """Call ``listener`` with every :class:`ServerEvent` from now on (on the thread where it happened:
+        it must not block); returns a function that unsubscribes it."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def _emit(self, event: ServerEvent) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:
+                self.log.exception(f"an event listener failed on {event}")
+
+    def _rejected(self, name: str, exc: Rejected):
+        self.rejections.append((name, exc.reason, exc.detail))
+        del self.rejections[:-100]
+        self._emit(ServerEvent(name, "rejected", exc.reason, exc.detail, self.clock()))
+        raise exc
+
+    def _on_engine_event(self, event: StreamEvent) -> None:
+        session = self._sessions.get(event.stream)
+        if session is None:
+            return
+        session.on_event(event)
+        kind = "reset" if event.kind == "failed" else event.kind
+        self._emit(ServerEvent(event.stream, kind, event.cause or event.kind, event.reason, self.clock()))
+
+    # ---- health -------------------------------------------------------------------------------------
+    def _housekeeping(self) -> None:
+        """Admission's calibrations fed at the diagnostics period; an engine failure ends every stream."""
+        while not self._stop.wait(self.config.diagnostics_period_s):
+            try:
+                self.calibrate()
+            except Exception:
+                self.log.exception("housekeeping failed")
+
+    def calibrate(self) -> None:
+        """Feed admission what the workers and streams measured (its load and spread calibrations), and
+        end every stream if the engine failed."""
+        engine = self.engine
+        if engine is None:
+            return
+        failure = engine.failure
+        if failure is not None:
+            if self.state == "serving":
+                self.state = "failed"
+                self.log.error(f"the engine failed: {failure}")
+            with self._lock:
+                names = list(self._sessions)
+            for name in names:
+                self._drop(name, "failed", str(failure), timeout_s=1.0)
+            return
+        mono, now = time.monotonic(), self.clock()
+        for wname, w in engine.snapshot()["workers"].items():
+            index = int(wname[1:]) if wname[1:].isdigit() else -1
+            if index >= 0 and w["state"] == "up" and "compute_ms" in w["stats"]:
+                with self._lock:
+                    self.admission.observe_load(index, mono, float(w["stats"]["compute_ms"]))
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            records = s.records()[0]
+            with self._lock:
+                self.admission.observe_intervals(s.name, now, [(r.emit, r.interval_ms) for r in records])
+
+    def stats(self) -> dict[str, Any]:
+        """What /diagnostics shows, as plain data: ``engine`` (state, failure, the server's RSS),
+        ``workers`` (per worker: pid, state, host, device, its counters, memory included, and admission's
+        load factor) and ``streams`` (per stream: rate, intervals, latency and deadline misses over
+        ``diagnostics_window_s``, inputs received and rejected, resets, chunks lost)."""
+        engine = self.engine
+        snap = engine.snapshot() if engine is not None else {"workers": {}, "streams": {}, "resets": {}}
+        failure = engine.failure if engine is not None else None
+        workers = {}
+        for wname, w in snap["workers"].items():
+            index = int(wname[1:]) if wname[1:].isdigit() else -1
+            workers[wname] = {**w, "admission_load_factor": round(self.admission.load_factor(index), 3)
+                              if index >= 0 else None}
+        now = self.clock()
+        with self._lock:
+            sessions = list(self._sessions.values())
+        streams = {}
+        for s in sessions:
+            records, total, misses = s.records()
+            out = window_stats(records, now, self.config.diagnostics_window_s, s.slo_interval_ms, total=total,
+                               misses_total=misses)
+            h = s.health
+            out.update(inputs=s.input.snapshot(), epoch=h.epoch, failed=h.failed, recovering=h.recovering,
+                       failures=h.failures, lost_chunks=h.lost_chunks, undelivered=dict(h.undelivered),
+                       resets=dict(h.resets), delivered=s.delivered, dropped_unread=s.dropped_unread,
+                       workers=list(s.workers), admission_spread_ms=self.admission.spread_ms(s.name))
+            streams[s.name] = out
+        return {"engine": {"state": self.state, "failure": None if failure is None else str(failure),
+                           "model": self.model.name, "rss_mb": heap.rss_mb(os.getpid()),
+                           "utilisation": self.admission.utilisation()},
+                "workers": workers, "streams": streams}
+
+    def _report(self, s: Session) -> dict[str, Any]:
+        snap = s.input.snapshot()
+        return {"chunks": s.delivered, "model": s.model.name, "origin": s.origin, "workers": s.workers,
+                "received": snap["received"], "rejected": snap["rejected"], "failures": s.health.failures,
+                "lost_chunks": s.health.lost_chunks, "resets": dict(s.health.resets), "ended": s.ended}
+
