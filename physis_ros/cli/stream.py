@@ -94,6 +94,10 @@ def _main(argv: list[str] | None) -> int:
             return _list(node, args)
         return _remove(node, args)
     finally:
+        # An executor left to the garbage collector after the context is shut down printed a traceback
+        # ("Exception ignored in Executor.__del__ ... InvalidHandle") at exit.
+        if node.executor is not None:
+            node.executor.shutdown(timeout_sec=0)
         node.destroy_node()
         rclpy.try_shutdown(context=context)
 
@@ -106,7 +110,7 @@ def _spin_until(node, future, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not future.done() and time.monotonic() < deadline:
         executor.spin_once(timeout_sec=0.05)
-    executor.remove_node(node)
+    executor.shutdown(timeout_sec=0)   # (its guard conditions go now, not when collected after the context)
     return future.done()
 
 

@@ -45,13 +45,11 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
     cfg, ecfg = node.config, node.config.engine
     snap = engine_snapshot(node)
     mono = time.monotonic()
-    admission = node.hub.admission
+    admission = node.server.admission if node.server is not None else None
     worker_hw, down, out = {}, [], []
     for wname, w in snap["workers"].items():
         index = _index(wname)
-        if index >= 0:   # admission's load calibration: the worker's compute counter in, its factor out
-            if w["state"] == "up" and "compute_ms" in w["stats"]:
-                admission.observe_load(index, mono, float(w["stats"]["compute_ms"]))
+        if index >= 0 and admission is not None:   # admission's load calibration (the server feeds it)
             w["stats"]["admission_load_factor"] = round(admission.load_factor(index), 3)
         worker_hw[wname] = diag.hardware_id(w["host"] or node.hostname, str(w["device"]))
         stale = w["state"] == "up" and w["last_seen"] and mono - w["last_seen"] > ecfg.heartbeat_timeout_s
@@ -80,17 +78,15 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
             st.warn("idle", f"stream {name}: no fresh observation for {idle:.1f} s ({diag.inputs_summary(inputs)} "
                             f"so far)")
         inputs.update(failed=st.health.failed, recovering=st.health.recovering, failures=st.health.failures,
-                      lost_chunks=st.health.lost_chunks, unpublished=dict(st.health.unpublished),
+                      lost_chunks=st.health.lost_chunks, unpublished=dict(st.health.undelivered),
                       resets=st.resets(snap["resets"].get(name, {})),
                       late_points=st.late_points, late_chunks=st.late_chunks,
                       blended_chunks=st.blended_chunks, **st.subscriber_counts())
         hw = diag.stream_hardware_id(node.hostname, [worker_hw[w] for w in snap["streams"].get(name, [])
                                                      if w in worker_hw])
-        snapshot = st.records()
-        # admission's spread calibration: the stream's published intervals in, what it charges the stream out
-        admission.observe_intervals(name, now, [(r.emit, r.interval_ms) for r in snapshot[0]])
-        stats = stream_stats(node, st, now, snapshot)
-        stats["admission_spread_ms"] = admission.spread_ms(name)
+        stats = stream_stats(node, st, now)
+        # admission's spread calibration (the server feeds it): what it charges the stream
+        stats["admission_spread_ms"] = admission.spread_ms(name) if admission is not None else None
         streams.append(diag.stream_status(
             name, stats, inputs, slo_interval_ms=st.slo_interval_ms,
             new_rejects=new, engine_state=node.state, idle_s=idle, armed=node.armed, hardware_id=hw,

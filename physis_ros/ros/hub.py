@@ -1,13 +1,11 @@
-"""Streams joining and leaving a running server (:class:`StreamHub`).
+"""Streams joining and leaving the node (:class:`StreamHub`).
 
-Every stream comes in the same way, from the serve config at start-up or from a ServeStream goal:
-its request is checked (name, namespace, joints, topics), its model resolved with a cost profile
-(off the executor thread: a first profile takes a second or two), the model checked against the
-robot, the stream admitted by the joint scheduler over the server's workers
-(:class:`~physis_ros.serving.capacity.ServerAdmission`), its ROS side made, and finally the engine
-places it on its workers and feeds it, paced at its SLO interval: what admission assumed is what
-runs. A stream that cannot come in is refused with a named reason and nothing running changes.
-Leaving frees its capacity; the other streams never move.
+Every stream comes in the same way, from the serve config at start-up or from a ServeStream goal: what
+ROS adds to a request is checked here first (the stream's name, namespace and topics: a stream publishes
+only on topics of its own), then the server admits it (:meth:`physis_ros.serving.server.Server.admit`, on
+a loader thread: a first profile takes a second or two) and its ROS side is made
+(:class:`~physis_ros.ros.streams.RosStream`). A stream that cannot come in is refused with a named reason
+and nothing running changes. Leaving frees its capacity; the other streams never move.
 """
 
 from __future__ import annotations
@@ -17,33 +15,26 @@ from typing import TYPE_CHECKING
 
 from physis_ros.config import ConfigError
 from physis_ros.ros import health
-from physis_ros.serving.capacity import Admitted, Rejected, server_admission
-from physis_ros.serving.config import (StreamConfig, check_stream_name, resolve_topic, stream_namespace,
-                                   stream_topics)
-from physis_ros.serving.fit import check_fit, slo_interval_ms
-from physis_ros.serving.catalog import ModelCatalog
 from physis_ros.ros.streams import RosStream
 from physis_ros.ros.tasks import Ticker
-from physis_ros.timeline import release_pace_ms
+from physis_ros.serving.capacity import Rejected
+from physis_ros.serving.config import (StreamConfig, check_stream_name, resolve_topic, stream_namespace,
+                                       stream_topics)
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
+    from physis_ros.serving.session import Chunk
+
 
 class StreamHub:
     def __init__(self, node: PhysisServer):
         self.node = node
-        cfg = node.config
-        self.admission, device = server_admission(cfg)
-        self.catalog = ModelCatalog(cfg.model, "cpu" if device == "cpu" else "cuda", cfg.admission,
-                                    cfg.engine.checkpoint)
         # a few threads: a goal for a model resolved already is not held up by another model being measured
-        self.loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="model-catalog")
+        self.loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="admission")
         self.joining: dict[str, StreamConfig] = {}   # streams being admitted now (they hold their names and topics)
-        self.rejections: list[tuple[str, str, str]] = []   # (stream, reason, detail), newest last
 
     def close(self) -> None:
         self.loader.shutdown(wait=False, cancel_futures=True)
-        self.catalog.close()
 
     def check(self, name: str, stream: StreamConfig, origin: str = "config") -> None:
         """What no placement can fix, checked before anything is done (Rejected naming it). A bad request is
@@ -92,77 +83,51 @@ class StreamHub:
         return [resolve_topic(self.node.config.telemetry_topic, self.node.get_namespace()),
                 "/diagnostics", "/rosout", "/parameter_events"]
 
-    def check_room(self) -> None:
-        """Room for one more stream in the engine (its running streams: goals still being checked hold none)."""
-        limit = self.node.config.engine.max_streams
-        if len(self.node.streams) >= limit:
-            raise Rejected("capacity", f"the server holds engine.max_streams={limit} streams already (remove "
-                                       f"one, or raise engine.max_streams)", cause="stream-limit")
-
-    async def join(self, name: str, stream: StreamConfig, origin: str, ticker: Ticker) -> tuple[RosStream, Admitted]:
+    async def join(self, name: str, stream: StreamConfig, origin: str, ticker: Ticker) -> RosStream:
         """Admit and start a stream (a coroutine on the executor); Rejected with the reason if it cannot."""
-        node = self.node
-        if node.engine is None or not node.engine.ready.is_set() or node.engine.failure is not None:
+        node, server = self.node, self.node.server
+        if server is None or server.state != "serving":
             raise Rejected("not-serving", f"the server is {node.state}")
         self.check(name, stream, origin)
-        pending = node.config.admission.max_pending_goals
+        pending = node.config.admission.max_pending_goals   # goals wait here for the loader's threads
         if len(self.joining) >= pending:
             raise Rejected("busy", f"{len(self.joining)} goals are being admitted already "
                                    f"(admission.max_pending_goals={pending}): ask again shortly")
         self.joining[name] = stream
         try:
-            # What one stream of the model needs against all the workers' memory, from its shape alone: a model
-            # that can never fit is refused before anything builds or profiles it (a 14B preset once took the
-            # server to 20 GB of a 24 GB host while it was measured in-process).
-            self.admission.check_memory(self.catalog.config_of(stream.model))
-            # serving: a profile measured now yields the CPU to the streams served; with none yet it need not
-            resolving = self.loader.submit(self.catalog.resolve, stream.model, bool(node.streams))
-            served = await ticker.wait(resolving)
-            check_fit(name, stream, served.config)
-            slo = slo_interval_ms(stream, served.config)
-            pace = release_pace_ms(slo, node.config.admission.pace_margin, stream.control_rate_hz,
-                                   stream.cadence == "timeline")    # what runs is what is admitted
-            # From here to node.streams[name] nothing awaits: no other goal can take the room checked here.
-            self.check_room()
-            admitted = self.admission.admit(name, served, pace, slo, paced=stream.cadence == "timeline")
+            made: list[RosStream] = []
+
+            def on_chunk(chunk: Chunk) -> None:   # (none before its RosStream: only its subscriptions feed it)
+                made[0].on_chunk(chunk)
+
+            session = await ticker.wait(self.loader.submit(server.admit, name, stream, origin=origin,
+                                                           on_chunk=on_chunk))
             try:
-                st = RosStream(node, name, stream, served, origin, admitted.workers)
-                node.streams[name] = st
-                node.params.add_stream(name, stream)   # a joined stream's parameters, as a configured one has
-                # cadence timeline: one release per admitted interval, the freshest observation each time
-                release = pace if stream.cadence == "timeline" else None
-                await ticker.wait(node.engine.add_stream(name, st.observe, st.on_output, model=served,
-                                                         plan=admitted.plan, slo_interval_ms=slo,
-                                                         release_interval_ms=release, timeline=st.timeline,
-                                                         release_phase_ms=admitted.placed.phase_ms))
+                made.append(RosStream(node, session))
             except Exception as exc:
-                self._forget(name)
-                node.params.remove_stream(name)
-                raise Rejected("not-serving", f"the engine could not start stream '{name}': {exc}") from None
-        except Rejected as exc:
-            self.rejections.append((name, exc.reason, exc.detail))
-            del self.rejections[:-100]
-            raise
+                server.leave(name, timeout_s=None, reason="failed")
+                raise Rejected("not-serving", f"stream '{name}' could not be set up: {exc}") from None
+            node.streams[name] = made[0]
+            node.params.add_stream(name, stream)   # a joined stream's parameters, as a configured one has
         finally:
             self.joining.pop(name, None)
-        node.get_logger().info(f"stream {name} admitted ({origin}): {st.model_label}, SLO {slo:g} ms, paced "
-                               f"every {pace:g} ms, on "
-                               f"{', '.join(admitted.workers)}; worker utilisation {self.admission.utilisation()}")
-        return st, admitted
+        return made[0]
 
-    def leave(self, name: str):
-        """Stop serving a stream and free its capacity; a future of the engine's removal."""
+    def leave(self, name: str) -> None:
+        """Stop serving a stream and free its capacity (the engine lets go of it in the background)."""
         st = self.node.streams.get(name)
         if st is not None:
             st.health.gone = True
-        future = self.node.engine.remove_stream(name) if self.node.engine is not None else None
+        if self.node.server is not None:
+            try:
+                self.node.server.leave(name, timeout_s=None)
+            except KeyError:
+                pass   # the server dropped it already (its engine failed)
         self._forget(name)
         self.node.params.remove_stream(name)   # its parameters leave with it (a configured one's too)
         if name in self.node.configured:       # not waited for again (a restart of the engine reads the config)
             self.node.configured.remove(name)
         self.node.departed.append(name)        # /diagnostics says so once
-        self.node.get_logger().info(f"stream {name} removed; worker utilisation {self.admission.utilisation()}")
-        return future
 
     def forget_all(self) -> None:
         """The engine stops: every stream is dropped; the configured ones keep their parameters (the engine
@@ -179,4 +144,3 @@ class StreamHub:
             # its totals stay in the exit summary
             self.node.ended[name] = st.report(health.engine_snapshot(self.node)["resets"].get(name, {}))
             st.destroy()
-        self.admission.remove(name)

@@ -17,6 +17,7 @@ publishes each finished chunk from its loop thread. All stamps come from the nod
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from typing import Any
@@ -32,15 +33,14 @@ from physis_ros.ros import diagnostics as diag
 from physis_ros.ros import health, qos, rosout
 from physis_ros.serving.capacity import Rejected
 from physis_ros.serving.config import ServeConfig
-from physis_ros.serving.fit import check_stream_model, model_label, slo_interval_ms
+from physis_ros.serving.fit import model_label
 from physis_ros.config import ConfigError
 from physis_ros.serving.engine_thread import EngineThread
-from physis_ros.serving.server import check_config_models
+from physis_ros.serving.server import Server, ServerEvent, check_config_models
 from physis_ros.ros.hub import StreamHub
 from physis_ros.ros.parameters import ServeParameters
 from physis_ros.ros.serve_action import ServeStreamServer
 from physis_ros.ros.streams import RosStream
-from physis_ros.runtime.engine import StreamEvent
 
 NODE_NAME = "physis_server"
 SUCCESS = TransitionCallbackReturn.SUCCESS
@@ -80,7 +80,7 @@ class PhysisServer(LifecycleNode):
         self.lifecycle = "unconfigured"
         self.armed = False
         self.finalized = False
-        self.engine: EngineThread | None = None
+        self.server: Server | None = None   # the serving application, from configure to cleanup
         self.engine_started: float | None = None   # time.monotonic() of configure
         self.serving_since: float | None = None
         self.hostname = socket.gethostname()
@@ -110,46 +110,43 @@ class PhysisServer(LifecycleNode):
         """The node clock in seconds (ROS time: simulated under use_sim_time)."""
         return self.get_clock().now().nanoseconds * 1e-9
 
+    @property
+    def engine(self) -> EngineThread | None:
+        """The server's engine (None while unconfigured)."""
+        return self.server.engine if self.server is not None else None
+
     def _check_config(self, new: ServeConfig) -> None:
         """A runtime change must still fit each served stream's model (its SLO within its control timeline)."""
-        for name, s in new.streams.items():
-            st = self.streams.get(name)
-            if st is not None:
-                check_stream_model(f"streams.{name}", s, st.model)
+        if self.server is not None:
+            self.server.check_update(new)
 
     def _apply_config(self, old: ServeConfig, new: ServeConfig) -> None:
-        """A runtime parameter change was accepted (``self.config`` is ``new`` already): the streams take it."""
-        for name, s in new.streams.items():
-            st = self.streams.get(name)
-            if st is None or s == old.streams.get(name):
-                continue
-            st.config = s                       # read per message / per chunk by the callbacks
-            st.input.max_age_s = s.max_age_s
-            if s.slo_interval_ms != old.streams[name].slo_interval_ms:   # None: back to the control timeline's
-                st.slo_interval_ms = slo_interval_ms(s, st.model)
-                if self.engine is not None:
-                    self.engine.set_slo(name, st.slo_interval_ms)
+        """A runtime parameter change was accepted (``self.config`` is ``new`` already): the streams take it
+        (read per message and per chunk by the callbacks)."""
+        if self.server is not None:
+            self.server.update(new)
 
     def start_engine(self) -> None:
         c = self.config
         self.get_logger().info(f"starting engine: {c.engine.workers} worker(s), default model {model_label(c.model, self.model)}, "
                                f"{'deterministic' if c.deterministic else 'latest'} observations")
         self.closing = False
-        self.engine = EngineThread(c.engine, clock=self.now, on_event=self._on_event)
+        self.server = Server(c, clock=self.now, log=logging.getLogger("physis.serving"))
+        self.server.subscribe(self.on_server_event)
         self.state = "starting"
         self.engine_started = time.monotonic()
         self.serving_since = None
         self.configured = list(c.streams)
-        self.engine.start()
+        self.server.launch()
         self.executor.create_task(self._admit_config_streams())
 
     async def _admit_config_streams(self) -> None:
         """Once the workers are up, admit the config's streams one by one (rejections reported loudly)."""
         ticker = self.actions.ticker
-        engine = self.engine
-        while engine is self.engine and not engine.ready.is_set():
+        server = self.server
+        while server is self.server and server.state == "starting":
             await ticker.sleep(0.05)
-        if engine is not self.engine or engine.failure is not None:
+        if server is not self.server or server.state != "serving":
             return
         for name in list(self.configured):
             try:
@@ -169,8 +166,8 @@ class PhysisServer(LifecycleNode):
         for name in list(self.streams):
             self.actions.end(name, "shutdown", "the server is stopping")
         self.hub.forget_all()
-        done = self.engine.stop(timeout) if self.engine is not None else True
-        self.engine = None
+        done = self.server.close(timeout) if self.server is not None else True
+        self.server = None
         self.state = "stopped"
         return done
 
@@ -224,11 +221,11 @@ class PhysisServer(LifecycleNode):
         self.state, self.lifecycle, self.closing = "unconfigured", "unconfigured", False
         return SUCCESS
 
-    # ---- engine events (engine loop thread) ------------------------------------------------------------
-    def _on_event(self, event: StreamEvent) -> None:
+    # ---- the server's events (engine loop thread, or the thread that admitted or removed the stream) -------
+    def on_server_event(self, event: ServerEvent) -> None:
         st = self.streams.get(event.stream)
-        if st is not None:
-            st.on_event(event)
+        if st is not None and event.kind in ("reset", "readmitted"):
+            st.log_event(event)
 
     # ---- health (executor thread) -----------------------------------------------------------------
     def publish_diagnostics(self) -> None:
@@ -249,8 +246,7 @@ class PhysisServer(LifecycleNode):
         if failure is not None:
             self.state = "failed"
             for name, st in list(self.streams.items()):   # streams that cannot come back end their goals
-                snap = engine.health()
-                if snap is not None and name in snap.streams and snap.streams[name].gone:
+                if st.health.gone:
                     self.actions.end(name, "failed", str(failure))
             return
         startup_done = all(n in self.startup for n in self.configured)

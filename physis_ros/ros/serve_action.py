@@ -113,7 +113,7 @@ class ServeStreamServer:
             lease_s = lease_of(goal)
             if lease_s:   # counted from now: the client renews while admission decides
                 self.leases[key] = (lease_s, time.monotonic() + lease_s)
-            st, _ = await node.hub.join(name, stream_config_of(goal), "action", self.ticker)
+            st = await node.hub.join(name, stream_config_of(goal), "action", self.ticker)
         except Rejected as exc:
             self.leases.pop(key, None)
             node.get_logger().warning(f"serve_stream goal for '{name}' rejected ({exc.reason}): {exc.detail}")

@@ -15,10 +15,8 @@ Telemetry always flows.
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -27,75 +25,64 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from trajectory_msgs.msg import JointTrajectory
 
 from physis_ros.logs import Throttle
-from physis_ros.model.spec import ModelConfig
 from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
 from physis_ros.ros import acceptance, outputs, qos
 from physis_ros.ros import conversions as conv
-from physis_ros.serving.config import StreamConfig, stream_namespace, stream_topic
-from physis_ros.serving.fit import model_label, slo_interval_ms, stream_timeline
-from physis_ros.serving.intake import INPUT_KINDS, Sample, StreamInput
+from physis_ros.serving.config import stream_namespace, stream_topic
+from physis_ros.serving.fit import model_label
+from physis_ros.serving.intake import INPUT_KINDS, Sample
 from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
-from physis_ros.runtime.engine import ChunkOutput, Observation, ServedModel, StreamEvent
-from physis_ros.telemetry import ChunkRecord, RollingStats
 from physis_ros.timeline import SeamTracker, kinematics, release_steps, rms
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
-
-
-@dataclass
-class StreamHealthState:
-    """What happened to a stream in the engine, as the node heard it (engine thread writes, others read)."""
-
-    failed: str | None = None      # a reset under way (or for good); None once re-admitted
-    recovering: str | None = None  # reset, and no chunk published since: /diagnostics ERROR until its first chunk
-    failures: int = 0
-    lost_chunks: int = 0           # chunks in flight at a reset, plus chunks computed but not published
-    resets: Counter = field(default_factory=Counter)   # cause -> resets the node heard of
-    unpublished: Counter = field(default_factory=Counter)   # why a computed chunk was not published -> count
-    gone: bool = False
+    from physis_ros.serving.server import ServerEvent
+    from physis_ros.serving.session import Chunk, Session
+    from physis_ros.telemetry import ChunkRecord
 
 
 class RosStream:
-    def __init__(self, node: PhysisServer, name: str, config: StreamConfig, served: ServedModel, origin: str,
-                 workers: list[str]):
+    """The ROS side of a stream the server admitted (its :class:`~physis_ros.serving.session.Session`: the
+    observation buffer, statistics and health it shares with the engine)."""
+
+    def __init__(self, node: PhysisServer, session: Session):
         self.node = node
-        self.name = name
-        self.config = config
-        self.served = served
-        self.model: ModelConfig = served.config
-        self.model_label = model_label(config.model or node.config.model, self.model)   # as configured, for logs
-        self.origin = origin              # config | action
-        self.admitted_mono = time.monotonic()   # its health counts from here, not from the server's start
-        self.workers = workers
-        self.slo_interval_ms = slo_interval_ms(config, self.model)
-        self.namespace = stream_namespace(name, config)
-        serve = node.config
-        self.timeline = stream_timeline(config, self.model, serve.deterministic)
-        paired = [k for k in self.model.observation_shapes if k != "image"]
-        self.input = StreamInput(serve.deterministic, serve.deterministic_queue, serve.pair_timeout_s,
-                                 config.max_age_s, node.now, paired)
-        self.stats = RollingStats(serve.stats_window)
-        self.stats_lock = threading.Lock()
-        self.health = StreamHealthState()
+        self.session = session
+        self.name = session.name
+        self.model_label = model_label(self.config.model or node.config.model, self.model)   # as configured
+        self.namespace = stream_namespace(self.name, self.config)
+        serve, config = node.config, self.config
         self.published = 0
         self.rejects_reported = 0
         self.last_warn: dict[str, float] = {}
         self.throttle = Throttle(serve.warn_throttle_s)   # reset / re-admission lines, per cause
-        # node-side timings (ms): engine emit -> on_output (handover), on_output -> first output published
+        # node-side timings (ms): engine emit -> on_chunk (handover), on_chunk -> first output published
         self.handover_ms: deque = deque(maxlen=200)
         self.publish_ms: deque = deque(maxlen=200)
         self.seams = SeamTracker()
         self.experts: dict[int, Any] = {}   # observation stamp (ns) -> the expert's actions for it
         self.late_points = self.late_chunks = self.blended_chunks = 0
-        # Steps between two releases on the timeline (as the hub paces it; 0: cadence free): the next chunk starts
-        # that far into this one, and its hand-off keeps this chunk's rows from there.
+        # Steps between two releases on the timeline (as the server paces it; 0: cadence free): the next chunk
+        # starts that far into this one, and its hand-off keeps this chunk's rows from there.
         self.release_steps = 0 if config.cadence != "timeline" else release_steps(
             self.slo_interval_ms, serve.admission.pace_margin, config.control_rate_hz)
         self._publishers = []
         self._subscriptions = []
         self._make_outputs()
         self._make_inputs()
+
+    # ---- what the session holds -------------------------------------------------------------------
+    config = property(lambda self: self.session.config)          # StreamConfig (a run-time change included)
+    model = property(lambda self: self.session.model)            # ModelConfig
+    served = property(lambda self: self.session.served)
+    origin = property(lambda self: self.session.origin)          # config | action
+    workers = property(lambda self: self.session.workers)
+    slo_interval_ms = property(lambda self: self.session.slo_interval_ms)
+    input = property(lambda self: self.session.input)
+    stats = property(lambda self: self.session.stats)
+    stats_lock = property(lambda self: self.session.stats_lock)
+    health = property(lambda self: self.session.health)
+    admitted_mono = property(lambda self: self.session.admitted_mono)   # its health counts from here
 
     # ---- set-up -------------------------------------------------------------------------------------
     def topic(self, which: str) -> str:
@@ -228,42 +215,33 @@ class RosStream:
                 experts.pop(next(iter(experts)))
 
     # ---- engine side (engine loop thread) -------------------------------------------------------------
-    def observe(self, chunk: int) -> Observation | None:
-        taken = self.input.take()
-        if taken is None:
-            return None
-        return Observation(taken.data, taken.sec, tag=taken.stamp)  # the header stamp comes back on the output
-
-    def on_output(self, out: ChunkOutput) -> None:
+    def on_chunk(self, chunk: Chunk) -> None:
         """Publish a chunk; one that cannot be published (any error on the way) is counted as lost, with the
         reason, in /diagnostics and the goal's chunks_lost: never a silent gap."""
         try:
-            self._output(out)
+            self._output(chunk)
         except Exception as exc:   # (ROS, a message field out of range, a bug): the robot must hear of it
             reason = type(exc).__name__
             h = self.health
             h.lost_chunks += 1
-            h.unpublished[reason] += 1
-            line = self.throttle.line(f"unpublished:{reason}", f"stream {self.name}: chunk {out.chunk} not "
+            h.undelivered[reason] += 1
+            line = self.throttle.line(f"unpublished:{reason}", f"stream {self.name}: chunk {chunk.index} not "
                                       f"published ({reason}: {str(exc)[:200]}); counted as lost")
             if line is not None:
                 self.node.get_logger().error(line)
 
-    def _output(self, out: ChunkOutput) -> None:
+    def _output(self, out: Chunk) -> None:
         node = self.node
         start = time.perf_counter()
         # (the node clock is the system clock unless simulated; time.time() is the cheaper read)
         handover = node.now() if node.config.use_sim_time else time.time()
-        stamp, rec, publish_ms = out.tag, out.record, math.nan
+        stamp, rec, publish_ms = out.tag, out.telemetry, math.nan
         if node.closing:
             return
-        h = self.health
-        if h.recovering is not None and h.failed is None:   # the first chunk after a reset: healthy again
-            h.recovering = None
         if self.pub_chunk is not None:
             publish_ms = self._publish_actions(out, handover, start)
         elif node.armed:
-            self.pub_frames.publish(outputs.frames_msg(self.name, self.config, out.chunk, out.output, stamp))
+            self.pub_frames.publish(outputs.frames_msg(self.name, self.config, out.index, out.output, stamp))
             publish_ms = (time.perf_counter() - start) * 1e3
             self.published += 1
         telemetry = outputs.telemetry_msg(rec, stamp, handover)
@@ -271,7 +249,6 @@ class RosStream:
         if self.pub_telemetry is not None:
             self.pub_telemetry.publish(telemetry)
         with self.stats_lock:
-            self.stats.add(rec)
             self.handover_ms.append((handover - rec.emit) * 1e3)
             self.publish_ms.append(publish_ms)
 
@@ -280,11 +257,11 @@ class RosStream:
         free, as far as this chunk came after the last (the horizon for the first)."""
         return self.release_steps or rec.shift or self.horizon
 
-    def _publish_actions(self, out: ChunkOutput, now: float, start: float) -> float:
+    def _publish_actions(self, out: Chunk, now: float, start: float) -> float:
         """A world-action model's chunk: the ActionChunk, then the rows still ahead of the robot as a
         JointTrajectory (none if all are due: a late chunk); fills the record's timeline fields. While
         disarmed (lifecycle inactive) chunks keep computing and nothing reaches the robot."""
-        s, rec, stamp = self.config, out.record, out.tag
+        s, rec, stamp = self.config, out.telemetry, out.tag
         placement = outputs.place_chunk(s, rec, conv.stamp_to_sec(stamp), now, self.horizon)
         k = placement.first_row
         rec.late_points, rec.late = k, placement.late
@@ -299,7 +276,7 @@ class RosStream:
             return math.nan
         # ActionChunk first: the smallest message, on the shortest path. It is the chunk as computed (a replay
         # compares it with the reference bit for bit), like the seam and tracking error in the telemetry.
-        self.pub_chunk.publish(self.raw_chunk.render(out.chunk, positions, stamp, placement))
+        self.pub_chunk.publish(self.raw_chunk.render(out.index, positions, stamp, placement))
         publish_ms = (time.perf_counter() - start) * 1e3
         if not placement.late:
             vel, acc = kinematics(positions, s.control_period)
@@ -314,27 +291,22 @@ class RosStream:
             self.pub_traj.publish(self.raw_traj.render(sent[k:], vel[k:], acc[k:], conv.time_msg(placement.start)))
             self.seams.executed(rec.first_step, sent, vel)
         else:
-            self.warn("late", f"stream {self.name}: chunk {out.chunk} arrived after its last step was due "
+            self.warn("late", f"stream {self.name}: chunk {out.index} arrived after its last step was due "
                               f"({self.late_chunks} so far); not sent as a trajectory")
         self.published += 1
         return publish_ms
 
-    def on_event(self, event: StreamEvent) -> None:
-        h, log = self.health, self.node.get_logger()
+    def log_event(self, event: ServerEvent) -> None:
+        """A reset or re-admission of the stream, logged at most once per cause per throttle period."""
+        log = self.node.get_logger()
         self.throttle.period_s = self.node.config.warn_throttle_s   # a flood of resets: one line per cause per period
-        if event.kind == "failed":
-            h.failed = event.reason
-            h.recovering = f"reset ({event.cause or 'unknown'}): {event.reason}"
-            h.failures += 1
-            h.lost_chunks += event.lost_chunks
-            h.resets[event.cause or "unknown"] += 1
-            line = self.throttle.line(f"reset:{event.cause}", f"stream {self.name} reset ({event.cause}): "
-                                      f"{event.reason}; {event.lost_chunks} chunk(s) in flight lost")
+        if event.kind == "reset":
+            line = self.throttle.line(f"reset:{event.reason}", f"stream {self.name} reset ({event.reason}): "
+                                      f"{event.detail}; {event.lost_chunks} chunk(s) in flight lost")
             if line is not None:
                 log.error(line)
         elif event.kind == "readmitted":
-            h.failed = None
-            line = self.throttle.line("readmitted", f"stream {self.name} re-admitted: {event.reason} (chunk indices "
+            line = self.throttle.line("readmitted", f"stream {self.name} re-admitted: {event.detail} (chunk indices "
                                       f"skip the lost ones; ERROR on /diagnostics until its first chunk)")
             if line is not None:
                 log.warning(line)
@@ -360,7 +332,7 @@ class RosStream:
         summary = self.stats.summary() if self.stats.records else {}
         return {"chunks": self.published, "model": self.model.name, "origin": self.origin, "workers": self.workers,
                 "rejected": snap["rejected"], "received": snap["received"], "failures": self.health.failures,
-                "lost_chunks": self.health.lost_chunks, "unpublished": dict(self.health.unpublished),
+                "lost_chunks": self.health.lost_chunks, "unpublished": dict(self.health.undelivered),
                 "resets": self.resets(engine_resets),
                 "interval_ms_p50": summary.get("interval_ms_p50", math.nan),
                 "latency_ms_p50": summary.get("latency_ms_p50", math.nan)}

@@ -62,6 +62,7 @@ class ServerEvent:
     reason: str
     detail: str = ""
     time: float = 0.0
+    lost_chunks: int = 0    # for ``reset``: the chunks in flight it lost
 
 
 def check_config_models(config: ServeConfig) -> ModelConfig:
@@ -96,7 +97,7 @@ class Server:
         self.catalog = ModelCatalog(config.model, "cpu" if device == "cpu" else "cuda", config.admission,
                                     config.engine.checkpoint)
         self.engine: EngineThread | None = None
-        self.state = "unstarted"     # unstarted, starting, serving, failed, stopped
+        self._stopped = False
         self.startup: dict[str, str] = {}     # config stream -> "admitted" or its rejection
         self.ended: dict[str, dict[str, Any]] = {}   # totals of streams that left
         self.rejections: list[tuple[str, str, str]] = []   # (stream, reason, detail), newest last
@@ -122,6 +123,23 @@ class Server:
         return cls(cfg, **kwargs)
 
     # ---- life ------------------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """``unstarted``, ``starting`` (the workers are coming up), ``serving``, ``failed`` (the workers could
+        not start, or one was lost for good: :attr:`failure` says why) or ``stopped``."""
+        engine = self.engine
+        if engine is None:
+            return "stopped" if self._stopped else "unstarted"
+        if engine.failure is not None:
+            return "failed"
+        if self._stopped:
+            return "stopped"
+        return "serving" if engine.ready.is_set() else "starting"
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self.engine.failure if self.engine is not None else None
+
     def __enter__(self) -> Server:
         if self.state == "unstarted":
             self.start()
@@ -133,17 +151,11 @@ class Server:
     def start(self, timeout_s: float = 120.0) -> None:
         """Start the workers (RuntimeError if they cannot), then admit the config's streams one by one (a
         stream refused is logged, recorded in :attr:`startup` and heard as a ``rejected`` event)."""
-        if self.state != "unstarted":
-            raise RuntimeError(f"the server is {self.state}; a server starts once")
-        self.state = "starting"
-        self.engine = EngineThread(self.config.engine, clock=self.clock, on_event=self._on_engine_event)
-        self.engine.start()
+        self.launch()
         if not self.engine.ready.wait(timeout_s) or self.engine.failure is not None:
             failure = self.engine.failure or f"the workers did not start within {timeout_s:g} s"
-            self.engine.stop()
-            self.state = "failed"
+            self.close()
             raise RuntimeError(f"the engine could not start: {failure}")
-        self.state = "serving"
         for name, stream in self.config.streams.items():
             try:
                 self.admit(name, stream, origin="config")
@@ -151,20 +163,28 @@ class Server:
             except Rejected as exc:
                 self.startup[name] = f"{exc.reason}: {exc.detail}"
                 self.log.error(f"config stream {name} NOT admitted ({exc.reason}): {exc.detail}")
+
+    def launch(self) -> None:
+        """Start the workers and return at once (:attr:`state` is ``starting`` until they serve); what
+        :meth:`start` does first, for a front end that must not wait (it admits the config's streams
+        itself, through :meth:`admit`, once :attr:`state` is ``serving``)."""
+        if self.state != "unstarted":
+            raise RuntimeError(f"the server is {self.state}; a server starts once")
+        self.engine = EngineThread(self.config.engine, clock=self.clock, on_event=self.on_engine_event)
+        self.engine.start()
         self._housekeeper = threading.Thread(target=self._housekeeping, name="physis-housekeeping", daemon=True)
         self._housekeeper.start()
 
     def close(self, timeout_s: float = 20.0) -> bool:
         """Stop every stream (``ended``: shutdown) and the workers; True if the engine stopped in time."""
         self._stop.set()
+        self._stopped = True
         with self._lock:
             names = list(self._sessions)
         for name in names:
             self._drop(name, "shutdown", "the server is stopping")
         done = self.engine.stop(timeout_s) if self.engine is not None else True
         self.catalog.close()
-        if self.state != "failed":
-            self.state = "stopped"
         return done
 
     # ---- streams ------------------------------------------------------------------------------------
@@ -257,13 +277,14 @@ class Server:
             raise Rejected("capacity", f"the server holds engine.max_streams={limit} streams already (remove "
                                        f"one, or raise engine.max_streams)", cause="stream-limit")
 
-    def leave(self, name: str, timeout_s: float = 10.0) -> None:
-        """Stop serving stream ``name`` and free its capacity (KeyError if it is not served); its readers
-        hear it ended (``left``)."""
-        if not self._drop(name, "left", "the stream left", timeout_s):
+    def leave(self, name: str, timeout_s: float | None = 10.0, reason: str = "left") -> None:
+        """Stop serving stream ``name`` and free its capacity at once (KeyError if it is not served); its
+        readers hear it ended (``reason``). Waits up to ``timeout_s`` for the engine to let go of it (None:
+        not at all)."""
+        if not self._drop(name, reason, f"the stream {reason}", timeout_s):
             raise KeyError(f"no stream '{name}' is served (served: {', '.join(self.streams()) or 'none'})")
 
-    def _drop(self, name: str, reason: str, detail: str, timeout_s: float = 10.0) -> bool:
+    def _drop(self, name: str, reason: str, detail: str, timeout_s: float | None = 10.0) -> bool:
         with self._lock:
             session = self._sessions.pop(name, None)
             if session is None:
@@ -272,10 +293,11 @@ class Server:
         session.end(reason)
         if self.engine is not None:
             future = self.engine.remove_stream(name)
-            try:
-                future.result(timeout=timeout_s)
-            except (Exception, FutureTimeout):
-                pass   # the engine is gone or failed: nothing of the stream runs any more
+            if timeout_s is not None:
+                try:
+                    future.result(timeout=timeout_s)
+                except (Exception, FutureTimeout):
+                    pass   # the engine is gone or failed: nothing of the stream runs any more
         self.ended[name] = self._report(session)
         self.log.info(f"stream {name} removed ({reason}); worker utilisation {self.admission.utilisation()}")
         self._emit(ServerEvent(name, "ended", reason, detail, self.clock()))
@@ -295,6 +317,34 @@ class Server:
         return {s.name: {"model": s.model.name, "origin": s.origin, "slo_interval_ms": s.slo_interval_ms,
                          "workers": list(s.workers), "state": "resetting" if s.health.failed else "serving"}
                 for s in sessions}
+
+    # ---- run-time changes ---------------------------------------------------------------------------
+    def check_update(self, config: ServeConfig) -> None:
+        """ConfigError (naming the key) if ``config`` does not fit a served stream's model (its SLO within
+        its control timeline)."""
+        with self._lock:
+            sessions = dict(self._sessions)
+        for name, s in config.streams.items():
+            if name in sessions:
+                check_stream_model(f"streams.{name}", s, sessions[name].model)
+
+    def update(self, config: ServeConfig) -> None:
+        """Take a changed config at run time: each served stream whose keys changed reads them from its next
+        observation and chunk on (input age, SLO interval); placements do not move."""
+        old, self.config = self.config, config
+        with self._lock:
+            sessions = dict(self._sessions)
+        for name, s in config.streams.items():
+            session = sessions.get(name)
+            if session is None or s == old.streams.get(name):
+                continue
+            session.config = s
+            session.input.max_age_s = s.max_age_s
+            slo = slo_interval_ms(s, session.model)
+            if slo != session.slo_interval_ms:
+                session.slo_interval_ms = slo
+                if self.engine is not None:
+                    self.engine.set_slo(name, slo)
 
     # ---- events ---------------------------------------------------------------------------------------
     def subscribe(self, listener: Callable[[ServerEvent], None]) -> Callable[[], None]:
@@ -316,13 +366,14 @@ class Server:
         self._emit(ServerEvent(name, "rejected", exc.reason, exc.detail, self.clock()))
         raise exc
 
-    def _on_engine_event(self, event: StreamEvent) -> None:
+    def on_engine_event(self, event: StreamEvent) -> None:
         session = self._sessions.get(event.stream)
         if session is None:
             return
         session.on_event(event)
         kind = "reset" if event.kind == "failed" else event.kind
-        self._emit(ServerEvent(event.stream, kind, event.cause or event.kind, event.reason, self.clock()))
+        self._emit(ServerEvent(event.stream, kind, event.cause or event.kind, event.reason, self.clock(),
+                               event.lost_chunks))
 
     # ---- health -------------------------------------------------------------------------------------
     def _housekeeping(self) -> None:
@@ -341,13 +392,12 @@ class Server:
             return
         failure = engine.failure
         if failure is not None:
-            if self.state == "serving":
-                self.state = "failed"
-                self.log.error(f"the engine failed: {failure}")
             with self._lock:
                 names = list(self._sessions)
             for name in names:
-                self._drop(name, "failed", str(failure), timeout_s=1.0)
+                self._drop(name, "failed", str(failure), timeout_s=None)
+            return
+        if not engine.ready.is_set():
             return
         mono, now = time.monotonic(), self.clock()
         for wname, w in engine.snapshot()["workers"].items():

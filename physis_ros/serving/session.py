@@ -45,6 +45,7 @@ class Chunk:
     telemetry: ChunkRecord        # timings, on the server clock (s) and in ms
     actions: np.ndarray | None    # a world-action model's actions, float32 [horizon, dof]; None for a world model
     frames: np.ndarray | None     # a world model's predicted latent frames; None for a world-action model
+    tag: Any = None               # the front end's own stamp of that observation (a ROS header stamp), as given
 
 
 @dataclass
@@ -213,9 +214,8 @@ class Session:
         """A finished chunk (the engine's ``on_output`` callback): to ``on_chunk``, else to the queue."""
         output = np.asarray(out.output)
         wam = self.model.kind == "wam"
-        chunk = Chunk(self.name, out.chunk, self.health.epoch, output,
-                      out.tag if isinstance(out.tag, float) else out.record.obs_stamp, out.record,
-                      output if wam else None, None if wam else output)
+        chunk = Chunk(self.name, out.chunk, self.health.epoch, output, out.record.obs_stamp, out.record,
+                      output if wam else None, None if wam else output, out.tag)
         self.health.delivered()
         with self.stats_lock:
             self.stats.add(out.record)

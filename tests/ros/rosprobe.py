@@ -148,6 +148,30 @@ def diag_values(array_msg, what: str) -> dict[str, str] | None:
     return None
 
 
+def admitted_stream(node, name: str, cfg):
+    """Stream ``name``'s ROS side as the node makes it once the server admitted it on w0, with no engine: its
+    session registered with a server that is not started."""
+    from physis_ros.ros.streams import RosStream
+    from physis_ros.runtime.streams import ServedModel
+    from physis_ros.serving.fit import slo_interval_ms
+    from physis_ros.serving.intake import StreamInput
+    from physis_ros.serving.server import Server
+    from physis_ros.serving.session import Session
+
+    if node.server is None:
+        node.server = Server(node.config, clock=node.now)
+        node.server.subscribe(node.on_server_event)
+    c = node.config
+    paired = [k for k in node.model.observation_shapes if k != "image"]
+    session = Session(name, cfg, ServedModel(node.model), "config", ["w0"], slo_interval_ms(cfg, node.model),
+                      StreamInput(c.deterministic, c.deterministic_queue, c.pair_timeout_s, cfg.max_age_s, node.now,
+                                  paired), node.now)
+    node.server._sessions[name] = session   # (what Server.admit does once the engine runs the stream)
+    st = RosStream(node, session)
+    session.on_chunk = st.on_chunk
+    return st
+
+
 @contextlib.contextmanager
 def served_stream(*ros_args: str, armed: bool = False):
     """The real node (config/serve.yaml, then ``ros_args``) and the ROS side of its first config stream, no
@@ -156,8 +180,6 @@ def served_stream(*ros_args: str, armed: bool = False):
     import rclpy
 
     from physis_ros.ros.node import PhysisServer
-    from physis_ros.ros.streams import RosStream
-    from physis_ros.runtime.streams import ServedModel
 
     context = rclpy.Context()
     rclpy.init(args=["physis-serve", "--ros-args", "--params-file", str(repo_config_dir() / "serve.yaml"), *ros_args],
@@ -167,7 +189,7 @@ def served_stream(*ros_args: str, armed: bool = False):
         try:
             node.armed = armed
             name, cfg = next(iter(node.config.streams.items()))
-            st = node.streams[name] = RosStream(node, name, cfg, ServedModel(node.model), "config", ["w0"])
+            st = node.streams[name] = admitted_stream(node, name, cfg)
             node.state = "serving"
             yield node, name, st
         finally:

@@ -38,6 +38,7 @@ from domains import domain  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 JOINTS = [f"joint{i}" for i in range(1, 8)]
+PROFILES = ROOT / "config" / "profiles"
 WAM = load_model_config("tiny-wam")        # 4 steps x 8 blocks
 ACWM = load_model_config("tiny-acwm")
 
@@ -196,19 +197,15 @@ def test_a_model_that_cannot_fit_the_workers_is_refused_from_its_shape_before_an
         eight.check_memory(load_model_config("wan2.1-1.3b"))
     assert "the host's CPU workers share its 9.0 GB" in exc.value.detail, exc.value.detail
 
-    # In the hub: refused before the catalog resolves (builds, profiles) anything.
+    # In the server: refused before the catalog resolves (builds, profiles) anything.
     built = []
     monkeypatch.setattr("physis_ros.serving.catalog.measure_in_child", lambda *a, **k: built.append(a))
-    hub = hub_with(workers=2)
-    hub.node.engine = SimpleNamespace(ready=SimpleNamespace(is_set=lambda: True), failure=None)
-    hub.catalog.resolve = lambda *a, **k: built.append(a)
-    try:
-        with pytest.raises(Rejected) as exc:
-            asyncio.run(hub.join("big", stream(model="wan2.1-14b"), "action", ticker=None))
-        assert exc.value.reason == "memory" and built == []
-        assert hub.joining == {} and hub.rejections[-1][:2] == ("big", "memory")
-    finally:
-        hub.close()
+    server = serving_server(workers=2)
+    server.catalog.resolve = lambda *a, **k: built.append(a)
+    with pytest.raises(Rejected) as exc:
+        server.join("big", model="wan2.1-14b", joint_names=JOINTS)
+    assert exc.value.reason == "memory" and built == []
+    assert server._joining == set() and server.rejections[-1][:2] == ("big", "memory")
 
 
 def test_memory_is_charged_per_stage_and_refused_by_name():
@@ -384,27 +381,37 @@ def test_a_stream_publishes_only_on_topics_of_its_own():
         hub.close()
 
 
-def test_hub_refuses_beyond_the_engines_stream_limit():
+def serving_server(**engine):
+    """A Server whose engine is a stand-in that serves (nothing is started), admitting on the shipped
+    profiles."""
+    from physis_ros.serving.server import Server
+
+    config = ServeConfig(engine=dataclasses.replace(ServeConfig().engine, **engine),
+                         admission=dataclasses.replace(ServeConfig().admission, profiles=str(PROFILES)))
+    server = Server(config)
+    server.engine = SimpleNamespace(ready=threading.Event(), failure=None)
+    server.engine.ready.set()
+    return server
+
+
+def test_the_server_refuses_beyond_the_engines_stream_limit():
     # Bug found: the engine's max_streams was not part of admission, so the (max_streams+1)-th robot that
     # fitted in time and memory was refused by the engine afterwards as "not-serving", though the server was.
-    hub = hub_with({"a": "a", "b": "b"}, max_streams=2)
-    try:
-        hub.check("c", stream())                  # the request itself is fine ...
-        with pytest.raises(Rejected) as exc:      # ... there is no room for it
-            hub.check_room()
-        assert exc.value.cause == "stream-limit"
-        # A bad request is refused for what is wrong with it, full server or not (it said stream-limit).
-        assert refused(hub, "c", stream(joint_names=[])) == "invalid-request"
-        assert refused(hub, "c" * 100_000, stream()) == "invalid-request"
-    finally:
-        hub.close()
-    # Goals still being checked hold no room: only running streams count.
-    hub = hub_with({"a": "a"}, max_streams=2)
-    try:
-        hub.joining["j"] = stream()
-        hub.check_room()
-    finally:
-        hub.close()
+    server = serving_server(max_streams=2)
+    server.admission.admitted.update(a=None, b=None)     # two running streams
+    with pytest.raises(Rejected) as exc:                 # the request itself is fine; there is no room for it
+        server.join("c", joint_names=JOINTS)
+    assert exc.value.reason == "capacity" and exc.value.cause == "stream-limit"
+    # A bad request is refused for what is wrong with it, full server or not (it said stream-limit).
+    for bad in ({"name": "c", "joint_names": []}, {"name": "c" * 100_000, "joint_names": JOINTS}):
+        with pytest.raises(Rejected) as exc:
+            server.join(bad.pop("name"), **bad)
+        assert exc.value.reason == "invalid-request"
+    # Streams still being admitted hold no room: only running streams count.
+    server = serving_server(max_streams=2)
+    server.admission.admitted.update(a=None)
+    server._joining.add("j")
+    server._check_room()
 
 
 def test_goal_fields_are_checked_against_what_ros_and_the_timeline_take():
@@ -459,9 +466,7 @@ def test_two_goals_racing_for_one_namespace_do_not_both_get_it():
         gate.wait(10.0)
         raise Rejected("unknown-model", "the test ends the first join here")
 
-    hub.catalog.resolve = resolve
-    hub.node.engine = SimpleNamespace(ready=SimpleNamespace(is_set=lambda: True), failure=None)
-    hub.node.state = "serving"
+    hub.node.server = SimpleNamespace(state="serving", admit=lambda name, stream, origin, on_chunk: resolve(name))
 
     class Ticker:                                   # the hub awaits only ticker.wait(concurrent future)
         async def wait(self, future):
@@ -685,7 +690,7 @@ def goal_server():
     from rclpy.executors import SingleThreadedExecutor
 
     from physis_ros.ros.serve_action import ServeStreamServer
-    from physis_ros.ros.streams import StreamHealthState
+    from physis_ros.serving.session import SessionHealth
 
     context = rclpy.Context()
     rclpy.init(context=context, domain_id=domain("unit"))
@@ -695,11 +700,11 @@ def goal_server():
 
     class Hub:
         async def join(self, name, cfg, origin, ticker):
-            st = SimpleNamespace(name=name, namespace=name, health=StreamHealthState(), workers=["w0"],
+            st = SimpleNamespace(name=name, namespace=name, health=SessionHealth(), workers=["w0"],
                                  slo_interval_ms=80.0, stats=SimpleNamespace(total=0),
                                  records=lambda: ([], 0, 0, [], []))
             node.streams[name] = st
-            return st, None
+            return st
 
         def leave(self, name):
             st = node.streams.pop(name, None)

@@ -192,20 +192,20 @@ def test_a_reset_stream_is_error_until_it_publishes_again_and_its_resets_by_caus
             s = next(s for s in health.statuses(node) if s.name == f"{node.diag_prefix}: {name}")
             return s.level, s.message, values(s)
 
-        st.on_event(StreamEvent(name, "failed", "chunk 3 lost (dropped_task)", 2, "task_lost"))
+        node.server.on_engine_event(StreamEvent(name, "failed", "chunk 3 lost (dropped_task)", 2, "task_lost"))
         level, msg, v = verdict()
         assert level == ERROR and "stream failed" in msg, msg
         assert v["resets.task_lost"] == "1" and v["failures_total"] == "1" and v["lost_chunks_total"] == "2"
-        st.on_event(StreamEvent(name, "readmitted", "placed again on w0"))
+        node.server.on_engine_event(StreamEvent(name, "readmitted", "placed again on w0"))
         level, msg, v = verdict()    # re-admitted, nothing published yet: still ERROR
         assert level == ERROR and "recovering" in msg and "task_lost" in msg, msg
-        st.on_event(StreamEvent(name, "failed", "chunk 9 past its bound", 1, "chunk_timeout"))
-        st.on_event(StreamEvent(name, "readmitted", "placed again on w0"))
+        node.server.on_engine_event(StreamEvent(name, "failed", "chunk 9 past its bound", 1, "chunk_timeout"))
+        node.server.on_engine_event(StreamEvent(name, "readmitted", "placed again on w0"))
         assert verdict()[0] == ERROR
         now = node.now()
         rec = records(1, 0.1, end=now)[0]
         rec.stream, rec.chunk = name, 12
-        st.on_output(ChunkOutput(name, 12, np.zeros(st.model.output_shape, np.float32), rec, time_msg(now)))
+        st.session.deliver(ChunkOutput(name, 12, np.zeros(st.model.output_shape, np.float32), rec, time_msg(now)))
         level, msg, v = verdict()    # it published again: no longer the reset's ERROR
         assert "recovering" not in msg and "failed" not in msg, msg
         assert v["resets.task_lost"] == "1" and v["resets.chunk_timeout"] == "1" and v["failures_total"] == "2"
@@ -227,11 +227,11 @@ def test_a_chunk_that_cannot_be_published_is_counted_as_lost_with_the_reason():
     from physis_ros.runtime.streams import ChunkOutput
 
     with served_stream(armed=True) as (node, name, st):
-        st.config = dataclasses.replace(st.config, trajectory_start_offset_s=1e308)   # (what the set let in)
+        st.session.config = dataclasses.replace(st.config, trajectory_start_offset_s=1e308)   # (what the set let in)
         now = node.now()
         for i, rec in enumerate(records(3, 0.1, end=now)):
             rec.stream, rec.chunk = name, i
-            st.on_output(ChunkOutput(name, i, np.zeros(st.model.output_shape, np.float32), rec, time_msg(now)))
+            st.session.deliver(ChunkOutput(name, i, np.zeros(st.model.output_shape, np.float32), rec, time_msg(now)))
         s = next(s for s in health.statuses(node) if s.name == f"{node.diag_prefix}: {name}")
         v = values(s)
         assert v["lost_chunks_total"] == "3" and v["unpublished_total"] == "3", v
@@ -258,14 +258,14 @@ def test_a_storm_of_resets_logs_one_line_per_cause_per_period():
         log = Recorder()
         node.get_logger = lambda: log
         for i in range(50):
-            st.on_event(StreamEvent(name, "failed", f"chunk {i} lost", 1, "task_lost"))
-            st.on_event(StreamEvent(name, "readmitted", "placed again on w0"))
-        st.on_event(StreamEvent(name, "failed", "chunk 99 past its bound", 1, "chunk_timeout"))
+            node.server.on_engine_event(StreamEvent(name, "failed", f"chunk {i} lost", 1, "task_lost"))
+            node.server.on_engine_event(StreamEvent(name, "readmitted", "placed again on w0"))
+        node.server.on_engine_event(StreamEvent(name, "failed", "chunk 99 past its bound", 1, "chunk_timeout"))
         assert [kind for kind, _ in log.lines] == ["error", "warning", "error"], log.lines
         assert "reset (task_lost)" in log.lines[0][1] and "reset (chunk_timeout)" in log.lines[2][1]
         assert st.health.failures == 51 and st.health.resets == {"task_lost": 50, "chunk_timeout": 1}
         st.throttle.clock = lambda: 1e12   # a period later: the next line says how many were held back
-        st.on_event(StreamEvent(name, "failed", "chunk 100 lost", 1, "task_lost"))
+        node.server.on_engine_event(StreamEvent(name, "failed", "chunk 100 lost", 1, "task_lost"))
         assert "49 similar line(s) held back" in log.lines[-1][1], log.lines[-1]
 
 

@@ -19,7 +19,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 from physis_ros.config import ConfigError, repo_config_dir, to_mapping
 from physis_ros.ros.launcher import Child, serve_command, synthetic_command
 
-from rosprobe import DOMAIN, JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, write_config
+from rosprobe import DOMAIN, JOINTS, NODE, NODE_ARGS, TAG, Probe, admitted_stream, child_env, write_config
 
 pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
 
@@ -52,11 +52,8 @@ def server_node(*ros_args: str, file_mapping=None, overrides=None, **kw):
 
 def ros_sides(node) -> None:
     """The config streams' ROS side, as admission makes it once the node is configured (no engine here)."""
-    from physis_ros.ros.streams import RosStream
-    from physis_ros.runtime.streams import ServedModel
-
     for name, s in node.config.streams.items():
-        node.streams[name] = RosStream(node, name, s, ServedModel(node.model), "config", ["w0"])
+        node.streams[name] = admitted_stream(node, name, s)
 
 
 def flat_leaves(mapping: dict, prefix: str = "") -> dict:

@@ -50,7 +50,7 @@ def publish_two_chunks(*ros_args: str) -> tuple[list, list, list, object]:
             now = time.time()
             rec = ChunkRecord(name, chunk, now - 0.05, now - 0.05, now, math.nan, [1.0], 0.0, [], [1])
             rec.first_step, rec.step0, rec.delay_steps, rec.shift = first_step, now - rows_due * PERIOD, 2, first_step
-            st.on_output(ChunkOutput(name, chunk, np.full((horizon, dof), value, np.float32), rec, time_msg(now)))
+            st.session.deliver(ChunkOutput(name, chunk, np.full((horizon, dof), value, np.float32), rec, time_msg(now)))
         deadline = time.monotonic() + 10.0
         while min(len(trajectories), len(telemetry), len(chunks)) < 2 and time.monotonic() < deadline:
             executor.spin_once(timeout_sec=0.05)
