@@ -74,7 +74,7 @@ setup(
             "physis-report=physis_ros.cli.report:main",
             "physis-serve=physis_ros.cli.serve:main",
             "physis-demo=physis_ros.cli.demo:main",
-            "physis-synthetic=physis_ros.ros.synthetic:main",
+            "physis-synthetic=physis_ros.cli.synthetic:main",
             "physis-stream=physis_ros.cli.stream:main",
             "physis-train=physis_ros.cli.train:main",
         ],

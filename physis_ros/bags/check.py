@@ -182,7 +182,7 @@ def run_check(options: CheckOptions) -> CheckResult:
         inputs_topics = [t for t in serve.input_topics if t in present]
         if not inputs_topics:
             raise BagError(f"{options.bag} has none of the server's input topics ({', '.join(serve.input_topics)})")
-        from physis_ros.cli.common import preflight_serve
+        from physis_ros.console import preflight_serve
         preflight_serve(serve.config)      # checkpoint, profile, keys readable: before a server waits on them
         inputs = collect_inputs(options.bag, serve)
     except Exception as exc:      # BagError, ConfigError, CliError; an unreadable model or message

@@ -1,8 +1,8 @@
-"""Admission in the served product, live: robots join a running ``physis-serve`` through the
-``~/serve_stream`` action until one is rejected; then a robot of a second model joins where capacity
-remains (where none does, it is rejected with the reason and asks again once a robot has left); then one
-robot leaves and a new one joins. Run once with the workers batching (``adaptive``:
-admission credits time-sharing at the batch-cost curve) and once without (``off``: no credit).
+"""Admission (scheduling/admission.py) in the served product, live: robots join a running ``physis-serve``
+through the ``~/serve_stream`` action until one is rejected; then a robot of a second model joins where
+capacity remains (where none does, it is rejected with the reason and asks again once a robot has left); then
+one robot leaves and a new one joins. Run once with the workers batching (``adaptive``: admission credits
+time-sharing at the batch-cost curve) and once without (``off``: no credit).
 
     physis-bench admission [--modes adaptive,off] [--window 8] [--settle 3] --json out.json [--plot out.png]
 
@@ -121,7 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------------------------------------- set-up
 def _settings(args: argparse.Namespace) -> dict:
-    from physis_ros.cli.common import CliError
+    from physis_ros.console import CliError
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("adaptive", "on", "off")]
@@ -179,7 +179,7 @@ def _profiles(args, models: list, repeats: int, corun: float, out_dir: Path) -> 
     """Both models' cost profiles as files the servers read (admission.profiles) and the replay loads."""
     import json
 
-    from physis_ros.cli.common import set_threads
+    from physis_ros.console import set_threads
     from physis_ros.scheduling.profiles import load_profile
 
     set_threads(1)  # as the workers run
@@ -214,7 +214,7 @@ def _profiles(args, models: list, repeats: int, corun: float, out_dir: Path) -> 
 def run(args: argparse.Namespace) -> int:
     import yaml
 
-    from physis_ros.cli.common import serve_config_or_exit, write_json
+    from physis_ros.console import serve_config_or_exit, write_json
     from physis_ros.serving.config import load_serve_mapping, serve_config
 
     st = _settings(args)

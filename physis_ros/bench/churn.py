@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from physis_ros.bench.goals import Burst, serving
-from physis_ros.cli.common import write_json
+from physis_ros.console import write_json
 from physis_ros.heap import rss_mb
 
 JOINTS = [f"joint{i}" for i in range(1, 8)]

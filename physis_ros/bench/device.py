@@ -1,4 +1,5 @@
-"""The device check: one run that says what a device does for this server (``bench/device_check.sh``).
+"""The device check (of runtime/device.py's device): one run that says what a device does for this server
+(``bench/device_check.sh``).
 
 On ``--device`` (a GPU, or ``cpu`` as the CI smoke test of this same code):
 
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 import uvloop
 
-from physis_ros.cli.common import device_arg, write_json
+from physis_ros.console import device_arg, write_json
 from physis_ros.model import build_model, load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.reference import ReferenceRollout, reference_rollout

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from physis_ros.cli.common import write_json
+from physis_ros.console import write_json
 
 JOINTS = [f"joint{i}" for i in range(1, 8)]
 

@@ -1,4 +1,5 @@
-"""Delay-aware hand-off between chunks: seams, smoothness and tracking on a simulated robot.
+"""Delay-aware hand-off between chunks (model/handoff.py), measured: seams, smoothness and tracking on a
+simulated robot.
 
 One real engine with ``--workers`` worker processes serves the trained demo policy (and, once, the
 randomly initialised model for scale) to ``--robots`` robots at a time, each on its control timeline
@@ -49,7 +50,7 @@ import torch
 import uvloop
 
 from physis_ros.bench.robot import SimulatedRobot
-from physis_ros.cli.common import write_json
+from physis_ros.console import write_json
 from physis_ros.model.handoff import MODES
 from physis_ros.observations import ScriptedExpert, SyntheticScene
 from physis_ros.serving.capacity import ServerAdmission
@@ -410,7 +411,7 @@ def plot(result: dict, path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     unknown = [m for m in args.modes.split(",") if m.strip() and m.strip() not in MODES]
     if unknown:
-        from physis_ros.cli.common import CliError
+        from physis_ros.console import CliError
         raise CliError(f"--modes: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     torch.set_num_threads(1)
     print(f"physis-bench handoff: {args.robots} robot(s) per run on {args.workers} worker(s), {args.chunks} chunks "

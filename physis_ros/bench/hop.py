@@ -55,7 +55,7 @@ import numpy as np
 import torch
 import zmq
 
-from physis_ros.cli.common import write_json
+from physis_ros.console import write_json
 from physis_ros.bench.hop_ends import FLOOR_MODES, Setup, TransportFailed, measure_transport
 from physis_ros.runtime import wire
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import uvloop
 
-from physis_ros.cli.common import device_arg, write_json
+from physis_ros.console import device_arg, write_json
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import build_model, load_model_config
 from physis_ros.observations import SyntheticScene

@@ -118,7 +118,7 @@ def run_scenario(name: str, args: argparse.Namespace, cfg, config: Path, node, e
 
 
 def run(args: argparse.Namespace) -> int:
-    from physis_ros.cli.common import serve_config_or_exit, write_json
+    from physis_ros.console import serve_config_or_exit, write_json
 
     config, cfg = serve_config_or_exit(args.config, "physis-bench ros")
     scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import uvloop
 
-from physis_ros.cli.common import write_json
+from physis_ros.console import write_json
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.model import load_model_config
 from physis_ros.observations import SyntheticScene

@@ -1,5 +1,5 @@
-"""Joint scheduling, live: tiny-wam streams admitted one by one onto local CPU workers until one is
-rejected; each admitted stream's measured output interval against its SLO.
+"""Joint scheduling, live, for the streams of runtime/streams.py: tiny-wam streams admitted one by one onto local
+CPU workers until one is rejected; each admitted stream's measured output interval against its SLO.
 
 Admission uses the measured CPU profile (``config/profiles/<model>.cpu.json``,
 or measured now); see ``physis_ros.scheduling.live``. Run as
@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from physis_ros.cli.common import write_json
+from physis_ros.console import write_json
 from physis_ros.scheduling.live import run_live
 
 

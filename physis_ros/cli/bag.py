@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from physis_ros.bags.bagio import UnknownTypeError, bag_info, rclpy_class
-from physis_ros.cli.common import (EXIT_FAILED, EXIT_SKIPPED, EXIT_USAGE, ArgumentParser, CliError, check_writable,
+from physis_ros.console import (EXIT_FAILED, EXIT_SKIPPED, EXIT_USAGE, ArgumentParser, CliError, check_writable,
                                    cli_main, nonneg_float, one_line, positive_float, positive_int, print_error,
                                    yaml_file)
 

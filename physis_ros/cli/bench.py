@@ -23,7 +23,7 @@ import argparse
 import importlib
 import sys
 
-from physis_ros.cli.common import (ArgumentParser, CliError, check_json_file, check_writable, check_yaml_file,
+from physis_ros.console import (ArgumentParser, CliError, check_json_file, check_writable, check_yaml_file,
                                    cli_main)
 
 SUBCOMMANDS = {

@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from physis_ros.cli.common import (ArgumentParser, check_writable, cli_main, nonneg_float, positive_float,
+from physis_ros.console import (ArgumentParser, check_writable, cli_main, nonneg_float, positive_float,
                                    positive_int, serve_config_or_exit, write_json)
 
 

@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from physis_ros.cli.common import ArgumentParser, CliError, cli_main
+from physis_ros.console import ArgumentParser, CliError, cli_main
 
 
 def _client_name(text: str) -> str:

@@ -1,4 +1,5 @@
-"""``physis-report``: latency report of a recorded run (a bag with the server's /telemetry).
+"""``physis-report``: bags/report.py as a command, the latency report of a recorded run (a bag with the server's
+/telemetry).
 
     physis-report BAG --out DIR [--slo-ms 100] [--topic /telemetry]
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from physis_ros.cli.common import ArgumentParser, CliError, cli_main, positive_float
+from physis_ros.console import ArgumentParser, CliError, cli_main, positive_float
 
 
 @cli_main("physis-report")

@@ -18,7 +18,7 @@ import hashlib
 import sys
 import time
 
-from physis_ros.cli.common import (ArgumentParser, check_writable, cli_main, device_arg, fail, model_arg, nonneg_int,
+from physis_ros.console import (ArgumentParser, check_writable, cli_main, device_arg, fail, model_arg, nonneg_int,
                                    positive_int, set_threads, write_json)
 
 

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from physis_ros.cli.common import (ArgumentParser, check_yaml_file, model_arg, nonneg_float, nonneg_int,
+from physis_ros.console import (ArgumentParser, check_yaml_file, model_arg, nonneg_float, nonneg_int,
                                    positive_float, preflight_serve, run_main, set_threads, split_ros_args)
 from physis_ros import heap
 from physis_ros.config import ConfigError

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from physis_ros.cli.common import (ArgumentParser, check_json_file, check_writable, check_yaml_file, cli_main, fail,
+from physis_ros.console import (ArgumentParser, check_json_file, check_writable, check_yaml_file, cli_main, fail,
                                    nonneg_float, nonneg_int, positive_float, positive_int, write_json)
 
 SWEEP_X = (0.3, 0.45, 0.55, 0.7, 0.9, 1.05, 1.1, 1.25, 1.4, 1.6, 1.9, 2.1, 2.4, 2.6, 3.1, 3.4, 3.6, 4.2)

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-from physis_ros.cli.common import (ArgumentParser, CliError, nonneg_float, nonneg_int, positive_float, run_main,
+from physis_ros.console import (ArgumentParser, CliError, nonneg_float, nonneg_int, positive_float, run_main,
                                    split_ros_args, write_json)
 
 PROG = "physis-stream"

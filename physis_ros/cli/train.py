@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from physis_ros.cli.common import (EXIT_FAILED, ArgumentParser, check_writable, cli_main, fail, model_arg,
+from physis_ros.console import (EXIT_FAILED, ArgumentParser, check_writable, cli_main, fail, model_arg,
                                    nonneg_int, positive_float, positive_int, set_threads, write_json)
 
 PROG = "physis-train"

@@ -1,4 +1,4 @@
-"""``physis-worker``: one worker process (one device).
+"""``physis-worker``: runtime/worker.py as a command, one worker process (one device).
 
 The engine starts local workers itself; start one by hand on another host
 with ``physis-worker --connect tcp://ENGINE:PORT --id wN --bind-host THIS_HOST
@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 
-from physis_ros.cli.common import ArgumentParser, check_keys_dir, cli_main, device_arg, positive_int
+from physis_ros.console import ArgumentParser, check_keys_dir, cli_main, device_arg, positive_int
 
 PR_SET_PDEATHSIG = 1
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from physis_ros.config import ConfigError
 from physis_ros.ros import health
 from physis_ros.ros.streams import RosStream
-from physis_ros.ros.tasks import Ticker
+from physis_ros.ros.ticker import Ticker
 from physis_ros.serving.capacity import Rejected
 from physis_ros.serving.config import (StreamConfig, check_stream_name, resolve_topic, stream_namespace,
                                        stream_topics)

@@ -71,7 +71,7 @@ def serve_command(config: str | Path, *extra: str) -> list[str]:
 
 
 def synthetic_command(config: str | Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "physis_ros.ros.synthetic", "--config", str(config), *extra]
+    return [sys.executable, "-m", "physis_ros.cli.synthetic", "--config", str(config), *extra]
 
 
 def wait_until(predicate, timeout: float, step: float = 0.05) -> bool:

@@ -33,7 +33,7 @@ from physis_ros.config import ConfigError, from_mapping
 from physis_ros.ros import qos
 from physis_ros.serving.capacity import Rejected
 from physis_ros.serving.config import QoSConfig, StreamConfig
-from physis_ros.ros.tasks import Ticker
+from physis_ros.ros.ticker import Ticker
 from physis_ros.srv import ListStreams, RemoveStream
 from physis_ros.telemetry import window_stats
 

@@ -1,5 +1,5 @@
-"""One robot on the ROS side: the subscriptions that feed its model, the publishers of its chunks,
-and its statistics (:class:`RosStream`).
+"""One robot on the ROS side (a stream of runtime/streams.py and serving/session.py): the subscriptions that feed
+its model, the publishers of its chunks, and its statistics (:class:`RosStream`).
 
 Inputs: every observation the model takes has its topic (``image`` <- camera, ``state`` <-
 joint_states, ``actions`` <- the actions a world model imagines), validated by the server's

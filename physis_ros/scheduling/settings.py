@@ -1,4 +1,5 @@
-"""Typed settings of the joint scheduler: the device a cluster is made of and the search knobs.
+"""Typed settings of the joint scheduler (as runtime/settings.py has the engine's): the device a cluster is made
+of and the search knobs.
 
 ``config/devices/<name>.yaml`` describes one device kind (roofline numbers, memory,
 link); ``config/scheduling.yaml`` holds the scheduler settings (headroom, LDS

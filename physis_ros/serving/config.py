@@ -1,4 +1,4 @@
-"""Configuration of the ROS 2 action server (``config/serve.yaml``), validated once at the edge.
+"""The serve config (``config/serve.yaml``) in config.py's typed dataclasses, validated once at the edge.
 
 The same file serves two front ends:
 

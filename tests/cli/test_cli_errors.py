@@ -7,8 +7,8 @@ runs as a real subprocess of the installed console script (so argument parsing, 
 top-level error handling are the user's), all rows in parallel: each start imports rclpy or torch.
 
 The one line is ``<prog>: error: <what is wrong and how to fix it>`` (``physis-bag check: error: ...``
-for a subcommand's flags): argparse's errors too, since physis_ros.cli.common.ArgumentParser prints
-no usage block (``--help`` shows the usage). Exit codes (physis_ros/cli/common.py, README "Commands"):
+for a subcommand's flags): argparse's errors too, since physis_ros.console.ArgumentParser prints
+no usage block (``--help`` shows the usage). Exit codes (physis_ros/console.py, README "Commands"):
 0 success, 1 the run failed, 2 usage or input error, 3 physis-bag replay skipped unknown types,
 70 internal error, 130 interrupted.
 """
@@ -321,7 +321,7 @@ def test_help_documents_the_exit_codes(command, capsys):
     import importlib
 
     prog, *sub = command.split()
-    module = {"physis-synthetic": "physis_ros.ros.synthetic"}.get(prog, f"physis_ros.cli.{prog[len('physis-'):]}")
+    module = f"physis_ros.cli.{prog[len('physis-'):]}"
     main = importlib.import_module(module).main
     assert main([*sub, "--help"]) == 0       # argparse's SystemExit(0) becomes main's return value
     text = capsys.readouterr().out
@@ -329,7 +329,7 @@ def test_help_documents_the_exit_codes(command, capsys):
 
 
 def test_an_unexpected_exception_is_one_line_exit_70(capsys, monkeypatch):
-    from physis_ros.cli.common import EXIT_INTERNAL, run_main
+    from physis_ros.console import EXIT_INTERNAL, run_main
 
     def body(argv):
         raise TypeError("boom")
@@ -345,7 +345,7 @@ def test_an_unexpected_exception_is_one_line_exit_70(capsys, monkeypatch):
 
 
 def test_interrupt_is_130_and_input_errors_are_2(capsys, monkeypatch):
-    from physis_ros.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, run_main
+    from physis_ros.console import EXIT_INTERRUPTED, EXIT_USAGE, run_main
 
     monkeypatch.delenv("PHYSIS_DEBUG", raising=False)
 

@@ -76,7 +76,7 @@ class Robots:
 
     def _run(self) -> None:
         from physis_ros.observations import SyntheticScene
-        from physis_ros.ros.synthetic import image_bytes
+        from physis_ros.cli.synthetic import image_bytes
 
         period, next_tick = 1.0 / RATE_HZ, time.monotonic()
         while not self.stop.wait(max(0.0, next_tick - time.monotonic())):

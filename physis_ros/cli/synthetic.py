@@ -137,13 +137,13 @@ def streams_from_config(path: str) -> dict[str, SyntheticStream]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from physis_ros.cli.common import run_main
+    from physis_ros.console import run_main
 
     return run_main("physis-synthetic", _main, argv)
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from physis_ros.cli.common import (ArgumentParser, check_yaml_file, nonneg_float, positive_float, positive_int,
+    from physis_ros.console import (ArgumentParser, check_yaml_file, nonneg_float, positive_float, positive_int,
                                        split_ros_args)
 
     p = ArgumentParser(prog="physis-synthetic", description=__doc__)
