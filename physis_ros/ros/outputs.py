@@ -26,7 +26,7 @@ from physis_ros.timeline import first_due_row
 
 
 @dataclass(frozen=True)
-class Placement:
+class ChunkLanding:
     """Where a chunk lands on the robot's timeline when it is published: row ``i`` is control step
     ``first_step + i``, due at ``row0_due + i * period`` (node clock); rows before ``first_row`` are
     already due (late points)."""
@@ -49,7 +49,7 @@ class Placement:
         return self.row0_due + self.first_row * self.period
 
 
-def place_chunk(stream: StreamConfig, record: ChunkRecord, obs_sec: float, now: float, horizon: int) -> Placement:
+def place_chunk(stream: StreamConfig, record: ChunkRecord, obs_sec: float, now: float, horizon: int) -> ChunkLanding:
     """Place a chunk published at ``now``. Row 0 is due at, by ``stream.trajectory_start``: its step on
     the control timeline (``timeline``; the observation's stamp for a chunk without one), the
     observation's stamp (``observation``), or one control period after publication (``emit``:
@@ -65,11 +65,11 @@ def place_chunk(stream: StreamConfig, record: ChunkRecord, obs_sec: float, now: 
     row0 += stream.trajectory_start_offset_s
     # a row due before the message is out is history too (trajectory_min_lead_s)
     first = first_due_row(row0, period, now + stream.trajectory_min_lead_s, horizon)
-    return Placement(record.first_step, row0, period, first, horizon, record.delay_steps)
+    return ChunkLanding(record.first_step, row0, period, first, horizon, record.delay_steps)
 
 
 def action_chunk_msg(stream_name: str, stream: StreamConfig, chunk: int, actions: np.ndarray, obs_stamp: Time,
-                     placement: Placement | None = None) -> ActionChunk:
+                     placement: ChunkLanding | None = None) -> ActionChunk:
     horizon, dof = actions.shape
     msg = ActionChunk()
     msg.header.stamp = obs_stamp

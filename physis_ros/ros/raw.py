@@ -122,7 +122,7 @@ class ActionChunkRaw:
         self.buf, self.at = w.buf, w.at
         self.actions = _f_view(self.buf, w.at["actions"], horizon * dof, "<f4").reshape(self.shape)
 
-    def render(self, chunk: int, actions: np.ndarray, obs_stamp: Time, placement: outputs.Placement) -> bytes:
+    def render(self, chunk: int, actions: np.ndarray, obs_stamp: Time, placement: outputs.ChunkLanding) -> bytes:
         if actions.shape != self.shape:
             raise ValueError(f"actions of shape {actions.shape}, template made for {self.shape}")
         buf, at = self.buf, self.at

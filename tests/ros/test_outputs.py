@@ -43,7 +43,7 @@ def test_action_chunk_carries_its_place_on_the_timeline():
     np.testing.assert_array_equal(np.frombuffer(msg.actions, np.float32).reshape(16, 7), actions)
     assert (msg.first_step, msg.late_points, msg.late) == (0, 0, False)
 
-    placement = outputs.Placement(first_step=42, row0_due=7.5, period=0.02, first_row=3, horizon=16, delay_steps=2)
+    placement = outputs.ChunkLanding(first_step=42, row0_due=7.5, period=0.02, first_row=3, horizon=16, delay_steps=2)
     msg = outputs.action_chunk_msg("r", s, 3, actions, stamp, placement)
     assert (msg.first_step, msg.inference_delay_steps, msg.late_points, msg.late) == (42, 2, 3, False)
     assert seconds(msg.step0_stamp) == pytest.approx(7.5)

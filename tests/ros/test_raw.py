@@ -75,9 +75,9 @@ def rosbags_traj(store, m: JointTrajectory) -> bytes:
     return bytes(store.serialize_cdr(msg, TRAJ_T))
 
 
-def placement(rng, horizon: int, period: float) -> outputs.Placement:
+def placement(rng, horizon: int, period: float) -> outputs.ChunkLanding:
     first = int(rng.integers(0, horizon + 1))
-    return outputs.Placement(first_step=int(rng.integers(0, 2**63)), row0_due=float(rng.uniform(0, 2e9)),
+    return outputs.ChunkLanding(first_step=int(rng.integers(0, 2**63)), row0_due=float(rng.uniform(0, 2e9)),
                              period=period, first_row=first, horizon=horizon, delay_steps=int(rng.integers(0, 9)))
 
 
