@@ -1,23 +1,22 @@
 """Delay-aware hand-off between chunks (model/handoff.py), measured: seams, smoothness and tracking on a
 simulated robot.
 
-One real engine with ``--workers`` worker processes serves the trained demo policy (and, once, the
-randomly initialised model for scale) to ``--robots`` robots at a time, each on its control timeline
-(cadence ``timeline``: one release every ``s`` steps, admitted and placed by the server's own joint
-scheduler). Each robot is simulated (:class:`~physis_ros.bench.robot.SimulatedRobot`): it executes
-the chunks it receives on the timeline, closed loop (an observation is the bundled scene's camera
-view now plus the arm's commanded position now), and a chunk reaches it ``d`` extra control steps
-after the server hands it out, the injected delay. For every hand-off mode (none, hard, soft) and
-``d`` in ``--delays`` it reports the seam (position and velocity jump where a new chunk takes over),
-the jerk of what the arm executed, late points and chunks, the tracking error against the scene's
-scripted expert for the same observations (over the rows the robot is sent: from the first not yet due
-to the chunk's end), and the response overhead: from the moment the simulated
-camera's frame is ready to the chunk handed out, minus the chunk's compute on its workers (the frame
-is stamped at capture; its render, the sensor's own time, is reported beside it as
-``sensor_ms_p50`` and counted in ``response_overhead_from_capture_ms_p50``; of it, ``overhead_queue_ms_p50``
-waited in worker ready queues and ``overhead_hops_ms_p50`` was on the wire). Every run serves the same
-stream names, so modes and delays see the same sampler noise (drawn from seed, stream and chunk) as well
-as the same scene.
+One :class:`~physis_ros.serving.server.Server` with ``--workers`` worker processes serves the trained demo
+policy (and, once, the randomly initialised model for scale) to ``--robots`` robots at a time, each joining
+through the Server API as any client does, on its control timeline (cadence ``timeline``: one release every
+``s`` steps, admitted, placed and paced by the server). Each robot is simulated
+(:class:`~physis_ros.bench.robot.SimulatedRobot`): it executes the chunks it receives on the timeline, closed
+loop (each robot is the stream's ``source``: its observation is the bundled scene's camera view now plus the
+arm's commanded position now), and a chunk reaches it ``d`` extra control steps after the server hands it out,
+the injected delay. For every hand-off mode (none, hard, soft) and ``d`` in ``--delays`` it reports the seam
+(position and velocity jump where a new chunk takes over), the jerk of what the arm executed, late points and
+chunks, the tracking error against the scene's scripted expert for the same observations (over the rows the
+robot is sent: from the first not yet due to the chunk's end), and the response overhead: from the moment the
+simulated camera's frame is ready to the chunk handed out, minus the chunk's compute on its workers (the frame
+is stamped at capture; its render, the sensor's own time, is reported beside it as ``sensor_ms_p50`` and
+counted in ``response_overhead_from_capture_ms_p50``; of it, ``overhead_queue_ms_p50`` waited in worker ready
+queues and ``overhead_hops_ms_p50`` was on the wire). Every run serves the same stream names, so modes and
+delays see the same sampler noise (drawn from seed, stream and chunk) as well as the same scene.
 
     physis-bench handoff [--checkpoint config/checkpoints/tiny-wam-demo.safetensors] [--chunks 60]
                          [--modes none,hard,soft] [--delays 0,2,4] [--capture-margin 0.3|off]
@@ -42,25 +41,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import uvloop
 
 from physis_ros.bench.robot import SimulatedRobot
 from physis_ros.console import write_json
 from physis_ros.model.handoff import MODES
 from physis_ros.observations import ScriptedExpert, SyntheticScene
-from physis_ros.serving.capacity import ServerAdmission
-from physis_ros.serving.config import AdmissionConfig, StreamConfig
-from physis_ros.serving.catalog import ModelCatalog
-from physis_ros.runtime.engine import ChunkOutput, Engine, Observation, ServedModel, Timeline
 from physis_ros.runtime.settings import EngineConfig
-from physis_ros.scheduling.settings import load_device, load_scheduling
+from physis_ros.runtime.streams import Timeline
+from physis_ros.serving.config import StreamConfig
+from physis_ros.serving.server import Server
+from physis_ros.serving.session import Chunk
 from physis_ros.telemetry import percentile
-from physis_ros.timeline import release_pace_ms, release_steps, rms
+from physis_ros.timeline import release_steps, rms
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_CHECKPOINT = ROOT / "config" / "checkpoints" / "tiny-wam-demo.safetensors"
@@ -166,47 +164,53 @@ class Scenario:
         return self.expert.chunk(q, self.expert.target(SyntheticScene.disc_center(now - self.t0, self.phase), len(q)))
 
 
-async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedModel, names: list[str],
-                    timeline: Timeline, chunks: int, args: argparse.Namespace) -> dict[str, RobotRun]:
-    """Serve ``names`` together for ``chunks`` chunks each, closed loop with their simulated robots."""
-    cfg = served.config
-    interval_ms = timeline.execution / timeline.rate_hz * 1e3
+def serve_run(server: Server, model: str, names: list[str], mode: str, d: int, chunks: int,
+              args: argparse.Namespace) -> dict[str, RobotRun]:
+    """Serve ``names`` together for ``chunks`` chunks each, closed loop with their simulated robots, through
+    the Server API as any client is served: each robot joins with its stream keys (hand-off ``mode``, extra
+    delay ``d``), is admitted and paced by the server, and renders its observation when its chunk is due."""
+    cfg = server.catalog.config_of(model)
+    rate, s = args.control_rate_hz, args.execution_horizon
+    horizon = cfg.output_shape[0]
+    interval_ms = s / rate * 1e3
+    margin = server.config.admission.pace_margin
     runs: dict[str, RobotRun] = {}
+    done = threading.Semaphore(0)
     for i, name in enumerate(names):
         # Robot i sees the same scene (target path, from its start) in every run: modes and delays are
         # compared on the same motion, not on paths of different difficulty.
-        scenario = Scenario(f"robot{i}", cfg.observation_shapes, timeline.horizon, timeline.rate_hz)
+        scenario = Scenario(f"robot{i}", cfg.observation_shapes, horizon, rate)
         q0 = SyntheticScene.joints(cfg.observation_shapes["state"][0], 0.0, scenario.phase)
-        margin = AdmissionConfig().pace_margin
-        pace = release_pace_ms(interval_ms, margin, timeline.rate_hz)
-        robot = SimulatedRobot(q0, timeline.rate_hz, timeline.extra_delay, blend_steps=args.seam_blend_steps,
-                               keep_from=release_steps(interval_ms, margin, timeline.rate_hz))  # the next chunk's row 0
+        robot = SimulatedRobot(q0, rate, d, blend_steps=args.seam_blend_steps,
+                               keep_from=release_steps(interval_ms, margin, rate))  # the next chunk's row 0
         run = runs[name] = RobotRun(robot, scenario=scenario)
 
-        def observe(c: int, run: RobotRun = run, scenario: Scenario = scenario) -> Observation:
-            now = engine.clock()
+        def source(c: int, run: RobotRun = run, scenario: Scenario = scenario):
+            now = server.clock()
             q = run.robot.position(now)
             obs = scenario.observe(now, q)
-            run.frames[c] = (now, engine.clock(), np.array(q))
-            return Observation(obs, now)
+            run.frames[c] = (now, server.clock(), np.array(q))
+            return obs, now
 
-        def on_output(out: ChunkOutput, run: RobotRun = run, scenario: Scenario = scenario) -> None:
-            rec = out.record
-            k, seam = run.robot.receive(engine.clock(), rec.first_step, rec.step0, out.output)
-            captured, ready, q = run.frames.pop(out.chunk)
+        def on_chunk(chunk: Chunk, run: RobotRun = run, scenario: Scenario = scenario) -> None:
+            if len(run.seams) >= chunks:
+                return
+            rec, index, output = chunk.telemetry, chunk.index, chunk.output
+            k, seam = run.robot.receive(server.clock(), rec.first_step, rec.step0, output)
+            captured, ready, q = run.frames.pop(index)
             expert = scenario.expert_chunk(captured, q)
             run.seams.append((seam.position_jump, seam.velocity_jump))
-            if k < rec.delay_steps and run.last_executed == out.chunk - 1:
-                run.frozen_takeovers.append((out.chunk, seam.position_jump))
-            elif timeline.handoff != "none" and run.last_executed == out.chunk - 1 and k < len(out.output):
+            if k < rec.delay_steps and run.last_executed == index - 1:
+                run.frozen_takeovers.append((index, seam.position_jump))
+            elif mode != "none" and run.last_executed == index - 1 and k < len(output):
                 run.unfrozen_takeovers += 1
-            run.capture_lead_steps.append((rec.step0 - captured) * timeline.rate_hz)
-            if k < len(out.output):
-                run.last_executed = out.chunk
-                run.tracking.append(rms(out.output[k:], expert[k:]))
-                split = k if timeline.handoff == "none" else max(k, rec.delay_steps)
-                run.tracking_frozen.append(rms(out.output[k:split], expert[k:split]))
-                run.tracking_free.append(rms(out.output[split:], expert[split:]))
+            run.capture_lead_steps.append((rec.step0 - captured) * rate)
+            if k < len(output):
+                run.last_executed = index
+                run.tracking.append(rms(output[k:], expert[k:]))
+                split = k if mode == "none" else max(k, rec.delay_steps)
+                run.tracking_frozen.append(rms(output[k:split], expert[k:split]))
+                run.tracking_free.append(rms(output[split:], expert[split:]))
                 run.frozen_executed.append(split - k)
             compute = sum(rec.stage_ms)
             run.overhead_ms.append((rec.emit - ready) * 1e3 - compute)
@@ -215,17 +219,21 @@ async def serve_run(engine: Engine, admission: ServerAdmission, served: ServedMo
             run.queue_ms.append(rec.queue_ms)
             run.hops_ms.append(sum(rec.hops_ms))
             run.delays.append(rec.delay_steps)
-            run.outputs.append((rec.first_step, np.array(out.output), expert))
+            run.outputs.append((rec.first_step, np.array(output), expert))
+            if len(run.seams) == chunks:
+                done.release()
 
-        admitted = admission.admit(name, served, pace, interval_ms)   # as the server paces a timeline stream (hub.py)
-        await engine.add_stream(name, observe, on_output, model=served, plan=admitted.plan, chunks=chunks,
-                                slo_interval_ms=interval_ms, timeline=timeline, release_interval_ms=pace,
-                                release_phase_ms=admitted.placed.phase_ms)
+        server.join(name, model=model, joint_names=[f"joint{j + 1}" for j in range(len(q0))], control_rate_hz=rate,
+                    execution_horizon=s, handoff=mode, extra_delay_steps=d, capture_margin_steps=args.capture_margin,
+                    seam_blend_steps=args.seam_blend_steps, on_chunk=on_chunk, source=source)
+    deadline = time.monotonic() + 60.0 + chunks * interval_ms / 1e3 * 20
     for name in names:
-        await engine.wait_stream(name)
-        runs[name].resets = sum(engine.stream_status(name)["resets"].values())
-        await engine.remove_stream(name)
-        admission.remove(name)
+        if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise RuntimeError(f"the robots did not get {chunks} chunks each in time "
+                               f"({ {n: len(r.seams) for n, r in runs.items()} })")
+    for name in names:
+        runs[name].resets = sum(server.session(name).health.resets.values())
+        server.leave(name)
     return runs
 
 
@@ -285,31 +293,26 @@ def summarize_run(mode: str, d: int, model: str, runs: dict[str, RobotRun], skip
     }
 
 
-async def run_all(args: argparse.Namespace) -> dict:
+def run_all(args: argparse.Namespace) -> dict:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     delays = [int(x) for x in args.delays.split(",") if x.strip()]
-    config = EngineConfig(workers=args.workers, plan="sequential", transport=args.socket,
-                          wake_ahead_us=args.wake_ahead_us)
-    catalog = ModelCatalog("tiny-wam", "cpu", AdmissionConfig(profiles=str(ROOT / "config" / "profiles")))
-    trained = catalog.resolve(args.checkpoint)
-    random_model = catalog.resolve("tiny-wam")
-    horizon = trained.config.output_shape[0]
+    config = {"model": "tiny-wam", "engine": {"workers": args.workers, "transport": args.socket,
+                                              "wake_ahead_us": args.wake_ahead_us},
+              "admission": {"profiles": str(ROOT / "config" / "profiles")}}
     skip = min(max(4, Timeline.delay_warmup), args.chunks // 4)   # start-up and the delay estimate's warm-up
     rows, examples = [], {}
-    async with Engine(config) as engine:
-        admission = ServerAdmission(args.workers, load_device("cpu"), load_scheduling(), max_batch=1)
+    with Server.from_config(config) as server:
+        horizon = server.catalog.config_of(args.checkpoint).output_shape[0]
 
-        async def one(served: ServedModel, mode: str, d: int, model: str) -> dict:
-            timeline = Timeline(args.control_rate_hz, horizon, args.execution_horizon, handoff=mode, extra_delay=d,
-                                capture_margin=args.capture_margin)
+        def one(model: str, mode: str, d: int, label: str) -> dict:
             # The same stream names in every run: a chunk's sampler noise is drawn from (seed, stream, chunk),
             # so modes and delays are compared on the same noise as well as the same motion. Names new to
             # each run drew new noise, which moved a run's tracking error by up to 10 % on its own.
             names = [f"robot{i}" for i in range(args.robots)]
-            runs = await serve_run(engine, admission, served, names, timeline, args.chunks, args)
-            row = summarize_run(mode, d, model, runs, skip, skip * args.execution_horizon)
-            examples[(model, mode, d)] = runs[names[0]]
-            print(f"  {model:<7} {mode:<5} d={d}: seam p50/p99 {row['seam_jump_p50']:.4f}/{row['seam_jump_p99']:.4f}"
+            runs = serve_run(server, model, names, mode, d, args.chunks, args)
+            row = summarize_run(mode, d, label, runs, skip, skip * args.execution_horizon)
+            examples[(label, mode, d)] = runs[names[0]]
+            print(f"  {label:<7} {mode:<5} d={d}: seam p50/p99 {row['seam_jump_p50']:.4f}/{row['seam_jump_p99']:.4f}"
                   f" rad, velocity p99 {row['seam_velocity_jump_p99']:.3f} rad/s, jerk {row['jerk_rms']:.1f}, largest "
                   f"command step {row['max_command_step']:.3f} rad ({row['eased_chunks']} eased), "
                   f"late points {row['late_points']} (chunks {row['late_chunks']}), tracking "
@@ -321,10 +324,10 @@ async def run_all(args: argparse.Namespace) -> dict:
                   flush=True)
             return row
 
-        random_row = await one(random_model, "none", 0, "random")
+        random_row = one("tiny-wam", "none", 0, "random")
         for d in delays:
             for mode in modes:
-                rows.append(await one(trained, mode, d, "trained"))
+                rows.append(one(str(args.checkpoint), mode, d, "trained"))
     trained_none = [r for r in rows if r["mode"] == "none" and r["delay_steps"] == 0]
     result = {
         "benchmark": "handoff", "workers": args.workers, "robots": args.robots, "chunks": args.chunks,
@@ -416,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     print(f"physis-bench handoff: {args.robots} robot(s) per run on {args.workers} worker(s), {args.chunks} chunks "
           f"each, modes {args.modes}, d in {{{args.delays}}}", flush=True)
-    result = uvloop.run(run_all(args))
+    result = run_all(args)
     if args.plot:
         plot(result, args.plot)
     del result["_examples"]

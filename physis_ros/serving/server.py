@@ -44,7 +44,7 @@ from physis_ros.serving.config import ServeConfig, StreamConfig, check_stream_na
 from physis_ros.serving.engine_thread import EngineThread
 from physis_ros.serving.fit import check_fit, check_stream_model, slo_interval_ms, stream_timeline
 from physis_ros.serving.intake import StreamInput
-from physis_ros.serving.session import Chunk, Session
+from physis_ros.serving.session import Chunk, Session, Source
 from physis_ros.telemetry import window_stats
 from physis_ros.timeline import release_pace_ms
 
@@ -189,13 +189,16 @@ class Server:
 
     # ---- streams ------------------------------------------------------------------------------------
     def join(self, name: str, model: str = "", slo_ms: float | None = None, *,
-             on_chunk: Callable[[Chunk], None] | None = None, **fields: Any) -> Session:
+             on_chunk: Callable[[Chunk], None] | None = None, source: Source | None = None,
+             **fields: Any) -> Session:
         """Admit stream ``name`` of ``model`` (a preset, model YAML or checkpoint; empty: the config's
         default) with SLO interval ``slo_ms`` (None: its control timeline's); ``fields``: the stream's other
         keys as a serve config names them (``joint_names=[...]``, ``control_rate_hz=``,
         ``execution_horizon=``, ``handoff=``, ``image={...}``, ``max_age_s=``, ...). ``on_chunk``: called
         with each finished chunk on the engine's thread (it must not block), instead of queueing it for
-        :meth:`Session.next_chunk`. Raises :class:`Rejected` (``.reason`` a documented label)."""
+        :meth:`Session.next_chunk`. ``source``: for a simulator, called with the chunk's index when its
+        observation is due, it returns the model's observation tensors and their stamp (instead of
+        :meth:`Session.observe`). Raises :class:`Rejected` (``.reason`` a documented label)."""
         mapping = {**fields, "model": model}
         if slo_ms is not None:
             mapping["slo_interval_ms"] = slo_ms
@@ -204,13 +207,13 @@ class Server:
             stream = from_mapping(StreamConfig, mapping, f"streams.{name}")
         except ConfigError as exc:
             self._rejected(name, Rejected("invalid-request", str(exc)))
-        return self.admit(name, stream, on_chunk=on_chunk)
+        return self.admit(name, stream, on_chunk=on_chunk, source=source)
 
     def admit(self, name: str, stream: StreamConfig, *, origin: str = "api",
-              on_chunk: Callable[[Chunk], None] | None = None) -> Session:
+              on_chunk: Callable[[Chunk], None] | None = None, source: Source | None = None) -> Session:
         """Admit a stream given as a StreamConfig (what :meth:`join` builds from its keywords)."""
         try:
-            session = self._admit(name, stream, origin, on_chunk)
+            session = self._admit(name, stream, origin, on_chunk, source)
         except Rejected as exc:
             self._rejected(name, exc)
         self.log.info(f"stream {name} admitted ({origin}): {session.model.name}, SLO {session.slo_interval_ms:g} "
@@ -218,7 +221,7 @@ class Server:
         self._emit(ServerEvent(name, "joined", origin, f"on {', '.join(session.workers)}", self.clock()))
         return session
 
-    def _admit(self, name: str, stream: StreamConfig, origin: str, on_chunk) -> Session:
+    def _admit(self, name: str, stream: StreamConfig, origin: str, on_chunk, source) -> Session:
         # What is wrong with the request first, whether or not there is room: capacity comes later.
         try:
             check_stream_name(name, "stream")
@@ -252,7 +255,7 @@ class Server:
             session = Session(name, stream, served, origin, admitted.workers, slo,
                               StreamInput(cfg.deterministic, cfg.deterministic_queue, cfg.pair_timeout_s,
                                           stream.max_age_s, self.clock, paired),
-                              self.clock, on_chunk, cfg.stats_window)
+                              self.clock, on_chunk, cfg.stats_window, source)
             future = engine.add_stream(name, session.take, session.deliver, model=served, plan=admitted.plan,
                                        slo_interval_ms=slo, release_interval_ms=pace if paced else None,
                                        timeline=stream_timeline(stream, served.config, cfg.deterministic),

@@ -31,6 +31,9 @@ from physis_ros.serving.tensors import InputRejected, check_stamp_s, checked_row
 from physis_ros.telemetry import ChunkRecord, RollingStats
 
 QUEUED_CHUNKS = 64   # chunks a session keeps for next_chunk; past that the oldest is dropped (and counted)
+# A stream that renders its observation when its chunk is due (a simulator): called with the chunk's index on
+# the engine's thread, returns the model's observation tensors and their stamp (server clock, s), or None.
+Source = Callable[[int], "tuple[Mapping[str, np.ndarray], float] | None"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,8 @@ class Session:
 
     def __init__(self, name: str, config: StreamConfig, served: ServedModel, origin: str, workers: list[str],
                  slo_interval_ms: float, input: StreamInput, clock: Callable[[], float],
-                 on_chunk: Callable[[Chunk], None] | None = None, stats_window: int = 200):
+                 on_chunk: Callable[[Chunk], None] | None = None, stats_window: int = 200,
+                 source: Source | None = None):
         self.name = name
         self.config = config
         self.served = served
@@ -95,6 +99,7 @@ class Session:
         self.input = input
         self.clock = clock
         self.on_chunk = on_chunk
+        self.source = source
         self.admitted_mono = time.monotonic()
         self.health = SessionHealth()
         self.stats = RollingStats(stats_window)
@@ -116,6 +121,8 @@ class Session:
         :class:`~physis_ros.serving.tensors.InputRejected` naming the field, and is counted."""
         if self._ended is not None:
             raise RuntimeError(f"stream '{self.name}' has ended ({self._ended})")
+        if self.source is not None:
+            raise RuntimeError(f"stream '{self.name}' takes its observations from its source")
         now = self.clock()
         stamp = now if stamp_s is None else stamp_s
         try:
@@ -205,10 +212,30 @@ class Session:
     # ---- engine side (the engine's thread) ----------------------------------------------------------
     def take(self, chunk: int) -> Observation | None:
         """The observation for chunk ``chunk`` (the engine's ``observe`` callback), or None if none yet."""
+        if self.source is not None:
+            return self._pull(chunk)
         taken = self.input.take()
         if taken is None:
             return None
         return Observation(taken.data, taken.sec, tag=taken.stamp)
+
+    def _pull(self, chunk: int) -> Observation | None:
+        """The source's observation for ``chunk``: tensors of the model's observation shapes (float32), or
+        counted as rejected (``source_error``, ``size``) and none."""
+        try:
+            got = self.source(chunk)
+        except Exception:   # the source's own error: this chunk waits, the engine carries on
+            self.input.reject("source_error")
+            return None
+        if got is None:
+            return None
+        data, stamp = got
+        shapes = self.model.observation_shapes
+        if set(data) != set(shapes) or any(np.shape(data[k]) != tuple(v) for k, v in shapes.items()):
+            self.input.reject("size")
+            return None
+        return Observation({k: np.asarray(data[k], dtype=np.float32) for k in shapes}, float(stamp),
+                           tag=float(stamp))
 
     def deliver(self, out: ChunkOutput) -> None:
         """A finished chunk (the engine's ``on_output`` callback): to ``on_chunk``, else to the queue."""

@@ -160,3 +160,28 @@ def test_the_resampling_agrees_with_opencvs_area_resize():
     expected = cv2.resize(crop.astype(np.float32), (32, 32), interpolation=cv2.INTER_AREA).transpose(2, 0, 1) / 255.0
     assert got.shape == (3, 32, 32)
     np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_a_source_renders_the_observation_when_its_chunk_is_due_and_a_bad_one_is_counted():
+    calls = []
+
+    def source(chunk):
+        calls.append(chunk)
+        if chunk == 1:
+            raise RuntimeError("the simulator's own bug")
+        if chunk == 2:
+            return {"image": np.zeros((3, 16, 16), np.float32), "state": np.zeros(7, np.float32)}, NOW
+        if chunk == 3:
+            return None
+        return {"image": np.full((3, 32, 32), 0.5), "state": np.arange(7.0)}, NOW - 0.02
+
+    cfg = load_model_config("tiny-wam")
+    stream = from_mapping(StreamConfig, {"joint_names": JOINTS})
+    s = Session("r0", stream, ServedModel(cfg, None, None), "api", ["w0"], 160.0,
+                StreamInput(False, 100, 0.5, 1.0, lambda: NOW, ["state"]), lambda: NOW, source=source)
+    obs = s.take(0)
+    assert obs.data["image"].dtype == np.float32 and obs.data["state"][6] == 6.0 and obs.stamp == NOW - 0.02
+    assert s.take(1) is None and s.take(2) is None and s.take(3) is None and calls == [0, 1, 2, 3]
+    assert s.input.snapshot()["rejected"] == {"source_error": 1, "size": 1}
+    with pytest.raises(RuntimeError, match="source"):
+        s.observe(state=np.zeros(7))
