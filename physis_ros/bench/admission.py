@@ -77,7 +77,7 @@ from pathlib import Path
 from physis_ros.bench.admission_observe import RAW_COLUMNS
 from physis_ros.bench.admission_run import JOINTS, SECOND, Interrupted, Run, RunFailed, _say
 
-STREAMS_BENCH_ADMITS = 3   # what `physis-bench streams` admits (bench/RESULTS.md, joint scheduling live)
+STREAMS_BENCH_ADMITS = 3   # what the engine-level `physis-bench streams` admitted (bench/RESULTS.md, joint scheduling live)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -146,12 +146,12 @@ class RobotRun:
 class Scenario:
     """The bundled scene seen by one robot: the camera now, the arm where the robot has it, the expert."""
 
-    def __init__(self, name: str, shapes: dict, horizon: int, rate_hz: float):
+    def __init__(self, name: str, shapes: dict, horizon: int, rate_hz: float, t0: float):
         self.name = name
         self.shapes = shapes
         self.phase = SyntheticScene.phase(name)
         self.expert = ScriptedExpert(horizon, rate_hz)
-        self.t0 = time.monotonic()
+        self.t0 = t0   # the scene's start on the server clock (s): its motion is counted from here
 
     def observe(self, now: float, q: np.ndarray) -> dict[str, np.ndarray]:
         """The observation at ``now`` with the arm at ``q``."""
@@ -179,7 +179,7 @@ def serve_run(server: Server, model: str, names: list[str], mode: str, d: int, c
     for i, name in enumerate(names):
         # Robot i sees the same scene (target path, from its start) in every run: modes and delays are
         # compared on the same motion, not on paths of different difficulty.
-        scenario = Scenario(f"robot{i}", cfg.observation_shapes, horizon, rate)
+        scenario = Scenario(f"robot{i}", cfg.observation_shapes, horizon, rate, server.clock())
         q0 = SyntheticScene.joints(cfg.observation_shapes["state"][0], 0.0, scenario.phase)
         robot = SimulatedRobot(q0, rate, d, blend_steps=args.seam_blend_steps,
                                keep_from=release_steps(interval_ms, margin, rate))  # the next chunk's row 0

@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-wam")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--slo-ms", type=float, default=100.0, help="output-interval SLO of every stream")
-    p.add_argument("--headroom", type=float, default=0.3,
-                   help="admission.headroom: the workers' time kept free (shared 2-core machine)")
+    p.add_argument("--headroom", type=float, default=None,
+                   help="admission.headroom: the workers' time kept free (default: the serve config's)")
     p.add_argument("--profiles", default="", help="admission.profiles (default: measured when the first robot asks)")
     p.add_argument("--chunks", type=int, default=120, help="chunks per stream")
     p.add_argument("--stagger-s", type=float, default=1.0, help="seconds between two robots joining")
@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_live(args: argparse.Namespace) -> dict:
     """Robots join until one is refused; every admitted one is served ``args.chunks`` chunks."""
     config = {"model": args.model, "engine": {"workers": args.workers, "batching": "off", "policy": "edf"},
-              "admission": {"headroom": args.headroom, "profiles": args.profiles}}
+              "admission": {"profiles": args.profiles,
+                            **({} if args.headroom is None else {"headroom": args.headroom})}}
     skip = min(10, args.chunks // 4)
     t0 = time.perf_counter()
     chunks: dict[str, list] = {}
@@ -88,6 +89,7 @@ def run_live(args: argparse.Namespace) -> dict:
         utilisation = server.admission.utilisation()
         source_of_profile = next(iter(placed.values())).model.profile.source if placed else None
         pace_ms = release_pace_ms(args.slo_ms, server.config.admission.pace_margin, 50.0)
+        headroom = server.config.admission.headroom
     streams = []
     for name, records in chunks.items():
         p = placed[name].placed
@@ -110,7 +112,7 @@ def run_live(args: argparse.Namespace) -> dict:
         })
     return {
         "benchmark": "streams", "model": args.model, "workers": args.workers, "slo_ms": args.slo_ms,
-        "pace_ms": pace_ms, "headroom": args.headroom, "profile_source": source_of_profile,
+        "pace_ms": pace_ms, "headroom": headroom, "profile_source": source_of_profile,
         "chunks_per_stream": args.chunks, "admitted": len(streams), "rejected": rejection,
         "predicted_utilisation": utilisation, "streams": streams,
         "all_meet_slo": bool(streams) and all(s["meets_slo_p99"] for s in streams),
