@@ -24,11 +24,11 @@ README = ROOT / "README.md"
 MAX_LINES = 250
 
 
-def blocks() -> list[tuple[str, str]]:
-    """(marker, body) of each ```bash block of README, in order."""
+def blocks(language: str = "bash") -> list[tuple[str, str]]:
+    """(marker, body) of each ```bash (or ``language``) block of README, in order."""
     text = README.read_text()
     out = []
-    for m in re.finditer(r"(?:^<!-- test: (.*?) -->\n)?^```bash\n(.*?)^```$", text, re.M | re.S):
+    for m in re.finditer(rf"(?:^<!-- test: ([^\n]*?) -->\n)?^```{language}\n(.*?)^```$", text, re.M | re.S):
         out.append((m.group(1) or "", m.group(2)))
     return out
 
@@ -42,6 +42,7 @@ def test_readme_is_a_users_document_of_at_most_250_lines():
 def test_every_shell_block_says_how_it_is_tested():
     found = blocks()
     assert len(found) >= 4
+    found += blocks("python")
     for marker, body in found:
         assert marker == "run" or marker.startswith("skip (") or marker.startswith("tests/"), (marker, body)
         if marker.startswith("tests/"):
@@ -85,3 +86,22 @@ def test_readme_blocks_run_as_written(index, tmp_path):
         assert "timeline:" in proc.stdout + proc.stderr and "refused, as expected" in proc.stdout, where
     if "physis-bag check" in body:
         assert (tmp_path / "out" / "check" / "report" / "summary.md").is_file(), where
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", [i for i, (marker, _) in enumerate(blocks("python")) if marker == "run"])
+def test_readme_python_blocks_run_as_written(index, tmp_path):
+    """The Server API example runs as written, from a directory holding the clone's config/: one chunk of
+    tiny-wam's 16 x 7 actions, and the second robot refused with the ``timeline`` label."""
+    _, body = blocks("python")[index]
+    (tmp_path / "config").symlink_to(ROOT / "config", target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k != "PHYSIS_DEBUG"}
+    proc = subprocess.run([sys.executable, "-c", body], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    where = f"{body}\n--- exit {proc.returncode}\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, where
+    assert "Traceback" not in proc.stderr, where
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("0 (16, 7) ") and lines[0].endswith(" ms"), where
+    assert lines[1] == "r1 refused: timeline", where
+
