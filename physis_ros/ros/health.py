@@ -13,22 +13,9 @@ from diagnostic_msgs.msg import DiagnosticStatus
 
 from physis_ros import heap
 from physis_ros.ros import diagnostics as diag
-from physis_ros.telemetry import percentile, window_stats
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
-    from physis_ros.ros.streams import RosStream
-
-
-def stream_stats(node: PhysisServer, st: RosStream, now: float, snapshot: tuple | None = None) -> dict[str, Any]:
-    """Windowed stats of one stream (node clock ``now``) plus the node-side handover/publish times
-    (``snapshot``: its ``records()`` if already taken)."""
-    records, total, misses, handover, publish = snapshot or st.records()
-    out = window_stats(records, now, node.config.diagnostics_window_s, st.slo_interval_ms,
-                            total=total, misses_total=misses)
-    out.update(handover_ms_p50=percentile(handover, 50), handover_ms_p99=percentile(handover, 99),
-               publish_ms_p50=percentile(publish, 50), publish_ms_p99=percentile(publish, 99))
-    return out
 
 
 def engine_snapshot(node: PhysisServer) -> dict[str, Any]:
@@ -64,11 +51,11 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
                                 telemetry_subscribers=node.pub_telemetry.get_subscription_count(),
                                 armed=node.armed, lifecycle=node.lifecycle, workers_down=sorted(down),
                                 hardware_id=node.hostname, prefix=node.diag_prefix, rss_mb=heap.rss_mb(os.getpid()))
-    now = node.now()
     since = None if node.serving_since is None else mono - node.serving_since
     streams = []
     for name, st in list(node.streams.items()):
-        inputs = st.input.snapshot()
+        stats = st.figures(snap["resets"].get(name, {}))
+        inputs = stats.pop("inputs")
         total_rejects = sum(inputs["rejected"].values())
         new = total_rejects - st.rejects_reported
         st.rejects_reported = total_rejects
@@ -77,14 +64,12 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
         if node.state == "serving" and idle is not None and idle > cfg.diagnostics_starved_s:
             st.warn("idle", f"stream {name}: no fresh observation for {idle:.1f} s ({diag.inputs_summary(inputs)} "
                             f"so far)")
-        inputs.update(failed=st.health.failed, recovering=st.health.recovering, failures=st.health.failures,
-                      lost_chunks=st.health.lost_chunks, unpublished=dict(st.health.undelivered),
-                      resets=st.resets(snap["resets"].get(name, {})),
+        inputs.update(failed=stats["failed"], recovering=stats["recovering"], failures=stats["failures"],
+                      lost_chunks=stats["lost_chunks"], unpublished=stats["undelivered"], resets=stats["resets"],
                       late_points=st.late_points, late_chunks=st.late_chunks,
                       blended_chunks=st.blended_chunks, **st.subscriber_counts())
         hw = diag.stream_hardware_id(node.hostname, [worker_hw[w] for w in snap["streams"].get(name, [])
                                                      if w in worker_hw])
-        stats = stream_stats(node, st, now)
         # admission's spread calibration (the server feeds it): what it charges the stream
         stats["admission_spread_ms"] = admission.spread_ms(name) if admission is not None else None
         streams.append(diag.stream_status(

@@ -35,7 +35,6 @@ from physis_ros.serving.capacity import Rejected
 from physis_ros.serving.config import QoSConfig, StreamConfig
 from physis_ros.ros.ticker import Ticker
 from physis_ros.srv import ListStreams, RemoveStream
-from physis_ros.telemetry import window_stats
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
@@ -167,9 +166,8 @@ class ServeStreamServer:
             self.ended[id(handle)] = (outcome, reason)
 
     def _feedback(self, st) -> ServeStream.Feedback:
-        records, total, misses, _, _ = st.records()
-        w = window_stats(records, self.node.now(), self.node.config.diagnostics_window_s, st.slo_interval_ms,
-                              total=total, misses_total=misses)
+        w = st.session.figures(self.node.now(), self.node.config.diagnostics_window_s)
+        total, misses = w["total"], w["deadline_misses_total"]
         fb = ServeStream.Feedback()
         fb.state = "resetting" if st.health.failed else "serving"
         fb.chunks = int(total)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ from physis_ros.serving.config import stream_namespace, stream_topic
 from physis_ros.serving.fit import model_label
 from physis_ros.serving.intake import INPUT_KINDS, Sample
 from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
+from physis_ros.telemetry import percentile
 from physis_ros.timeline import SeamTracker, kinematics, release_steps, rms
 
 if TYPE_CHECKING:
@@ -311,28 +312,24 @@ class RosStream:
             if line is not None:
                 log.warning(line)
 
-    def resets(self, engine_counts: Mapping[str, int]) -> dict[str, int]:
-        """Resets by cause: what the node heard, or the engine's own count (``engine_counts``, from
-        :func:`physis_ros.ros.health.engine_snapshot`) where higher: it also counts a fault that hits a stream
-        already resetting."""
-        counts = Counter(self.health.resets)
-        for cause, n in engine_counts.items():
-            counts[cause] = max(counts[cause], n)
-        return dict(sorted(counts.items()))
-
     # ---- reports (executor thread) ----------------------------------------------------------------------
-    def records(self) -> tuple[list, int, int, list[float], list[float]]:
+    def figures(self, engine_resets: Mapping[str, int] | None = None) -> dict[str, Any]:
+        """The session's figures (:meth:`Session.figures`, over ``diagnostics_window_s`` on the node clock) and
+        the node's own: handover (engine emit -> on_chunk) and publish (on_chunk -> first output) p50/p99."""
+        out = self.session.figures(self.node.now(), self.node.config.diagnostics_window_s, engine_resets)
         with self.stats_lock:
-            return (list(self.stats.records), self.stats.total, self.stats.deadline_misses, list(self.handover_ms),
-                    list(self.publish_ms))
+            handover, publish = list(self.handover_ms), list(self.publish_ms)
+        out.update(handover_ms_p50=percentile(handover, 50), handover_ms_p99=percentile(handover, 99),
+                   publish_ms_p50=percentile(publish, 50), publish_ms_p99=percentile(publish, 99))
+        return out
 
     def report(self, engine_resets: Mapping[str, int]) -> dict[str, Any]:
-        """Totals for the exit summary (``engine_resets``: as for :meth:`resets`)."""
+        """Totals for the exit summary (``engine_resets``: the engine's own reset counts)."""
         snap = self.input.snapshot()
         summary = self.stats.summary() if self.stats.records else {}
         return {"chunks": self.published, "model": self.model.name, "origin": self.origin, "workers": self.workers,
                 "rejected": snap["rejected"], "received": snap["received"], "failures": self.health.failures,
                 "lost_chunks": self.health.lost_chunks, "unpublished": dict(self.health.undelivered),
-                "resets": self.resets(engine_resets),
+                "resets": self.session.resets(engine_resets),
                 "interval_ms_p50": summary.get("interval_ms_p50", math.nan),
                 "latency_ms_p50": summary.get("latency_ms_p50", math.nan)}

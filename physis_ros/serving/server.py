@@ -45,7 +45,6 @@ from physis_ros.serving.engine_thread import EngineThread
 from physis_ros.serving.fit import check_fit, check_stream_model, slo_interval_ms, stream_timeline
 from physis_ros.serving.intake import StreamInput
 from physis_ros.serving.session import Chunk, Session, Source
-from physis_ros.telemetry import window_stats
 from physis_ros.timeline import release_pace_ms
 
 EVENT_KINDS = ("joined", "rejected", "reset", "readmitted", "ended")
@@ -431,17 +430,8 @@ class Server:
         now = self.clock()
         with self._lock:
             sessions = list(self._sessions.values())
-        streams = {}
-        for s in sessions:
-            records, total, misses = s.records()
-            out = window_stats(records, now, self.config.diagnostics_window_s, s.slo_interval_ms, total=total,
-                               misses_total=misses)
-            h = s.health
-            out.update(inputs=s.input.snapshot(), epoch=h.epoch, failed=h.failed, recovering=h.recovering,
-                       failures=h.failures, lost_chunks=h.lost_chunks, undelivered=dict(h.undelivered),
-                       resets=dict(h.resets), delivered=s.delivered, dropped_unread=s.dropped_unread,
-                       workers=list(s.workers), admission_spread_ms=self.admission.spread_ms(s.name))
-            streams[s.name] = out
+        streams = {s.name: {**s.figures(now, self.config.diagnostics_window_s, snap["resets"].get(s.name)),
+                            "admission_spread_ms": self.admission.spread_ms(s.name)} for s in sessions}
         return {"engine": {"state": self.state, "failure": None if failure is None else str(failure),
                            "model": self.model.name, "rss_mb": heap.rss_mb(os.getpid()),
                            "utilisation": self.admission.utilisation()},
@@ -451,5 +441,5 @@ class Server:
         snap = s.input.snapshot()
         return {"chunks": s.delivered, "model": s.model.name, "origin": s.origin, "workers": s.workers,
                 "received": snap["received"], "rejected": snap["rejected"], "failures": s.health.failures,
-                "lost_chunks": s.health.lost_chunks, "resets": dict(s.health.resets), "ended": s.ended}
+                "lost_chunks": s.health.lost_chunks, "resets": s.resets(), "ended": s.ended}
 

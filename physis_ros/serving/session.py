@@ -28,7 +28,7 @@ from physis_ros.runtime.streams import ChunkOutput, Observation, ServedModel, St
 from physis_ros.serving.config import StreamConfig
 from physis_ros.serving.intake import Sample, StreamInput
 from physis_ros.serving.tensors import InputRejected, check_stamp_s, checked_rows, preprocess
-from physis_ros.telemetry import ChunkRecord, RollingStats
+from physis_ros.telemetry import ChunkRecord, RollingStats, window_stats
 
 QUEUED_CHUNKS = 64   # chunks a session keeps for next_chunk; past that the oldest is dropped (and counted)
 # A stream that renders its observation when its chunk is due (a simulator): called with the chunk's index on
@@ -276,3 +276,25 @@ class Session:
     def records(self) -> tuple[list[ChunkRecord], int, int]:
         with self.stats_lock:
             return list(self.stats.records), self.stats.total, self.stats.deadline_misses
+
+    def resets(self, engine_counts: Mapping[str, int] | None = None) -> dict[str, int]:
+        """Resets by cause: what the session heard, or the engine's own count (``engine_counts``, from
+        :meth:`~physis_ros.serving.engine_thread.EngineThread.snapshot`) where higher: it also counts a fault
+        that hits a stream already resetting."""
+        counts = Counter(self.health.resets)
+        for cause, n in (engine_counts or {}).items():
+            counts[cause] = max(counts[cause], n)
+        return dict(sorted(counts.items()))
+
+    def figures(self, now: float, window_s: float, engine_resets: Mapping[str, int] | None = None) -> dict[str, Any]:
+        """The stream's figures at ``now`` (server clock): rate, intervals, latency and deadline misses over
+        the last ``window_s`` (:func:`~physis_ros.telemetry.window_stats`), its ``inputs`` (received, rejected,
+        waiting), and its health (epoch, resets by cause, chunks lost or not delivered)."""
+        records, total, misses = self.records()
+        out = window_stats(records, now, window_s, self.slo_interval_ms, total=total, misses_total=misses)
+        h = self.health
+        out.update(inputs=self.input.snapshot(), epoch=h.epoch, failed=h.failed, recovering=h.recovering,
+                   failures=h.failures, lost_chunks=h.lost_chunks, undelivered=dict(h.undelivered),
+                   resets=self.resets(engine_resets), delivered=self.delivered, dropped_unread=self.dropped_unread,
+                   workers=list(self.workers))
+        return out

@@ -691,6 +691,7 @@ def goal_server():
 
     from physis_ros.ros.serve_action import ServeStreamServer
     from physis_ros.serving.session import SessionHealth
+    from physis_ros.telemetry import window_stats
 
     context = rclpy.Context()
     rclpy.init(context=context, domain_id=domain("unit"))
@@ -702,7 +703,7 @@ def goal_server():
         async def join(self, name, cfg, origin, ticker):
             st = SimpleNamespace(name=name, namespace=name, health=SessionHealth(), workers=["w0"],
                                  slo_interval_ms=80.0, stats=SimpleNamespace(total=0),
-                                 records=lambda: ([], 0, 0, [], []))
+                                 session=SimpleNamespace(figures=lambda now, window_s: window_stats([], now, window_s)))
             node.streams[name] = st
             return st
 
