@@ -148,3 +148,31 @@ def test_the_serving_core_imports_no_ros():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             bad = [n for n in names if n.split(".")[0] in ros_packages]
             assert not bad, f"{module} imports {bad}"
+
+
+# Private attributes read on objects that are not ours: library objects (torch.distributed's Gloo options,
+# which have no public setter for devices and timeout).
+LIBRARY_PRIVATE = {("runtime/hops.py", "opts._devices"), ("runtime/hops.py", "opts._timeout"),
+                   ("runtime/hops.py", "dist.ProcessGroupGloo._Options")}
+GENERATED = ("msg", "srv", "action")   # rosidl's generated message code
+
+
+def test_no_module_reads_another_objects_private_state():
+    """``x._name`` only on ``self``, ``cls`` or ``super()``: a module that needs another's state asks its
+    public interface (the engine's recovery read ``engine._feed`` and ``engine._started``)."""
+    found = []
+    for module, path in modules().items():
+        if part(module) in GENERATED:
+            continue
+        rel = str(path.relative_to(PACKAGE))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue
+            if (rel, ast.unparse(node)) not in LIBRARY_PRIVATE:
+                found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    assert not found, "private state read from outside its object: " + "; ".join(found)

@@ -82,6 +82,11 @@ class Engine:
         # their common interval meet at the relative phases it booked.
         self.phase_epoch = time.monotonic()
 
+    @property
+    def started(self) -> bool:
+        """The workers are up (start() has finished)."""
+        return self._started
+
     def in_flight_limit(self, plan: Plan) -> int:
         """Chunks a stream placed by ``plan`` may have in flight (config override, else from the plan)."""
         return self.config.max_in_flight or plan.in_flight(self.config.batching != "off", self.config.max_batch)
@@ -232,7 +237,7 @@ class Engine:
                 s.emit_delay_s = emit_delay_ms / 1e3
             s.release_t0 = self._anchor(s, time.monotonic(), release_phase_ms)
         self.streams[name] = s
-        s.feeder = asyncio.create_task(self._feed(s), name=f"feed-{name}")
+        s.feeder = asyncio.create_task(self.feed(s), name=f"feed-{name}")
 
     def _anchor(self, s: StreamState, now: float, phase_ms: float | None) -> float:
         """When a paced stream's first release falls: at ``phase_ms`` of its interval (admission's choice) if
@@ -312,7 +317,9 @@ class Engine:
                 "in_flight": len(s.inflight), "resets": dict(s.resets),
                 "workers": [f"w{i}" for i in s.plan.workers_used]}
 
-    async def _feed(self, s: StreamState) -> None:
+    async def feed(self, s: StreamState) -> None:
+        """Release stream ``s``'s chunks on its pace, each when a credit (a chunk in flight less) allows: the
+        stream's feeder task (started when it is added, and again by recovery when it is re-admitted)."""
         bound_s = self.recovery.chunk_bound_s(s)
         wake, lead_s = self._waker(s), self.config.wake_ahead_us * 1e-6
         while s.limit is None or s.next_chunk < s.limit:

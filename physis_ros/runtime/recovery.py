@@ -154,7 +154,7 @@ class Recovery:
             s.failed = None
             engine.event(StreamEvent(s.name, "readmitted", f"epoch {s.epoch}: fresh KV on "
                                                            f"{', '.join(w.name for w in engine.workers_of(s))}"))
-            s.feeder = asyncio.create_task(engine._feed(s), name=f"feed-{s.name}")
+            s.feeder = asyncio.create_task(engine.feed(s), name=f"feed-{s.name}")
             return
 
     def task_lost(self, msg: p.TaskLost) -> None:
@@ -194,7 +194,7 @@ class Recovery:
         if engine.pool is not None:
             for w in engine.pool.workers.values():
                 state = "up" if w.alive else "restarting" if w.restarting else \
-                    "starting" if not engine._started else "down"
+                    "starting" if not engine.started else "down"
                 stats = {f: getattr(w.stats, f) for f in w.stats.__struct_fields__}
                 workers.append(WorkerHealth(w.name, state, w.host or host, w.device or engine.config.device_of(w.index),
                                             w.pid, now - w.last_seen if w.last_seen else float("inf"), w.restarts,
