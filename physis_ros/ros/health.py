@@ -13,6 +13,7 @@ from diagnostic_msgs.msg import DiagnosticStatus
 
 from physis_ros import heap
 from physis_ros.ros import diagnostics as diag
+from physis_ros.serving.capacity import worker_index
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
@@ -23,11 +24,6 @@ def engine_snapshot(node: PhysisServer) -> dict[str, Any]:
     return node.engine.snapshot() if node.engine is not None else {"workers": {}, "streams": {}, "resets": {}}
 
 
-def _index(worker: str) -> int:
-    """w3 -> 3 (the worker's device index in admission); -1 for any other name."""
-    return int(worker[1:]) if worker[1:].isdigit() else -1
-
-
 def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
     cfg, ecfg = node.config, node.config.engine
     snap = engine_snapshot(node)
@@ -35,7 +31,7 @@ def statuses(node: PhysisServer) -> list[DiagnosticStatus]:
     admission = node.server.admission if node.server is not None else None
     worker_hw, down, out = {}, [], []
     for wname, w in snap["workers"].items():
-        index = _index(wname)
+        index = worker_index(wname)
         if index >= 0 and admission is not None:   # admission's load calibration (the server feeds it)
             w["stats"]["admission_load_factor"] = round(admission.load_factor(index), 3)
         worker_hw[wname] = diag.hardware_id(w["host"] or node.hostname, str(w["device"]))

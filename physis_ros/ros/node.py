@@ -36,7 +36,8 @@ from physis_ros.serving.config import ServeConfig
 from physis_ros.serving.fit import model_label
 from physis_ros.config import ConfigError
 from physis_ros.serving.engine_thread import EngineThread
-from physis_ros.serving.server import Server, ServerEvent, check_config_models
+from physis_ros.serving.catalog import check_config_models
+from physis_ros.serving.server import Server, ServerEvent
 from physis_ros.ros.hub import StreamHub
 from physis_ros.ros.parameters import ServeParameters
 from physis_ros.ros.serve_action import ServeStreamServer

@@ -87,6 +87,12 @@ class Admitted:
         return [f"w{i}" for i in self.plan.workers_used]
 
 
+def worker_index(worker: str) -> int:
+    """The device index admission knows worker ``worker`` by (``w3`` -> 3, as :attr:`Admitted.workers` names
+    them); -1 for any other name."""
+    return int(worker[1:]) if worker[:1] == "w" and worker[1:].isdigit() else -1
+
+
 class Rejected(Exception):
     """A stream that cannot come in: ``reason`` one of :data:`REASONS` (what to change), ``detail`` what
     exactly, ending in ``[cause]`` where a finer cause (:data:`CAUSES`) decided it."""

@@ -33,7 +33,8 @@ from physis_ros.model.checkpoint import CheckpointError, read_checkpoint_config
 from physis_ros.model.spec import load_model_config
 from physis_ros.model.spec import ModelConfig
 from physis_ros.serving.capacity import Rejected
-from physis_ros.serving.config import AdmissionConfig
+from physis_ros.serving.config import AdmissionConfig, ServeConfig
+from physis_ros.serving.fit import check_stream_model
 from physis_ros.runtime.streams import ServedModel
 from physis_ros.scheduling.profiles import CostProfile, profile_from_json, stream_memory_bytes
 from physis_ros.scheduling.settings import GB
@@ -93,6 +94,23 @@ def check_default_checkpoint(model: ModelConfig, checkpoint: str | None) -> None
                                            f"'{model.name}' ({', '.join(differ[:4])}); set model: to the "
                                            f"checkpoint itself (it carries its config) or give a checkpoint "
                                            f"of '{model.name}'")
+
+
+def check_config_models(config: ServeConfig) -> ModelConfig:
+    """The config's default model, and every config stream against its model (ConfigError naming the key):
+    what would otherwise fail only when the workers start."""
+    try:
+        model = model_config_of(config.model)[0]
+    except Rejected as exc:
+        raise ConfigError("model", exc.detail) from None
+    check_default_checkpoint(model, config.engine.checkpoint)
+    for name, s in config.streams.items():
+        try:
+            own = model_config_of(s.model)[0] if s.model else model
+        except Rejected as exc:
+            raise ConfigError(f"streams.{name}.model", exc.detail) from None
+        check_stream_model(f"streams.{name}", s, own)
+    return model
 
 
 class ModelCatalog:

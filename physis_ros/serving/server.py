@@ -36,10 +36,9 @@ from typing import Any
 
 from physis_ros import heap
 from physis_ros.config import ConfigError, from_mapping
-from physis_ros.model.spec import ModelConfig
 from physis_ros.runtime.streams import StreamEvent
-from physis_ros.serving.capacity import Rejected, server_admission
-from physis_ros.serving.catalog import ModelCatalog, check_default_checkpoint, model_config_of
+from physis_ros.serving.capacity import Rejected, server_admission, worker_index
+from physis_ros.serving.catalog import ModelCatalog, check_config_models
 from physis_ros.serving.config import ServeConfig, StreamConfig, check_stream_name, load_serve_config, serve_config
 from physis_ros.serving.engine_thread import EngineThread
 from physis_ros.serving.fit import check_fit, check_stream_model, slo_interval_ms, stream_timeline
@@ -62,23 +61,6 @@ class ServerEvent:
     detail: str = ""
     time: float = 0.0
     lost_chunks: int = 0    # for ``reset``: the chunks in flight it lost
-
-
-def check_config_models(config: ServeConfig) -> ModelConfig:
-    """The config's default model, and every config stream against its model (ConfigError naming the key):
-    what would otherwise fail only when the workers start."""
-    try:
-        model = model_config_of(config.model)[0]
-    except Rejected as exc:
-        raise ConfigError("model", exc.detail) from None
-    check_default_checkpoint(model, config.engine.checkpoint)
-    for name, s in config.streams.items():
-        try:
-            own = model_config_of(s.model)[0] if s.model else model
-        except Rejected as exc:
-            raise ConfigError(f"streams.{name}.model", exc.detail) from None
-        check_stream_model(f"streams.{name}", s, own)
-    return model
 
 
 class Server:
@@ -403,7 +385,7 @@ class Server:
             return
         mono, now = time.monotonic(), self.clock()
         for wname, w in engine.snapshot()["workers"].items():
-            index = int(wname[1:]) if wname[1:].isdigit() else -1
+            index = worker_index(wname)
             if index >= 0 and w["state"] == "up" and "compute_ms" in w["stats"]:
                 with self._lock:
                     self.admission.observe_load(index, mono, float(w["stats"]["compute_ms"]))
@@ -424,7 +406,7 @@ class Server:
         failure = engine.failure if engine is not None else None
         workers = {}
         for wname, w in snap["workers"].items():
-            index = int(wname[1:]) if wname[1:].isdigit() else -1
+            index = worker_index(wname)
             workers[wname] = {**w, "admission_load_factor": round(self.admission.load_factor(index), 3)
                               if index >= 0 else None}
         now = self.clock()
