@@ -1,6 +1,7 @@
 """``physis-bench SUBCOMMAND``: benchmarks that write JSON (and plots).
 
-    physis-bench pipeline | timeshare | soak | streams | ros | admission | handoff | hop | goals | churn  [options]
+    physis-bench pipeline | timeshare | soak | streams | ros | admission | handoff | hop | goals | churn
+                 | admission-accuracy  [options]
     (physis-bench SUB --help)
 
 Each subcommand lives in ``physis_ros.bench.<name>`` and provides
@@ -40,6 +41,8 @@ SUBCOMMANDS = {
     "hop": "hidden-state hop time per transport (zmq tcp/ipc, gloo; nccl on CUDA) vs memcpy, 64K-64M",
     "goals": "a burst of ServeStream goals at once: every goal answered (admitted, or refused with a reason)",
     "churn": "robots join and leave over and over: the RSS of the server and of each worker after N cycles",
+    "admission-accuracy": "robots added with admission off until one misses the SLO (feasible), then through "
+                          "Server.join with admission on: admitted / feasible, admitted meeting the SLO",
 }
 
 # flag (argparse dest) -> (lowest value, whether the bound is excluded)
@@ -54,7 +57,8 @@ BOUNDS = {
     "host_reserve_cores": (0, False),
     "profile_repeats": (1, False), "robots": (1, False), "execution_horizon": (1, False), "burst": (1, False), "max_pending_goals": (1, False), "cancels": (1, False),
     "cycles": (1, False), "heartbeat_timeout": (0, True), "baseline": (1, False), "tolerance": (0, False), "sample": (1, False),
-    "reply_timeout": (0, True),
+    "reply_timeout": (0, True), "settle_s": (0, False), "window_s": (0, True), "measure_s": (0, True),
+    "max_robots": (1, False),
 }
 
 
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     module = None
     for name, help_text in SUBCOMMANDS.items():
         if name == chosen:
-            module = importlib.import_module(f"physis_ros.bench.{name}")
+            module = importlib.import_module(f"physis_ros.bench.{name.replace('-', '_')}")
         p = sub.add_parser(name, help=help_text, description=module.__doc__ if name == chosen else help_text,
                            epilog="Exit status" + __doc__.split("Exit status")[1])
         if name == chosen:

@@ -49,7 +49,7 @@ class PlacedStream:
     slo_ms: float
     ranks: list[VirtualRank]
     devices: list[int]                    # device of each rank
-    method: str = ""                      # how it was placed: best-fit, lds, equal-fallback, equal
+    method: str = ""                      # how it was placed: best-fit, lds, equal-fallback, equal, unchecked
     latency_slo_ms: float | None = None
     jitter_budget_ms: float | None = None  # how much its chunks' latency may vary (None: not checked)
     phase_ms: float | None = None         # released at this phase of its interval (None: not paced)

@@ -108,6 +108,35 @@ class JointScheduler(Scheduler):
             devices.append(int(np.argmax(np.where(ok, util_after, -np.inf))))
         return devices
 
+    def place_unchecked(self, req: StreamRequest) -> PlacedStream | None:
+        """Admission off (a measurement's baseline, never a default): place the stream whatever its SLO and the
+        devices' time: its fewest ranks, each on the device with the least time booked (after its earlier ranks)
+        that has the memory for it. None when no device has the memory for a rank; raises
+        :class:`~physis_ros.scheduling.ranks.Unplaceable` when a stage alone breaks the SLO budget or a device's
+        memory."""
+        c = self.cluster
+        ranks = self.seq(req.model, req.slo_ms).fewest
+        devices: list[int] = []
+        undos = []
+        try:
+            for rank in ranks:
+                _, mem_after, _, _ = self._fit(rank, req.slo_ms)
+                fits = mem_after <= c.mem_cap + EPS
+                if not fits.any():
+                    return None
+                d = int(np.argmin(np.where(fits, c.util, np.inf)))
+                undos.append((rank, c.apply(rank, req.slo_ms, d)))
+                devices.append(d)
+        finally:
+            for r, u in reversed(undos):
+                c.revert(r, u)
+        placed = PlacedStream(req.stream, req.model, req.slo_ms, list(ranks), devices, "unchecked",
+                              req.latency_slo_ms, req.jitter_budget_ms)
+        if req.paced:
+            placed.phase_ms = c.jitter.release_phase(placed)
+        c.add_stream(placed)
+        return placed
+
     # ------------------------------------------------------------------ candidates
 
     def _fit(self, rank: VirtualRank, slo_ms: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -28,6 +28,7 @@ from physis_ros.scheduling.admission import REASONS as PLACEMENT_REASONS
 from physis_ros.scheduling.admission import StreamRequest
 from physis_ros.scheduling.cluster import Cluster, PlacedStream
 from physis_ros.scheduling.placement import JointScheduler
+from physis_ros.scheduling.ranks import Unplaceable
 from physis_ros.scheduling.profiles import stream_memory_bytes
 from physis_ros.scheduling.settings import GB, DeviceSpec, SchedulingConfig, load_device, load_scheduling
 
@@ -151,7 +152,7 @@ class ServerAdmission:
     def __init__(self, workers: int, device: DeviceSpec, config: SchedulingConfig, max_batch: int = 1,
                  host: HostBudget | None = None, calibration: LoadCalibration | None = None,
                  deadline_order: bool = False, bound_jitter: bool = True,
-                 intervals: IntervalCalibration | None = None):
+                 intervals: IntervalCalibration | None = None, enforce: bool = True):
         self.cluster = Cluster([device] * workers, config.headroom, {}, max_batch=max_batch,
                                deadline_order=deadline_order)
         self.scheduler = JointScheduler(self.cluster, config)
@@ -165,6 +166,8 @@ class ServerAdmission:
         # the jitter bound, which charges it (JitterBound.spread)
         self.intervals = intervals
         self.version = 0   # placements on the host: every join and leave counts (restarts the interval windows)
+        # False: admission off (admission.enforce), every stream placed on the least booked workers, unchecked
+        self.enforce = enforce
 
     def check_memory(self, config: ModelConfig) -> None:
         """Rejected("memory") when one stream of ``config`` cannot fit all the workers' memory together even
@@ -201,8 +204,10 @@ class ServerAdmission:
         # A worker measured busier than its profiles say takes that much less booking (Best-Fit sees it).
         factors = self._load_into_cluster()
         budget = None if slo_ms is None or not self.bound_jitter else max(0.0, slo_ms - pace_ms)
-        decision = self.scheduler.admit(StreamRequest(stream, model.id, pace_ms, jitter_budget_ms=budget,
-                                                     paced=paced))
+        request = StreamRequest(stream, model.id, pace_ms, jitter_budget_ms=budget, paced=paced)
+        if not self.enforce:
+            return self._admit_unchecked(request, model)
+        decision = self.scheduler.admit(request)
         if not decision.admitted:
             raise Rejected(CAUSES.get(decision.reason, decision.reason), decision.detail, cause=decision.reason)
         if self.host is not None:
@@ -217,6 +222,21 @@ class ServerAdmission:
         cfg = model.config
         admitted = Admitted(stream, model, plan_of(decision.placed, cfg.steps, cfg.blocks), decision.placed)
         self.admitted[stream] = admitted
+        self.version += 1
+        return admitted
+
+    def _admit_unchecked(self, request: StreamRequest, model: ServedModel) -> Admitted:
+        """Admission off: the stream placed on the least booked workers whatever its SLO and their time
+        (memory still checked)."""
+        try:
+            placed = self.scheduler.place_unchecked(request)
+        except Unplaceable as exc:
+            raise Rejected(CAUSES[exc.reason], exc.detail, cause=exc.reason) from None
+        if placed is None:
+            raise Rejected("memory", f"no worker has the memory left for a rank of model '{model.id}'",
+                           cause="memory")
+        admitted = Admitted(request.stream, model, plan_of(placed, model.config.steps, model.config.blocks), placed)
+        self.admitted[request.stream] = admitted
         self.version += 1
         return admitted
 
@@ -316,5 +336,5 @@ def server_admission(cfg: ServeConfig, cores: int | None = None) -> tuple[Server
     intervals = IntervalCalibration() if calibration is not None and cfg.admission.measure_spread else None
     return ServerAdmission(cfg.engine.workers, load_device(device), scheduling, max_batch, host, calibration,
                            deadline_order=cfg.engine.policy == "edf", bound_jitter=cfg.admission.bound_jitter,
-                           intervals=intervals), device
+                           intervals=intervals, enforce=cfg.admission.enforce), device
 

@@ -225,6 +225,10 @@ class AdmissionConfig:
 
     headroom: float = field(default=0.1, metadata=bounded(
         ge=0.0, le=0.9, doc="every worker keeps this fraction of its time free (utilisation <= 1 - headroom)"))
+    enforce: bool = field(default=True, metadata=described(
+        "false: admission off, for measuring it (physis-bench admission-accuracy): every valid stream is placed "
+        "on the least booked workers whatever its SLO and their time (memory, names and engine.max_streams still "
+        "checked), so streams may miss their SLO"))
     device: str = field(default="", metadata=described(
         "device spec of the workers (config/devices/<name>.yaml; empty: cpu for CPU workers, h200 for cuda)"))
     profiles: str = field(default="", metadata=described(

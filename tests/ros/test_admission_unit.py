@@ -99,6 +99,35 @@ def test_admits_one_by_one_until_a_named_rejection_and_removal_frees_capacity():
     assert set(adm.admitted) == {"s0", "s2"}
 
 
+def test_admission_off_places_every_stream_on_the_least_booked_worker_and_still_checks_memory():
+    """admission.enforce false (the admission-accuracy benchmark's baseline): the streams admission refuses
+    come in too, spread over the workers by time booked; a stage slower than the SLO and memory still refuse."""
+    on = ServerAdmission(2, make_device(), make_config(0.0))
+    off = ServerAdmission(2, make_device(), make_config(0.0), enforce=False)
+    model = served(wam_profile())
+    assert len(admit_until_rejected(on, model, 20.0)[0]) == 2
+    placed = [off.admit(f"s{i}", model, 20.0) for i in range(5)]          # 0.8 of a worker each
+    assert [a.workers for a in placed] == [["w0"], ["w1"], ["w0"], ["w1"], ["w0"]]
+    assert off.utilisation() == pytest.approx([2.4, 1.6])                  # booked past 1.0: nothing refused
+    assert {a.placed.method for a in placed} == {"unchecked"}
+    for a in placed:                                                       # every stage has a worker
+        assert set(a.plan.assignment) == {(k, b) for k in range(1, WAM.steps + 1) for b in range(WAM.blocks)}
+    off.remove("s1")
+    assert off.admit("s5", model, 20.0).workers == ["w1"]                  # the freed worker is least booked
+    with pytest.raises(Rejected) as exc:
+        off.admit("s0", model, 20.0)
+    assert exc.value.reason == "name-in-use"
+    with pytest.raises(Rejected) as exc:
+        off.admit("fast", model, 0.4)
+    assert exc.value.cause == "slo-unreachable" and exc.value.reason == "slo-too-tight"
+    small = ServerAdmission(1, make_device(memory_gb=10.0), make_config(0.0), enforce=False)
+    heavy = served(wam_profile(weight_gb=0.5, kv_gb=0.05))   # 4 GB of weights, 1.6 GB a stream
+    with pytest.raises(Rejected) as exc:
+        for i in range(20):
+            small.admit(f"h{i}", heavy, 20.0)
+    assert exc.value.reason == "memory" and len(small.admitted) == 3     # (10 - 4) // 1.6
+
+
 def test_a_short_slo_splits_a_stream_over_workers_and_an_unreachable_one_is_named():
     adm = ServerAdmission(2, make_device(), make_config(0.0))
     model = served(wam_profile())
