@@ -53,12 +53,12 @@ from physis_ros.console import write_json
 from physis_ros.model.handoff import MODES
 from physis_ros.observations import ScriptedExpert, SyntheticScene
 from physis_ros.runtime.settings import EngineConfig
-from physis_ros.runtime.streams import Timeline
 from physis_ros.serving.config import StreamConfig
+from physis_ros.serving.fit import stream_timeline
 from physis_ros.serving.server import Server
 from physis_ros.serving.session import Chunk
 from physis_ros.telemetry import percentile
-from physis_ros.timeline import release_steps, rms
+from physis_ros.timeline import ControlTimeline, rms
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_CHECKPOINT = ROOT / "config" / "checkpoints" / "tiny-wam-demo.safetensors"
@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-rate-hz", type=float, default=50.0)
     p.add_argument("--execution-horizon", type=int, default=8, help="s: steps each chunk is executed for")
     p.add_argument("--socket", choices=("tcp", "ipc"), default="tcp")
-    p.add_argument("--capture-margin", type=_margin, default=Timeline.capture_margin,
+    p.add_argument("--capture-margin", type=_margin, default=ControlTimeline.capture_margin,
                    help="with a hand-off, take each observation ahead of its slot so that the estimated arrival "
                         "lands this many steps before a control step ('off': at the slot)")
     p.add_argument("--wake-ahead-us", type=int, default=EngineConfig.wake_ahead_us,
@@ -181,8 +181,12 @@ def serve_run(server: Server, model: str, names: list[str], mode: str, d: int, c
         # compared on the same motion, not on paths of different difficulty.
         scenario = Scenario(f"robot{i}", cfg.observation_shapes, horizon, rate, server.clock())
         q0 = SyntheticScene.joints(cfg.observation_shapes["state"][0], 0.0, scenario.phase)
-        robot = SimulatedRobot(q0, rate, d, blend_steps=args.seam_blend_steps,
-                               keep_from=release_steps(interval_ms, margin, rate))  # the next chunk's row 0
+        stream = StreamConfig(joint_names=[f"joint{j + 1}" for j in range(len(q0))], control_rate_hz=rate,
+                              execution_horizon=s, handoff=mode, extra_delay_steps=d,
+                              capture_margin_steps=args.capture_margin, seam_blend_steps=args.seam_blend_steps)
+        # the robot's own copy of the stream's timeline (what the server places the chunks on)
+        timeline = stream_timeline(stream, cfg, False, interval_ms, margin)
+        robot = SimulatedRobot(q0, timeline, d, blend_steps=args.seam_blend_steps)
         run = runs[name] = RobotRun(robot, scenario=scenario)
 
         def source(c: int, run: RobotRun = run, scenario: Scenario = scenario):
@@ -196,7 +200,7 @@ def serve_run(server: Server, model: str, names: list[str], mode: str, d: int, c
             if len(run.seams) >= chunks:
                 return
             rec, index, output = chunk.telemetry, chunk.index, chunk.output
-            k, seam = run.robot.receive(server.clock(), rec.first_step, rec.step0, output)
+            k, seam = run.robot.receive(server.clock(), rec.first_step, rec.step0, output, rec.shift)
             captured, ready, q = run.frames.pop(index)
             expert = scenario.expert_chunk(captured, q)
             run.seams.append((seam.position_jump, seam.velocity_jump))
@@ -223,9 +227,7 @@ def serve_run(server: Server, model: str, names: list[str], mode: str, d: int, c
             if len(run.seams) == chunks:
                 done.release()
 
-        server.join(name, model=model, joint_names=[f"joint{j + 1}" for j in range(len(q0))], control_rate_hz=rate,
-                    execution_horizon=s, handoff=mode, extra_delay_steps=d, capture_margin_steps=args.capture_margin,
-                    seam_blend_steps=args.seam_blend_steps, on_chunk=on_chunk, source=source)
+        server.admit(name, dataclasses.replace(stream, model=model), on_chunk=on_chunk, source=source)
     deadline = time.monotonic() + 60.0 + chunks * interval_ms / 1e3 * 20
     for name in names:
         if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -299,7 +301,7 @@ def run_all(args: argparse.Namespace) -> dict:
     config = {"model": "tiny-wam", "engine": {"workers": args.workers, "transport": args.socket,
                                               "wake_ahead_us": args.wake_ahead_us},
               "admission": {"profiles": str(ROOT / "config" / "profiles")}}
-    skip = min(max(4, Timeline.delay_warmup), args.chunks // 4)   # start-up and the delay estimate's warm-up
+    skip = min(max(4, ControlTimeline.delay_warmup), args.chunks // 4)   # start-up and the delay estimate's warm-up
     rows, examples = [], {}
     with Server.from_config(config) as server:
         horizon = server.catalog.config_of(args.checkpoint).output_shape[0]

@@ -6,9 +6,9 @@ delay), replaces the running one on arrival (what JTC does, docs/ros2_control.md
 the arm is, at each control step, where the chunk's row for that step says; rows already due on
 arrival are skipped (late points); past its last row it holds it. A chunk that takes over where it
 differs from the running one is eased from it over ``blend_steps`` rows, as the node sends it (the
-stream key ``seam_blend_steps``; ``keep_from``: the next chunk's first row). Why simulated: no arm or
-ros2_control hardware loop runs on these machines; the arithmetic is the node's own
-(:mod:`physis_ros.timeline`).
+stream key ``seam_blend_steps``, up to the next chunk's first row). Why simulated: no arm or
+ros2_control hardware loop runs on these machines; where a chunk lands, what is late and how it meets the
+last one is asked of a :class:`~physis_ros.timeline.ControlTimeline` of the stream, as the node asks its own.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from physis_ros.timeline import Seam, SeamTracker, first_due_row, jerk, kinematics, rms
+from physis_ros.timeline import ControlTimeline, Seam, jerk, kinematics, rms
 
 
 @dataclass(frozen=True)
@@ -32,37 +32,40 @@ class Executed:
 
 
 class SimulatedRobot:
-    def __init__(self, q0: np.ndarray, rate_hz: float, link_delay_steps: int = 0, blend_steps: int = 0,
-                 keep_from: int = 0):
+    def __init__(self, q0: np.ndarray, timeline: ControlTimeline, link_delay_steps: int = 0, blend_steps: int = 0):
         self.q0 = np.asarray(q0, dtype=np.float64)
-        self.blend_steps, self.keep_from = blend_steps, keep_from
+        self.timeline = timeline         # the stream's: its seams are this robot's
+        self.blend_steps = blend_steps
         self.eased_chunks = 0
-        self.period = 1.0 / rate_hz
+        self.period = timeline.period
         self.link_delay_s = link_delay_steps * self.period
         self.t0: float | None = None     # when control step 0 is due (the timeline's origin)
         self.chunks: list[Executed] = []
-        self.seams = SeamTracker()
         self.late_points = 0
         self.late_chunks = 0
 
-    def receive(self, handed_out: float, first_step: int, step0: float, actions: np.ndarray) -> tuple[int, Seam]:
-        """A chunk handed out at ``handed_out`` (its rows due from ``step0``): (the rows it arrived too late
-        for, its seam against the chunk the robot was running). A chunk with every row due is dropped."""
+    def receive(self, handed_out: float, first_step: int, step0: float, actions: np.ndarray, shift: int = 0
+                ) -> tuple[int, Seam]:
+        """A chunk handed out at ``handed_out`` (its rows due from ``step0``; ``shift`` steps after the last
+        one's first): (the rows it arrived too late for, its seam against the chunk the robot was running). A
+        chunk with every row due is dropped."""
         self.t0 = step0 - first_step * self.period if self.t0 is None else self.t0
         arrival = handed_out + self.link_delay_s
         rows = np.asarray(actions, dtype=np.float64)
-        k = first_due_row(step0, self.period, arrival, len(rows))
+        landing = self.timeline.land(first_step, step0, 0, step0, arrival)
+        k = landing.first_row
         self.late_points += k
-        if k >= len(rows):
+        if landing.late:
             self.late_chunks += 1
             return k, Seam()
+        seams = self.timeline.seams
         vel, _ = kinematics(rows, self.period)
-        seam = self.seams.seam(first_step, k, rows, vel)
-        rows, eased = self.seams.blend(first_step, k, rows, self.blend_steps, self.keep_from or len(rows))
+        seam = seams.seam(first_step, k, rows, vel)
+        rows, eased = seams.blend(first_step, k, rows, self.blend_steps, self.timeline.keep_from(shift))
         if eased:
             self.eased_chunks += 1
             vel, _ = kinematics(rows, self.period)
-        self.seams.executed(first_step, rows, vel)
+        seams.executed(first_step, rows, vel)
         self.chunks.append(Executed(arrival, first_step, k, rows))
         return k, seam
 

@@ -1,8 +1,8 @@
 """Model outputs -> ROS messages: pure functions, the definition of what the node publishes.
 
-A world-action model's chunk becomes an ActionChunk (every row, with its place on the stream's
-control timeline) and a JointTrajectory of the rows still ahead of the robot
-(:func:`place_chunk`, :func:`trajectory_msg`; physis_ros.timeline has the arithmetic). A world
+A world-action model's chunk becomes an ActionChunk (every row, with where it lands on the stream's
+control timeline, :meth:`physis_ros.timeline.ControlTimeline.land`) and a JointTrajectory of the rows
+still ahead of the robot (:func:`trajectory_msg`). A world
 model's chunk becomes a PredictedFrames. Each chunk also gets a ChunkTelemetry. The node publishes
 the same ActionChunk and JointTrajectory as pre-serialized bytes (:mod:`physis_ros.ros.raw`); the
 message builders here are their reference in the tests.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import array
 import math
-from dataclasses import dataclass
 
 import numpy as np
 from builtin_interfaces.msg import Time
@@ -22,50 +21,7 @@ from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
 from physis_ros.serving.config import StreamConfig
 from physis_ros.ros.conversions import duration_msg, time_msg
 from physis_ros.telemetry import ChunkRecord
-from physis_ros.timeline import first_due_row
-
-
-@dataclass(frozen=True)
-class ChunkLanding:
-    """Where a chunk lands on the robot's timeline when it is published: row ``i`` is control step
-    ``first_step + i``, due at ``row0_due + i * period`` (node clock); rows before ``first_row`` are
-    already due (late points)."""
-
-    first_step: int
-    row0_due: float
-    period: float
-    first_row: int
-    horizon: int
-    delay_steps: int = 0
-
-    @property
-    def late(self) -> bool:
-        """Every row is due: nothing left to send."""
-        return self.first_row >= self.horizon
-
-    @property
-    def start(self) -> float:
-        """When the first row still ahead is due: the trajectory's header stamp."""
-        return self.row0_due + self.first_row * self.period
-
-
-def place_chunk(stream: StreamConfig, record: ChunkRecord, obs_sec: float, now: float, horizon: int) -> ChunkLanding:
-    """Place a chunk published at ``now``. Row 0 is due at, by ``stream.trajectory_start``: its step on
-    the control timeline (``timeline``; the observation's stamp for a chunk without one), the
-    observation's stamp (``observation``), or one control period after publication (``emit``:
-    nothing is late, the chunk runs behind the robot's timeline by its latency); plus
-    ``trajectory_start_offset_s``. Rows due before ``now + trajectory_min_lead_s`` are dropped."""
-    period = stream.control_period
-    if stream.trajectory_start == "emit":
-        row0 = now + period
-    elif stream.trajectory_start == "timeline" and math.isfinite(record.step0):
-        row0 = record.step0
-    else:
-        row0 = obs_sec
-    row0 += stream.trajectory_start_offset_s
-    # a row due before the message is out is history too (trajectory_min_lead_s)
-    first = first_due_row(row0, period, now + stream.trajectory_min_lead_s, horizon)
-    return ChunkLanding(record.first_step, row0, period, first, horizon, record.delay_steps)
+from physis_ros.timeline import ChunkLanding
 
 
 def action_chunk_msg(stream_name: str, stream: StreamConfig, chunk: int, actions: np.ndarray, obs_stamp: Time,

@@ -29,6 +29,7 @@ from rclpy.serialization import serialize_message
 from physis_ros.ros import outputs
 from physis_ros.serving.config import StreamConfig
 from physis_ros.ros.conversions import time_msg
+from physis_ros.timeline import ChunkLanding
 
 _ENCAPSULATION = b"\x00\x01\x00\x00"   # CDR little endian, no options: what rmw_fastrtps sends
 _BODY = len(_ENCAPSULATION)            # CDR alignment counts from here
@@ -122,7 +123,7 @@ class ActionChunkRaw:
         self.buf, self.at = w.buf, w.at
         self.actions = _f_view(self.buf, w.at["actions"], horizon * dof, "<f4").reshape(self.shape)
 
-    def render(self, chunk: int, actions: np.ndarray, obs_stamp: Time, placement: outputs.ChunkLanding) -> bytes:
+    def render(self, chunk: int, actions: np.ndarray, obs_stamp: Time, placement: ChunkLanding) -> bytes:
         if actions.shape != self.shape:
             raise ValueError(f"actions of shape {actions.shape}, template made for {self.shape}")
         buf, at = self.buf, self.at

@@ -33,13 +33,12 @@ from physis_ros.serving.fit import model_label
 from physis_ros.serving.intake import INPUT_KINDS, Sample
 from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
 from physis_ros.telemetry import percentile
-from physis_ros.timeline import SeamTracker, kinematics, release_steps, rms
+from physis_ros.timeline import kinematics, rms
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
     from physis_ros.serving.server import ServerEvent
     from physis_ros.serving.session import Chunk, Session
-    from physis_ros.telemetry import ChunkRecord
 
 
 class RosStream:
@@ -52,21 +51,15 @@ class RosStream:
         self.name = session.name
         self.model_label = model_label(self.config.model or node.config.model, self.model)   # as configured
         self.namespace = stream_namespace(self.name, self.config)
-        serve, config = node.config, self.config
         self.published = 0
         self.rejects_reported = 0
         self.last_warn: dict[str, float] = {}
-        self.throttle = Throttle(serve.warn_throttle_s)   # reset / re-admission lines, per cause
+        self.throttle = Throttle(node.config.warn_throttle_s)   # reset / re-admission lines, per cause
         # node-side timings (ms): engine emit -> on_chunk (handover), on_chunk -> first output published
         self.handover_ms: deque = deque(maxlen=200)
         self.publish_ms: deque = deque(maxlen=200)
-        self.seams = SeamTracker()
         self.experts: dict[int, Any] = {}   # observation stamp (ns) -> the expert's actions for it
         self.late_points = self.late_chunks = self.blended_chunks = 0
-        # Steps between two releases on the timeline (as the server paces it; 0: cadence free): the next chunk
-        # starts that far into this one, and its hand-off keeps this chunk's rows from there.
-        self.release_steps = 0 if config.cadence != "timeline" else release_steps(
-            self.slo_interval_ms, serve.admission.pace_margin, config.control_rate_hz)
         self._publishers = []
         self._subscriptions = []
         self._make_outputs()
@@ -253,17 +246,13 @@ class RosStream:
             self.handover_ms.append((handover - rec.emit) * 1e3)
             self.publish_ms.append(publish_ms)
 
-    def _keep_from(self, rec: ChunkRecord) -> int:
-        """The row of a chunk at which the next one starts: one release later on the timeline; with cadence
-        free, as far as this chunk came after the last (the horizon for the first)."""
-        return self.release_steps or rec.shift or self.horizon
-
     def _publish_actions(self, out: Chunk, now: float, start: float) -> float:
         """A world-action model's chunk: the ActionChunk, then the rows still ahead of the robot as a
         JointTrajectory (none if all are due: a late chunk); fills the record's timeline fields. While
         disarmed (lifecycle inactive) chunks keep computing and nothing reaches the robot."""
-        s, rec, stamp = self.config, out.telemetry, out.tag
-        placement = outputs.place_chunk(s, rec, conv.stamp_to_sec(stamp), now, self.horizon)
+        s, rec, stamp, timeline = self.config, out.telemetry, out.tag, self.session.timeline
+        placement = timeline.land(rec.first_step, rec.step0, rec.delay_steps, conv.stamp_to_sec(stamp), now,
+                                  s.trajectory_start, s.trajectory_start_offset_s, s.trajectory_min_lead_s)
         k = placement.first_row
         rec.late_points, rec.late = k, placement.late
         self.late_points += k
@@ -280,17 +269,17 @@ class RosStream:
         self.pub_chunk.publish(self.raw_chunk.render(out.index, positions, stamp, placement))
         publish_ms = (time.perf_counter() - start) * 1e3
         if not placement.late:
-            vel, acc = kinematics(positions, s.control_period)
-            seam = self.seams.seam(rec.first_step, k, positions, vel)
+            vel, acc = kinematics(positions, timeline.period)
+            seam = timeline.seams.seam(rec.first_step, k, positions, vel)
             rec.seam_position_jump, rec.seam_velocity_jump = seam.position_jump, seam.velocity_jump
             # Where the seam is a jump, the robot is sent rows that ease onto the chunk from where it is.
-            sent, rec.seam_blended_rows = self.seams.blend(rec.first_step, k, positions, s.seam_blend_steps,
-                                                           self._keep_from(rec))
+            sent, rec.seam_blended_rows = timeline.seams.blend(rec.first_step, k, positions, s.seam_blend_steps,
+                                                               timeline.keep_from(rec.shift))
             if rec.seam_blended_rows:
                 self.blended_chunks += 1
-                vel, acc = kinematics(sent, s.control_period)
+                vel, acc = kinematics(sent, timeline.period)
             self.pub_traj.publish(self.raw_traj.render(sent[k:], vel[k:], acc[k:], conv.time_msg(placement.start)))
-            self.seams.executed(rec.first_step, sent, vel)
+            timeline.seams.executed(rec.first_step, sent, vel)
         else:
             self.warn("late", f"stream {self.name}: chunk {out.index} arrived after its last step was due "
                               f"({self.late_chunks} so far); not sent as a trajectory")

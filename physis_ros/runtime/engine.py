@@ -42,13 +42,14 @@ from physis_ros.runtime.recovery import Recovery
 from physis_ros.runtime.security import CurveKeys
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.runtime.streams import (ChunkOutput, EngineHealth, InFlight, Observation, ObserveFn, OutputFn,
-                                        ServedModel, StreamEvent, StreamState, Timeline, staggered_anchor)
+                                        ServedModel, StreamEvent, StreamState, staggered_anchor)
 from physis_ros.runtime.workers import EngineError, WorkerPool, WorkerProc
 from physis_ros.telemetry import ChunkRecord
+from physis_ros.timeline import ControlTimeline
 
 log = logging.getLogger("physis.engine")
 __all__ = ["ChunkOutput", "Engine", "EngineError", "EngineHealth", "Observation", "ObserveFn", "OutputFn",
-           "ServedModel", "StreamEvent", "Timeline"]
+           "ServedModel", "StreamEvent"]
 BURST = 64  # output messages handled per turn before yielding to the monitor, feeders and control plane
 OUTPUT_SPIN_S = 0.003  # after a worker's Wake the output loop polls without sleeping at most this long
 
@@ -193,7 +194,7 @@ class Engine:
                          model: ServedModel, plan: Plan, chunks: int | None = None,
                          slo_interval_ms: float | None = None, keep_outputs: bool = False,
                          release_interval_ms: float | None = None, emit_delay_ms: float | None = None,
-                         timeline: Timeline | None = None, release_phase_ms: float | None = None) -> None:
+                         timeline: ControlTimeline | None = None, release_phase_ms: float | None = None) -> None:
         """Start feeding a stream of ``model``: ``chunks`` chunks (None: until removed), placed by ``plan``
         (which never changes: running streams do not move). Workers load the blocks it needs first.
 
@@ -422,9 +423,9 @@ class Engine:
         f = s.inflight.pop(msg.chunk)
         trace = [[e.step, e.block, e.worker, e.queue_ms, e.compute_ms, e.batch] for e in msg.trace]
         record = ChunkRecord.from_trace(s.name, msg.chunk, f.obs_stamp, f.enqueue, emit, trace, hops)
-        if s.timeline is not None:
-            record.first_step, record.delay_steps, record.shift = f.first_step, f.delay_steps, f.shift
-            record.step0 = s.timeline_done(f, emit)
+        if f.slot is not None:
+            record.first_step, record.delay_steps, record.shift = f.slot.first_step, f.slot.delay_steps, f.slot.shift
+            record.step0 = s.timeline.emitted(f.slot, f.enqueue, emit)
         s.pending[msg.chunk] = ChunkOutput(s.name, msg.chunk, output, record, f.tag)
         s.epoch_started = True
         s.last_output_mono = time.monotonic()

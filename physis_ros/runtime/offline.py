@@ -13,18 +13,19 @@ import numpy as np
 import uvloop
 
 from physis_ros.model.spec import ModelConfig
-from physis_ros.runtime.engine import ChunkOutput, Engine, Observation, ServedModel, Timeline
+from physis_ros.runtime.engine import ChunkOutput, Engine, Observation, ServedModel
 from physis_ros.runtime.planner import resolve_plan
 from physis_ros.runtime.plans import Plan
 from physis_ros.scheduling.profiles import CostProfile
 from physis_ros.runtime.settings import EngineConfig
+from physis_ros.timeline import ControlTimeline
 
 Source = Callable[[str, int], dict[str, np.ndarray]]
 
 
 async def run_chunks_async(model: ModelConfig, config: EngineConfig, streams: list[str], chunks: int,
                            source: Source, plan: Plan | None = None, profile: CostProfile | None = None,
-                           timeline: Timeline | None = None, release_interval_ms: float | None = None
+                           timeline: ControlTimeline | None = None, release_interval_ms: float | None = None
                            ) -> dict[str, list[ChunkOutput]]:
     if plan is None:
         resolved = resolve_plan(model, config, profile)
@@ -40,7 +41,7 @@ async def run_chunks_async(model: ModelConfig, config: EngineConfig, streams: li
 
 
 def run_chunks(model: ModelConfig, config: EngineConfig, streams: list[str], chunks: int, source: Source,
-               plan: Plan | None = None, profile: CostProfile | None = None, timeline: Timeline | None = None,
+               plan: Plan | None = None, profile: CostProfile | None = None, timeline: ControlTimeline | None = None,
                release_interval_ms: float | None = None) -> dict[str, list[ChunkOutput]]:
     return uvloop.run(run_chunks_async(model, config, streams, chunks, source, plan, profile, timeline,
                                        release_interval_ms))

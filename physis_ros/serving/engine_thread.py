@@ -20,9 +20,10 @@ from typing import Any
 
 import uvloop
 
-from physis_ros.runtime.engine import Engine, EngineHealth, ObserveFn, OutputFn, ServedModel, StreamEvent, Timeline
+from physis_ros.runtime.engine import Engine, EngineHealth, ObserveFn, OutputFn, ServedModel, StreamEvent
 from physis_ros.runtime.plans import Plan
 from physis_ros.runtime.settings import EngineConfig
+from physis_ros.timeline import ControlTimeline
 
 log = logging.getLogger("physis.ros")
 
@@ -82,7 +83,7 @@ class EngineThread:
 
     def add_stream(self, name: str, observe: ObserveFn, on_output: OutputFn, *, model: ServedModel, plan: Plan,
                    slo_interval_ms: float | None, release_interval_ms: float | None = None,
-                   timeline: Timeline | None = None, release_phase_ms: float | None = None
+                   timeline: ControlTimeline | None = None, release_phase_ms: float | None = None
                    ) -> concurrent.futures.Future:
         return self.submit(lambda engine: engine.add_stream(
             name, observe, on_output, model=model, plan=plan, slo_interval_ms=slo_interval_ms,

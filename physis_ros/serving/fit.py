@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from physis_ros.config import ConfigError
 from physis_ros.model.spec import ModelConfig
-from physis_ros.runtime.streams import Timeline
 from physis_ros.serving.capacity import Rejected
 from physis_ros.serving.config import StreamConfig
+from physis_ros.timeline import ControlTimeline, release_steps
 
 TIMELINE_KEYS = ("slo_interval_ms", "execution_horizon", "extra_delay_steps")   # checked against the timeline
 OBSERVATION_TOPICS = {"image": "topics.image", "state": "topics.joint_states", "actions": "topics.actions"}
@@ -77,12 +77,16 @@ def model_label(ref: str, config: ModelConfig) -> str:
     return ref if not ref or ref == config.name else f"{ref} ({config.name})"
 
 
-def stream_timeline(stream: StreamConfig, model: ModelConfig, deterministic: bool) -> Timeline:
-    """The stream's control timeline. Deterministic serving (replay equal to the reference) takes no
+def stream_timeline(stream: StreamConfig, model: ModelConfig, deterministic: bool, slo_ms: float,
+                    pace_margin: float) -> ControlTimeline:
+    """The stream's control timeline, its SLO interval ``slo_ms`` released ``pace_margin`` early (with cadence
+    timeline: whole control steps apart). Deterministic serving (replay equal to the reference) takes no
     hand-off: it depends on measured delays."""
-    return Timeline(stream.control_rate_hz, model_horizon(model), execution_steps(stream, model),
-                    handoff="none" if deterministic else stream.handoff, extra_delay=stream.extra_delay_steps,
-                    lead_s=stream.trajectory_min_lead_s, capture_margin=stream.capture_margin_steps)
+    steps = release_steps(slo_ms, pace_margin, stream.control_rate_hz) if stream.cadence == "timeline" else 0
+    return ControlTimeline(stream.control_rate_hz, model_horizon(model), execution_steps(stream, model),
+                           handoff="none" if deterministic else stream.handoff, extra_delay=stream.extra_delay_steps,
+                           lead_s=stream.trajectory_min_lead_s, capture_margin=stream.capture_margin_steps,
+                           release_steps=steps)
 
 
 def check_fit(name: str, stream: StreamConfig, model: ModelConfig) -> None:

@@ -233,13 +233,14 @@ class Server:
                 admitted = self.admission.admit(name, served, pace, slo, paced=paced)
             cfg = self.config
             paired = [k for k in served.config.observation_shapes if k != "image"]
+            timeline = stream_timeline(stream, served.config, cfg.deterministic, slo, cfg.admission.pace_margin)
             session = Session(name, stream, served, origin, admitted.workers, slo,
                               StreamInput(cfg.deterministic, cfg.deterministic_queue, cfg.pair_timeout_s,
                                           stream.max_age_s, self.clock, paired),
-                              self.clock, on_chunk, cfg.stats_window, source)
+                              self.clock, on_chunk, cfg.stats_window, source, timeline)
             future = engine.add_stream(name, session.take, session.deliver, model=served, plan=admitted.plan,
                                        slo_interval_ms=slo, release_interval_ms=pace if paced else None,
-                                       timeline=stream_timeline(stream, served.config, cfg.deterministic),
+                                       timeline=timeline,
                                        release_phase_ms=admitted.placed.phase_ms)
             try:
                 future.result(timeout=cfg.admission.profile_timeout_s)

@@ -29,6 +29,7 @@ from physis_ros.serving.config import StreamConfig
 from physis_ros.serving.intake import Sample, StreamInput
 from physis_ros.serving.tensors import InputRejected, check_stamp_s, checked_rows, preprocess
 from physis_ros.telemetry import ChunkRecord, RollingStats, window_stats
+from physis_ros.timeline import ControlTimeline
 
 QUEUED_CHUNKS = 64   # chunks a session keeps for next_chunk; past that the oldest is dropped (and counted)
 # A stream that renders its observation when its chunk is due (a simulator): called with the chunk's index on
@@ -88,7 +89,7 @@ class Session:
     def __init__(self, name: str, config: StreamConfig, served: ServedModel, origin: str, workers: list[str],
                  slo_interval_ms: float, input: StreamInput, clock: Callable[[], float],
                  on_chunk: Callable[[Chunk], None] | None = None, stats_window: int = 200,
-                 source: Source | None = None):
+                 source: Source | None = None, timeline: ControlTimeline | None = None):
         self.name = name
         self.config = config
         self.served = served
@@ -100,6 +101,9 @@ class Session:
         self.clock = clock
         self.on_chunk = on_chunk
         self.source = source
+        # where its chunks land on the robot's clock, and the chunk the robot executes (the engine places
+        # each released chunk on it, the front end each published one)
+        self.timeline = timeline
         self.admitted_mono = time.monotonic()
         self.health = SessionHealth()
         self.stats = RollingStats(stats_window)

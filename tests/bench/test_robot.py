@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from physis_ros.bench.robot import SimulatedRobot
+from physis_ros.timeline import ControlTimeline
 
 RATE = 50.0
 
@@ -13,10 +14,11 @@ RATE = 50.0
 def run_two_chunks(blend_steps: int) -> SimulatedRobot:
     """Chunk 0 (zeros) from step 0; chunk 1 (0.2 rad), for steps 6.., reaches the robot 2.5 steps after its row
     0 was due: it takes over at its row 3 (step 9), where chunk 0 prescribed 0."""
-    robot = SimulatedRobot(np.zeros(7), RATE, blend_steps=blend_steps, keep_from=6)
+    timeline = ControlTimeline(RATE, horizon=16, execution=8, release_steps=6)    # the next chunk starts at row 6
+    robot = SimulatedRobot(np.zeros(7), timeline, blend_steps=blend_steps)
     k, seam = robot.receive(-0.01, 0, 0.0, np.zeros((16, 7), np.float32))
     assert k == 0 and np.isnan(seam.position_jump)
-    k, seam = robot.receive(6 / RATE + 2.5 / RATE, 6, 6 / RATE, np.full((16, 7), 0.2, np.float32))
+    k, seam = robot.receive(6 / RATE + 2.5 / RATE, 6, 6 / RATE, np.full((16, 7), 0.2, np.float32), shift=6)
     assert k == 3 and seam.position_jump == pytest.approx(0.2)    # the seam as computed, either way
     return robot
 

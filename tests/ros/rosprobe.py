@@ -153,7 +153,7 @@ def admitted_stream(node, name: str, cfg):
     session registered with a server that is not started."""
     from physis_ros.ros.streams import RosStream
     from physis_ros.runtime.streams import ServedModel
-    from physis_ros.serving.fit import slo_interval_ms
+    from physis_ros.serving.fit import slo_interval_ms, stream_timeline
     from physis_ros.serving.intake import StreamInput
     from physis_ros.serving.server import Server
     from physis_ros.serving.session import Session
@@ -163,9 +163,11 @@ def admitted_stream(node, name: str, cfg):
         node.server.subscribe(node.on_server_event)
     c = node.config
     paired = [k for k in node.model.observation_shapes if k != "image"]
-    session = Session(name, cfg, ServedModel(node.model), "config", ["w0"], slo_interval_ms(cfg, node.model),
+    slo = slo_interval_ms(cfg, node.model)
+    session = Session(name, cfg, ServedModel(node.model), "config", ["w0"], slo,
                       StreamInput(c.deterministic, c.deterministic_queue, c.pair_timeout_s, cfg.max_age_s, node.now,
-                                  paired), node.now)
+                                  paired), node.now,
+                      timeline=stream_timeline(cfg, node.model, c.deterministic, slo, c.admission.pace_margin))
     node.server._sessions[name] = session   # (what Server.admit does once the engine runs the stream)
     st = RosStream(node, session)
     session.on_chunk = st.on_chunk

@@ -12,7 +12,7 @@ from physis_ros.ros import conversions as conv
 from physis_ros.ros import outputs
 from physis_ros.serving.config import serve_config
 from physis_ros.telemetry import ChunkRecord
-from physis_ros.timeline import kinematics
+from physis_ros.timeline import ChunkLanding, kinematics
 
 JOINTS = [f"joint{i}" for i in range(1, 8)]
 RNG = np.random.default_rng(0)
@@ -43,43 +43,10 @@ def test_action_chunk_carries_its_place_on_the_timeline():
     np.testing.assert_array_equal(np.frombuffer(msg.actions, np.float32).reshape(16, 7), actions)
     assert (msg.first_step, msg.late_points, msg.late) == (0, 0, False)
 
-    placement = outputs.ChunkLanding(first_step=42, row0_due=7.5, period=0.02, first_row=3, horizon=16, delay_steps=2)
+    placement = ChunkLanding(first_step=42, row0_due=7.5, period=0.02, first_row=3, horizon=16, delay_steps=2)
     msg = outputs.action_chunk_msg("r", s, 3, actions, stamp, placement)
     assert (msg.first_step, msg.inference_delay_steps, msg.late_points, msg.late) == (42, 2, 3, False)
     assert seconds(msg.step0_stamp) == pytest.approx(7.5)
-
-
-def test_place_chunk_drops_rows_already_due():
-    s = stream(control_rate_hz=50.0)   # 20 ms per step
-    rec = record(first_step=10, step0=100.2)
-    at = lambda now: outputs.place_chunk(s, rec, 100.0, now, 16)   # noqa: E731
-    p = at(100.19)
-    assert (p.first_row, p.late) == (0, False) and p.start == pytest.approx(100.2)
-    p = at(100.2)                      # row 0 due exactly now: it is past
-    assert p.first_row == 1 and p.start == pytest.approx(100.22)
-    p = at(100.199)                    # row 0 due before the message can be out (min lead 2 ms): dropped
-    assert p.first_row == 1 and p.start - 100.199 >= s.trajectory_min_lead_s
-    p = at(100.255)                    # rows 0..2 due (100.2, 100.22, 100.24)
-    assert p.first_row == 3 and p.start == pytest.approx(100.26) and p.start > 100.255
-    p = at(100.2 + 15 * 0.02 - 0.0021)   # only the last row ahead (by more than the lead)
-    assert (p.first_row, p.late) == (15, False)
-    p = at(100.2 + 15 * 0.02 - 0.0019)   # every row due, or due before the message is out: a late chunk
-    assert (p.first_row, p.late) == (16, True)
-    # whatever the moment, point 0 of what is sent is at least the lead ahead of it
-    for now in np.linspace(100.1, 100.5, 401):
-        p = at(now)
-        assert p.late or p.start >= now + s.trajectory_min_lead_s - 1e-12
-
-
-def test_place_chunk_by_trajectory_start():
-    rec = record(first_step=10, step0=100.2)
-    assert outputs.place_chunk(stream(trajectory_start="observation"), rec, 100.0, 100.05, 16).first_row == 3
-    emit = outputs.place_chunk(stream(trajectory_start="emit", trajectory_start_offset_s=0.1), rec, 100.0, 101.0, 16)
-    assert emit.first_row == 0 and emit.start == pytest.approx(101.12)
-    # no timeline (step0 nan): the observation's stamp
-    assert outputs.place_chunk(stream(), record(), 100.0, 100.05, 16).row0_due == pytest.approx(100.0)
-    offset = outputs.place_chunk(stream(trajectory_start_offset_s=0.05), rec, 100.0, 100.2, 16)   # 50 ms ahead
-    assert offset.first_row == 0 and offset.start == pytest.approx(100.25)
 
 
 def test_trajectory_of_the_rows_ahead():

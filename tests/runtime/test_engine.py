@@ -384,11 +384,11 @@ def test_handoff_freezes_the_first_d_actions_and_the_reference_agrees(plan, work
     actions are exactly chunk c-1's committed actions for those steps."""
     from physis_ros.model.handoff import Handoff
     from physis_ros.reference import ReferenceRollout
-    from physis_ros.runtime.streams import Timeline
+    from physis_ros.timeline import ControlTimeline
 
     cfg = load_model_config("tiny-wam")
     scene = SyntheticScene(cfg.observation_shapes)
-    timeline = Timeline(rate_hz=50.0, horizon=16, execution=6, handoff="hard", extra_delay=2)
+    timeline = ControlTimeline(rate_hz=50.0, horizon=16, execution=6, handoff="hard", extra_delay=2)
     out = run_chunks(cfg, EngineConfig(plan=plan, workers=workers), ["robot0"], 8, scene.observation,
                      timeline=timeline, release_interval_ms=120.0)["robot0"]
     ref = ReferenceRollout(build_model(cfg))
@@ -422,12 +422,12 @@ def test_with_a_handoff_observations_are_taken_ahead_so_the_robot_switches_at_th
     of the last 20 observation-to-emit times known then, plus the 0.3-step margin, modulo a step), keeps
     the chunk's rows on the grid, and freezes the rows due until it arrives: every chunk no later than
     that estimate plus the margin reaches the robot while a frozen row is still ahead (the switch row)."""
-    from physis_ros.runtime.streams import Timeline
+    from physis_ros.timeline import ControlTimeline
     from physis_ros.timeline import first_due_row
 
     cfg = load_model_config("tiny-wam")
     scene = SyntheticScene(cfg.observation_shapes)
-    timeline = Timeline(rate_hz=50.0, horizon=16, execution=6, handoff="hard")
+    timeline = ControlTimeline(rate_hz=50.0, horizon=16, execution=6, handoff="hard")
     out = run_chunks(cfg, EngineConfig(plan="sequential", workers=1), ["robot0"], 14, scene.observation,
                      timeline=timeline, release_interval_ms=120.0)["robot0"]
     recs = [o.record for o in out]
@@ -464,7 +464,7 @@ def test_a_stream_slow_to_place_still_starts_on_its_release_grid(monkeypatch):
     """Placing a stream can load its blocks (tens of ms on a slow host). Its release grid was anchored before
     that, so on a 2-core VM the first release came over half an interval late, re-anchored, and every chunk
     after it sat off the timeline's grid (first steps 0, 7, 13, 19 ... at 6 steps a release)."""
-    from physis_ros.runtime.streams import Timeline
+    from physis_ros.timeline import ControlTimeline
 
     place = Engine.place
 
@@ -475,7 +475,7 @@ def test_a_stream_slow_to_place_still_starts_on_its_release_grid(monkeypatch):
     monkeypatch.setattr(Engine, "place", slow_place)
     cfg = load_model_config("tiny-wam")
     scene = SyntheticScene(cfg.observation_shapes)
-    timeline = Timeline(rate_hz=50.0, horizon=16, execution=6)
+    timeline = ControlTimeline(rate_hz=50.0, horizon=16, execution=6)
     out = run_chunks(cfg, EngineConfig(plan="sequential", workers=1), ["robot0"], 4, scene.observation,
                      timeline=timeline, release_interval_ms=120.0)["robot0"]
     assert [o.record.first_step for o in out] == [0, 6, 12, 18]
