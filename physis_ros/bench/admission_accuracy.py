@@ -102,9 +102,20 @@ class Robots:
         self.intervals[name], self.first[name], self.model_of[name] = got, first, model
         return name
 
-    def wait_first_chunk(self, name: str, timeout_s: float) -> None:
-        if not self.first[name].wait(timeout=timeout_s):
-            raise RuntimeError(f"{name} got no chunk in {timeout_s:g} s")
+    def add(self, index: int, phase: str, settle_s: float) -> dict | None:
+        """Robot ``index`` joins, and ``settle_s`` passes after its first chunk; None, or its refusal (the
+        reason label and detail)."""
+        try:
+            name = self.join(index)
+        except Rejected as exc:
+            _say(f"{phase}: robot{index} refused: {exc.label} - {exc.detail}")
+            return {"robot": f"robot{index}", "model": self.models[index % len(self.models)], "reason": exc.label,
+                    "detail": exc.detail}
+        _say(f"{phase}: {name} admitted on {', '.join(self.server.session(name).workers)}")
+        if not self.first[name].wait(timeout=FIRST_CHUNK_S):
+            raise RuntimeError(f"{name} got no chunk in {FIRST_CHUNK_S:g} s")
+        time.sleep(settle_s)
+        return None
 
     def window(self, start: float, end: float) -> dict[str, dict]:
         """Per robot: its chunks' intervals emitted in [start, end) (server clock): count, p50, p99."""
@@ -146,14 +157,10 @@ def admission_off(args) -> dict:
     with Server.from_config(_config(args, enforce=False)) as server:
         robots = Robots(server, args.models, args.slo_ms, args.control_rate_hz)
         for n in range(args.max_robots):
-            try:
-                name = robots.join(n)
-            except Rejected as exc:   # what no placement changes (a stage alone slower than the SLO, memory)
-                refused = {"robot": f"robot{n}", "reason": exc.label, "detail": exc.detail}
-                _say(f"admission off: robot{n} refused: {exc.label} - {exc.detail}")
+            # a refusal with admission off: what no placement changes (a stage alone slower than the SLO, memory)
+            refused = robots.add(n, "admission off", args.settle_s)
+            if refused:
                 break
-            robots.wait_first_chunk(name, FIRST_CHUNK_S)
-            time.sleep(args.settle_s)
             stats = robots.measure(args.window_s)
             met = all(_meets(s, args.slo_ms) for s in stats.values())
             worst = max((math.inf if s["interval_ms_p99"] is None else s["interval_ms_p99"]) for s in stats.values())
@@ -175,16 +182,9 @@ def admission_on(args) -> dict:
     with Server.from_config(_config(args, enforce=True)) as server:
         robots = Robots(server, args.models, args.slo_ms, args.control_rate_hz)
         for n in range(args.max_robots):
-            try:
-                name = robots.join(n)
-            except Rejected as exc:
-                rejected = {"robot": f"robot{n}", "model": args.models[n % len(args.models)],
-                            "reason": exc.label, "detail": exc.detail}
-                _say(f"admission on: robot{n} refused: {exc.label} - {exc.detail}")
+            rejected = robots.add(n, "admission on", args.settle_s)
+            if rejected:
                 break
-            _say(f"admission on: {name} admitted on {', '.join(server.session(name).workers)}")
-            robots.wait_first_chunk(name, FIRST_CHUNK_S)
-            time.sleep(args.settle_s)
         workers = {k: server.session(k).workers for k in robots.intervals}
         stats = robots.measure(args.measure_s) if robots.intervals else {}
         utilisation = server.admission.utilisation()
