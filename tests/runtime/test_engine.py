@@ -442,9 +442,12 @@ def test_with_a_handoff_observations_are_taken_ahead_so_the_robot_switches_at_th
         known = [x.emit - x.enqueue for x in recs if x.emit < r.enqueue]
         ahead = (r.step0 - r.enqueue) * 50.0
         # The lead was set before the release's last sleep (the latest latency may have come in during it),
-        # and the loop may wake late (a release up to half an interval late keeps its slot), never early.
+        # and the loop may wake late (a release up to half an interval late keeps its slot), early only by
+        # the event loop's timer resolution (uvloop: 1 ms, 0.05 step). A release later than that leaves the
+        # grid: its first step is the nearest to when it was taken, up to half a step after it.
         leads = [lead(known), lead(known[:-1])]
-        assert -3.0 <= ahead <= max(leads) + 0.02, (r.chunk, ahead, leads)
+        slack = 0.5 if r.first_step % 6 else 0.06
+        assert -3.0 <= ahead <= max(leads) + slack, (r.chunk, ahead, leads)
         if len(known) < timeline.delay_warmup or r.first_step % 6:
             continue                                          # warm-up, or a release that left the grid
         est = max(known[-timeline.delay_window:]) * 50.0
