@@ -134,7 +134,8 @@ class Robots:
 
 
 def _r(x: float) -> float | None:
-    return None if x is None or math.isnan(x) else round(float(x), 3)
+    """``x`` rounded for the JSON; None for nan (no chunks to tell)."""
+    return None if math.isnan(x) else round(x, 3)
 
 
 def _meets(stats: dict, slo_ms: float) -> bool:
@@ -163,12 +164,13 @@ def admission_off(args) -> dict:
                 break
             stats = robots.measure(args.window_s)
             met = all(_meets(s, args.slo_ms) for s in stats.values())
-            worst = max((math.inf if s["interval_ms_p99"] is None else s["interval_ms_p99"]) for s in stats.values())
+            p99s = [s["interval_ms_p99"] for s in stats.values()]
+            worst = None if None in p99s else max(p99s)     # None: a robot published too little to tell
             steps.append({"robots": n + 1, "all_meet_slo": met, "utilisation": server.admission.utilisation(),
-                          "interval_ms_p99_max": None if math.isinf(worst) else worst,
+                          "interval_ms_p99_max": worst,
                           "streams": {k: {**s, "model": robots.model_of[k], "workers": server.session(k).workers}
                                       for k, s in stats.items()}})
-            _say(f"admission off, {n + 1} robot(s): interval p99 max {worst:.1f} ms (SLO {args.slo_ms:g}) "
+            _say(f"admission off, {n + 1} robot(s): interval p99 max {worst} ms (SLO {args.slo_ms:g}) "
                  f"{'ok' if met else 'MISSED'}")
             if not met:
                 break

@@ -219,11 +219,7 @@ class ServerAdmission:
                                            f"(at most {self.host.capacity:.2f}: workers' load plus "
                                            f"{self.host.reserve:g} + {self.host.per_stream:g} per stream)",
                                cause="host-cpu")
-        cfg = model.config
-        admitted = Admitted(stream, model, plan_of(decision.placed, cfg.steps, cfg.blocks), decision.placed)
-        self.admitted[stream] = admitted
-        self.version += 1
-        return admitted
+        return self._book(model, decision.placed)
 
     def _admit_unchecked(self, request: StreamRequest, model: ServedModel) -> Admitted:
         """Admission off: the stream placed on the least booked workers whatever its SLO and their time
@@ -235,8 +231,13 @@ class ServerAdmission:
         if placed is None:
             raise Rejected("memory", f"no worker has the memory left for a rank of model '{model.id}'",
                            cause="memory")
-        admitted = Admitted(request.stream, model, plan_of(placed, model.config.steps, model.config.blocks), placed)
-        self.admitted[request.stream] = admitted
+        return self._book(model, placed)
+
+    def _book(self, model: ServedModel, placed: PlacedStream) -> Admitted:
+        """A stream placed: its plan, kept as admitted (a new placement on the host)."""
+        cfg = model.config
+        admitted = Admitted(placed.stream, model, plan_of(placed, cfg.steps, cfg.blocks), placed)
+        self.admitted[placed.stream] = admitted
         self.version += 1
         return admitted
 
