@@ -24,10 +24,10 @@ class Mirror:
 
     def __init__(self, cfg, profiles: dict):
         from physis_ros.model.spec import load_model_config
-        from physis_ros.serving.capacity import server_admission
         from physis_ros.runtime.streams import ServedModel
+        from physis_ros.serving.policies import server_admission
 
-        self.admission, _ = server_admission(cfg)
+        self.admission, _, _ = server_admission(cfg)
         self.max_batch = self.admission.cluster.max_batch
         self.served = {name: ServedModel(load_model_config(name), None, p["profile"]) for name, p in profiles.items()}
 

@@ -66,8 +66,7 @@ def _config(args) -> dict:
 
     admission = {} if args.max_pending_goals is None else {"max_pending_goals": args.max_pending_goals}
     if args.relaxed:
-        admission.update(host_reserve_cores=0.0, host_cores_per_stream=0.0, bound_jitter=False,
-                         profiles=str(repo_config_dir() / "profiles"))
+        admission.update(policy="base", checks=["load-calibration"], profiles=str(repo_config_dir() / "profiles"))
     return {"model": "tiny-wam", "diagnostics_period_s": 0.5, "admission": admission,
             "engine": {"workers": args.workers, "max_streams": args.max_streams}}
 

@@ -169,6 +169,7 @@ class Load(_Message, tag="load"):
     hop_ring_mb: Annotated[int, Meta(ge=1, le=65536)] = 64       # each shared ring's size (hops: shm)
     spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 0     # poll without blocking this long before sleeping
     wake_ahead_us: Annotated[int, Meta(ge=0, le=100_000)] = 0   # send Wake before a chunk leaves (0: never)
+    rehearse: bool = False      # on a Wake, rehearse the stream's last first task (EngineConfig.cpu_host)
 
 
 class Route(Struct, array_like=True, forbid_unknown_fields=True):

@@ -221,7 +221,8 @@ class TaskRunner:
         5-15x slower on this kind of host (measured: ``x.numpy()`` 92 us after 30 ms asleep, 6 us when it had
         run once just before), and this is the path the next task takes. Measured served (tiny-wam, 2 robots):
         the task's way from the socket to the ready queue 0.12 -> 0.04 ms. Pure: received tensors are never
-        written, nothing is kept. Not on CUDA, where the first state would copy to the device."""
+        written, nothing is kept. Only with ``Load.rehearse`` (EngineConfig.cpu_host); not on CUDA, where the first
+        state would copy to the device."""
         frames = self._rehearsal.get(stream)
         if frames is None or self.io.cuda:
             return
@@ -273,7 +274,7 @@ class TaskRunner:
         if task.sent:
             task.hops.append(min(max(0.0, (time.perf_counter() - task.sent) * 1e3), 1e9))
         if first:  # the chunk's first stage: observation in, noise made here
-            if frames is not None:
+            if frames is not None and self.settings.rehearse:
                 self._rehearsal[task.stream] = frames
             state = first_state(rec.tensors, self._noise(task, model),
                                 lambda t: self.io.to_device(t, model.dtype))

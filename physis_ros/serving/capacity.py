@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,11 +31,10 @@ from physis_ros.scheduling.cluster import Cluster, PlacedStream
 from physis_ros.scheduling.placement import JointScheduler
 from physis_ros.scheduling.ranks import Unplaceable
 from physis_ros.scheduling.profiles import stream_memory_bytes
-from physis_ros.scheduling.settings import GB, DeviceSpec, SchedulingConfig, load_device, load_scheduling
+from physis_ros.scheduling.settings import GB, DeviceSpec, SchedulingConfig
 
 if TYPE_CHECKING:
     from physis_ros.model.spec import ModelConfig
-    from physis_ros.serving.config import ServeConfig
 
 # A rejected stream's reason says what its sender must change (README's table is kept in step with this by
 # tests/ros/test_admission_unit.py); the scheduler's own cause (PLACEMENT_REASONS) follows its detail in [].
@@ -152,7 +152,8 @@ class ServerAdmission:
     def __init__(self, workers: int, device: DeviceSpec, config: SchedulingConfig, max_batch: int = 1,
                  host: HostBudget | None = None, calibration: LoadCalibration | None = None,
                  deadline_order: bool = False, bound_jitter: bool = True,
-                 intervals: IntervalCalibration | None = None, enforce: bool = True):
+                 intervals: IntervalCalibration | None = None, enforce: bool = True,
+                 vetoes: Sequence[Callable[[ServerAdmission, str, np.ndarray], None]] = ()):
         self.cluster = Cluster([device] * workers, config.headroom, {}, max_batch=max_batch,
                                deadline_order=deadline_order)
         self.scheduler = JointScheduler(self.cluster, config)
@@ -168,6 +169,8 @@ class ServerAdmission:
         self.version = 0   # placements on the host: every join and leave counts (restarts the interval windows)
         # False: admission off (admission.enforce), every stream placed on the least booked workers, unchecked
         self.enforce = enforce
+        # registered checks' own refusals after a placement (each raises Rejected; the placement is undone)
+        self.vetoes = list(vetoes)
 
     def check_memory(self, config: ModelConfig) -> None:
         """Rejected("memory") when one stream of ``config`` cannot fit all the workers' memory together even
@@ -219,6 +222,12 @@ class ServerAdmission:
                                            f"(at most {self.host.capacity:.2f}: workers' load plus "
                                            f"{self.host.reserve:g} + {self.host.per_stream:g} per stream)",
                                cause="host-cpu")
+        for veto in self.vetoes:
+            try:
+                veto(self, stream, factors)
+            except Rejected:
+                self.scheduler.remove(stream)
+                raise
         return self._book(model, decision.placed)
 
     def _admit_unchecked(self, request: StreamRequest, model: ServedModel) -> Admitted:
@@ -304,38 +313,3 @@ class ServerAdmission:
             for s, v in spreads.items():
                 if s in self.admitted:
                     self.cluster.jitter.charge(s, v)
-
-
-def worker_headroom(headroom: float, device: str, reserve_cores: float, cores: int | None) -> float:
-    """The fraction of each worker's time admission keeps free. CPU workers share the host's cores with
-    the node (ROS callbacks, image conversion, publishing) and whatever else runs there: one may use
-    at most ``cores - reserve_cores`` of a core (and a worker process runs on one core), however fast one
-    stage is alone. What they may use together is the host budget's (:class:`HostBudget`, ``host-cpu``),
-    and what two busy at once cost each other is the jitter bound's (``JitterBound.shared_cores``); an equal
-    split of the cores (``(cores - reserve) / workers`` each) would refuse the third robot a worker holds
-    staggered while the other worker idles."""
-    if device != "cpu":
-        return headroom
-    cores = cores or os.cpu_count() or 1
-    share = min(1.0, max(0.0, cores - reserve_cores))
-    return max(headroom, 1.0 - share)
-
-
-def server_admission(cfg: ServeConfig, cores: int | None = None) -> tuple[ServerAdmission, str]:
-    """The admission of a server with config ``cfg`` (and the device spec name it admits on): what the
-    server sets up, and what a benchmark replays to predict it."""
-    device = cfg.admission.device or ("cpu" if cfg.engine.device_of(0) == "cpu" else "h200")
-    headroom = worker_headroom(cfg.admission.headroom, device, cfg.admission.host_reserve_cores, cores)
-    scheduling = dataclasses.replace(load_scheduling(), headroom=headroom)
-    max_batch = cfg.engine.max_batch if cfg.engine.batching != "off" and not cfg.deterministic else 1
-    host = None
-    if device == "cpu":
-        host = HostBudget(cores or os.cpu_count() or 1, cfg.admission.host_reserve_cores,
-                          cfg.admission.host_cores_per_stream, cfg.admission.headroom, host_memory_bytes())
-    # Deterministic serving (bag checks) decides from the profiles alone: its decisions must not depend on timing.
-    calibration = None if cfg.deterministic or not cfg.admission.calibrate else LoadCalibration()
-    intervals = IntervalCalibration() if calibration is not None and cfg.admission.measure_spread else None
-    return ServerAdmission(cfg.engine.workers, load_device(device), scheduling, max_batch, host, calibration,
-                           deadline_order=cfg.engine.policy == "edf", bound_jitter=cfg.admission.bound_jitter,
-                           intervals=intervals, enforce=cfg.admission.enforce), device
-

@@ -9,8 +9,9 @@ seconds for the tiny presets, never in the server's process. The child has an ad
 at the lowest CPU priority while robots are served, and is killed if the server stops; a measurement
 that fails refuses its goal (``profile-failed``, or ``memory``) and is tried again by the next goal.
 Goals for models already resolved are not held up by one being measured. CPU workers share the host's
-cores, which a one-process measurement does not see: ``admission.corun_slowdown`` (what
-``physis-profile --corun`` measures) is applied to a measured profile that lacks it.
+cores, which a one-process measurement does not see: under the cpu-host admission policy the catalog is
+given ``admission.corun_slowdown`` (what ``physis-profile --corun`` measures) to apply to a measured
+profile that lacks it.
 """
 
 from __future__ import annotations
@@ -117,10 +118,12 @@ class ModelCatalog:
     """Resolves model references to :class:`~physis_ros.runtime.streams.ServedModel` with a cost profile;
     thread-safe (profiles may be measured on a helper thread while the executor runs)."""
 
-    def __init__(self, default: str, device: str, config: AdmissionConfig, checkpoint: str | None = None):
+    def __init__(self, default: str, device: str, config: AdmissionConfig, checkpoint: str | None = None,
+                 corun_slowdown: float = 1.0):
         self.default = default
         self.device = device
         self.config = config
+        self.corun_slowdown = corun_slowdown   # a profile measured here runs this much slower served (>= 1)
         self.default_checkpoint = checkpoint
         self._served: dict[str, ServedModel] = {}
         self._pending: dict[str, Future] = {}   # models being measured now
@@ -189,8 +192,7 @@ class ModelCatalog:
         # (not with nothing served yet: at the lowest priority a first measurement takes what the robots'
         # and workers' own start-up leave, and read a tiny-wam chunk at 70 ms on a slow CI host)
         profile = self.measure(config, nice=19 if serving else 0)
-        slowdown = self.config.corun_slowdown if self.device == "cpu" else 1.0
-        return dataclasses.replace(profile, corun_slowdown=max(profile.corun_slowdown, slowdown))
+        return dataclasses.replace(profile, corun_slowdown=max(profile.corun_slowdown, self.corun_slowdown))
 
     def measure(self, config: ModelConfig, nice: int) -> CostProfile:
         """``physis-profile`` of ``config`` in a child process (see the module's docstring)."""

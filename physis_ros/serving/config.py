@@ -24,6 +24,7 @@ from typing import Any
 
 from physis_ros.config import ConfigError, bounded, described, from_mapping, load_yaml, repo_config_dir
 from physis_ros.runtime.settings import EngineConfig
+from physis_ros.serving.policies import resolve_policy
 
 PREPROCESS_MODES = ("resize", "center_crop", "pad")
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
@@ -235,31 +236,31 @@ class AdmissionConfig:
         "directory of physis-profile JSON files (<model>.<device>.json) to admit with; empty or missing "
         "file: measure the model here at first use"))
     profile_repeats: int = field(default=8, metadata=bounded(ge=1, le=1000, doc="timing rounds when measuring"))
+    policy: str = field(default="auto", metadata=described(
+        "admission policy (physis_ros.serving.policies): base (the cost model's capacity and the SLO, plus "
+        "admission.checks), cpu-host (base plus what CPU workers sharing one host need: host-cpu, "
+        "measured-spread, a host share per worker, co-run contention, engine.cpu_host; CPU workers only) or "
+        "auto (cpu-host for CPU workers, base for GPU workers)"))
+    checks: list[str] = field(default_factory=lambda: ["jitter-bound", "load-calibration"], metadata=described(
+        "checks by name on top of the policy's (physis_ros.serving.policies.CHECKS): jitter-bound (refuse "
+        "placements that could delay a stream's chunk past what its SLO leaves over its release interval; "
+        "leave it out to book time only, e.g. for robots that buffer chunks), load-calibration (book each "
+        "worker at its measured busy / booked factor; never in deterministic serving), measured-spread "
+        "(charge each stream its measured interval spread beyond its bound; needs the two before it), "
+        "host-cpu (the CPU host's cores); the policy adds its own after these"))
     corun_slowdown: float = field(default=1.15, metadata=bounded(
-        ge=1.0, le=10.0, doc="CPU workers sharing the host run this much slower than the one-process "
-                             "measurement (physis-profile --corun measures it)"))
+        ge=1.0, le=10.0, doc="policy cpu-host: CPU workers sharing the host run this much slower than the "
+                             "one-process measurement of a profile measured here (physis-profile --corun "
+                             "measures it)"))
     pace_margin: float = field(default=0.2, metadata=bounded(
         ge=0.0, le=0.5, doc="streams are released (and admitted) every SLO x (1 - pace_margin): the margin absorbs "
                             "release and compute jitter, so intervals stay within the SLO (fraction of the SLO)"))
-    calibrate: bool = field(default=True, metadata=described(
-        "also check a placement against each worker's measured load: its compute counter over its booked "
-        "utilisation, when it runs busier than its profiles say (never looser than the profiles; off in "
-        "deterministic serving)"))
-    bound_jitter: bool = field(default=True, metadata=described(
-        "also refuse placements that could delay a stream's chunk by more than its SLO leaves over its release "
-        "interval (latency-jitter): the chunks sharing its workers, per engine.policy (false: book time "
-        "only, e.g. for robots that buffer chunks)"))
-    measure_spread: bool = field(default=True, metadata=described(
-        "also charge each stream what its published intervals were measured to vary beyond its jitter bound "
-        "(a chunk's own compute spread, late releases, transport; a newcomer: the largest measured), so a "
-        "placement must keep every stream's measured interval p99 plus what it adds within its SLO (needs "
-        "calibrate and bound_jitter; off in deterministic serving)"))
     host_reserve_cores: float = field(default=0.75, metadata=bounded(
-        ge=0.0, le=1024.0, doc="CPU workers: cores left to the node and the host's other work: the workers' load "
+        ge=0.0, le=1024.0, doc="policy cpu-host: cores left to the node and the host's other work: the workers' load "
                                "plus this plus host_cores_per_stream per stream must fit the host's cores (host-cpu), "
                                "and workers busy at once share the cores less this (the jitter bound) (cores)"))
     host_cores_per_stream: float = field(default=0.08, metadata=bounded(
-        ge=0.0, le=64.0, doc="CPU workers: host cores each stream costs outside the workers (the node's callbacks, "
+        ge=0.0, le=64.0, doc="policy cpu-host: host cores each stream costs outside the workers (the node's callbacks, "
                              "image conversion and publishing) (cores per stream)"))
     goal_outputs_outside_namespace: bool = field(default=False, metadata=described(
         "a ServeStream goal may publish on absolute topics outside its own namespace (e.g. a controller's "
@@ -336,6 +337,11 @@ class ServeConfig:
                                          f"{self.engine.max_streams}")
         if not _TOPIC.match(self.telemetry_topic):
             raise ConfigError("telemetry_topic", f"{self.telemetry_topic!r} is not a valid ROS topic name")
+        policy = resolve_policy(self)   # admission.policy and .checks name registered ones that fit the workers
+        if self.engine.cpu_host is not None and self.engine.cpu_host != policy.cpu_host:
+            raise ConfigError("engine.cpu_host", f"admission.policy {policy.name} sets it "
+                                                 f"{str(policy.cpu_host).lower()}: drop engine.cpu_host, or choose "
+                                                 f"the admission.policy that has it")
 
     def namespace_of(self, stream: str) -> str:
         return stream_namespace(stream, self.streams[stream])

@@ -24,6 +24,7 @@ each stream joined, rejected, reset, re-admitted and ended, with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -37,10 +38,11 @@ from typing import Any
 from physis_ros import heap
 from physis_ros.config import ConfigError, from_mapping
 from physis_ros.runtime.streams import StreamEvent
-from physis_ros.serving.capacity import Rejected, server_admission, worker_index
+from physis_ros.serving.capacity import Rejected, worker_index
 from physis_ros.serving.catalog import ModelCatalog, check_config_models
 from physis_ros.serving.config import ServeConfig, StreamConfig, check_stream_name, load_serve_config, serve_config
 from physis_ros.serving.engine_thread import EngineThread
+from physis_ros.serving.policies import server_admission
 from physis_ros.serving.fit import check_fit, check_stream_model, slo_interval_ms, stream_timeline
 from physis_ros.serving.intake import StreamInput
 from physis_ros.serving.session import Chunk, Session, Source
@@ -74,9 +76,9 @@ class Server:
         self.clock = clock or time.time
         self.log = log or logging.getLogger("physis.serving")
         self.model = check_config_models(config)
-        self.admission, device = server_admission(config)
+        self.admission, device, self.policy = server_admission(config)
         self.catalog = ModelCatalog(config.model, "cpu" if device == "cpu" else "cuda", config.admission,
-                                    config.engine.checkpoint)
+                                    config.engine.checkpoint, corun_slowdown=self.policy.corun_slowdown(config))
         self.engine: EngineThread | None = None
         self._stopped = False
         self.startup: dict[str, str] = {}     # config stream -> "admitted" or its rejection
@@ -151,7 +153,8 @@ class Server:
         itself, through :meth:`admit`, once :attr:`state` is ``serving``)."""
         if self.state != "unstarted":
             raise RuntimeError(f"the server is {self.state}; a server starts once")
-        self.engine = EngineThread(self.config.engine, clock=self.clock, on_event=self.on_engine_event)
+        engine = dataclasses.replace(self.config.engine, cpu_host=self.policy.cpu_host)   # the policy's runtime part
+        self.engine = EngineThread(engine, clock=self.clock, on_event=self.on_engine_event)
         self.engine.start()
         self._housekeeper = threading.Thread(target=self._housekeeping, name="physis-housekeeping", daemon=True)
         self._housekeeper.start()

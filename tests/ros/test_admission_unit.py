@@ -204,10 +204,10 @@ def test_a_model_that_cannot_fit_the_workers_is_refused_from_its_shape_before_an
     """Issue 46 item 1: a goal for the wan2.1-14b preset made the server build and profile it in-process (RSS
     0.34 -> 20.7 GB on a 24 GB host). One stream of it needs 63.3 GB (32.3 GB of weights, 30.9 GB of KV), the
     2 CPU workers hold 14 GB: refused as ``memory`` with the figures, the same whatever is served."""
-    from physis_ros.serving.capacity import server_admission
+    from physis_ros.serving.policies import server_admission
 
     cfg = ServeConfig(engine=dataclasses.replace(ServeConfig().engine, workers=2))
-    adm, device = server_admission(cfg, cores=2)
+    adm, device, _ = server_admission(cfg, cores=2)
     assert device == "cpu"
     with pytest.raises(Rejected) as exc:
         adm.check_memory(load_model_config("wan2.1-14b"))
@@ -216,12 +216,12 @@ def test_a_model_that_cannot_fit_the_workers_is_refused_from_its_shape_before_an
     assert "2 worker(s) hold 14.0 GB (cpu: 7.0 GB usable each)" in exc.value.detail, exc.value.detail
     adm.check_memory(WAM)                                           # tiny ones fit
     adm.check_memory(load_model_config("wan2.1-1.3b"))             # 10.0 GB of 14
-    one, _ = server_admission(ServeConfig(engine=dataclasses.replace(ServeConfig().engine, workers=1)), cores=2)
+    one, _, _ = server_admission(ServeConfig(engine=dataclasses.replace(ServeConfig().engine, workers=1)), cores=2)
     with pytest.raises(Rejected):
         one.check_memory(load_model_config("wan2.1-1.3b"))         # but not one worker's 7
     # CPU workers share the host's memory: 8 of them "hold" 56 GB, a 9 GB host does not
-    monkeypatch.setattr("physis_ros.serving.capacity.host_memory_bytes", lambda: 9e9)
-    eight, _ = server_admission(ServeConfig(engine=dataclasses.replace(ServeConfig().engine, workers=8)), cores=2)
+    monkeypatch.setattr("physis_ros.serving.policies.host_memory_bytes", lambda: 9e9)
+    eight, _, _ = server_admission(ServeConfig(engine=dataclasses.replace(ServeConfig().engine, workers=8)), cores=2)
     with pytest.raises(Rejected) as exc:
         eight.check_memory(load_model_config("wan2.1-1.3b"))
     assert "the host's CPU workers share its 9.0 GB" in exc.value.detail, exc.value.detail
@@ -305,7 +305,7 @@ def test_a_world_model_whose_chunks_would_delay_a_policys_is_placed_on_another_w
 
 
 def test_the_engines_dispatch_policy_decides_whose_chunks_count_as_delay():
-    from physis_ros.serving.capacity import server_admission
+    from physis_ros.serving.policies import server_admission
     from physis_ros.serving.config import serve_config
 
     for policy, deadline_order in (("oldest", False), ("edf", True)):
@@ -545,7 +545,7 @@ def catalog_with_profiles(tmp_path):
     profiles = tmp_path / "profiles"
     profiles.mkdir()
     (profiles / "tiny-wam.cpu.json").write_text(json.dumps(wam_profile().to_json()))
-    return ModelCatalog("tiny-wam", "cpu", AdmissionConfig(profiles=str(profiles), corun_slowdown=1.0)), profiles
+    return ModelCatalog("tiny-wam", "cpu", AdmissionConfig(profiles=str(profiles))), profiles
 
 
 def test_catalog_resolves_once_per_model_from_a_profile_file(tmp_path):
@@ -827,7 +827,8 @@ def test_a_first_profile_is_measured_at_the_lowest_priority_while_robots_are_ser
         return wam_profile()
 
     monkeypatch.setattr(models, "measure_in_child", measure)
-    catalog = models.ModelCatalog("tiny-wam", "cpu", AdmissionConfig(profile_memory_gb=3.0, profile_timeout_s=60.0))
+    catalog = models.ModelCatalog("tiny-wam", "cpu", AdmissionConfig(profile_memory_gb=3.0, profile_timeout_s=60.0),
+                                  corun_slowdown=1.15)   # the cpu-host policy's admission.corun_slowdown
     catalog.resolve("tiny-wam", False)
     catalog.resolve("tiny-acwm")
     assert seen == [("tiny-wam", 0, 3e9, 60.0), ("tiny-acwm", 19, 3e9, 60.0)]
@@ -940,17 +941,20 @@ def test_cpu_workers_are_admitted_against_the_cores_the_host_leaves_them():
     while the node and the robots' inputs took half a core or more, so every stream missed its SLO once
     the workers' predicted load passed about 1.1 cores. A CPU worker may use at most cores - reserve of a
     core (the host budget bounds them together, test below); GPU workers keep the configured headroom."""
-    from physis_ros.serving.capacity import server_admission, worker_headroom
     from physis_ros.serving.config import serve_config
+    from physis_ros.serving.policies import server_admission, worker_headroom
 
-    assert worker_headroom(0.1, "cpu", 0.5, cores=2) == pytest.approx(0.1)      # a core each, at most
-    assert worker_headroom(0.1, "cpu", 1.5, cores=2) == pytest.approx(0.5)      # half a core is left
-    assert worker_headroom(0.1, "cpu", 0.5, cores=16) == pytest.approx(0.1)
-    assert worker_headroom(0.1, "h200", 0.5, cores=2) == pytest.approx(0.1)     # a GPU is its own device
-    assert worker_headroom(0.1, "cpu", 0.5, cores=1) == pytest.approx(0.5)
+    assert worker_headroom(0.1, 0.5, cores=2) == pytest.approx(0.1)      # a core each, at most
+    assert worker_headroom(0.1, 1.5, cores=2) == pytest.approx(0.5)      # half a core is left
+    assert worker_headroom(0.1, 0.5, cores=16) == pytest.approx(0.1)
+    assert worker_headroom(0.1, 0.5, cores=1) == pytest.approx(0.5)
     cfg = serve_config({"engine": {"workers": 2}, "admission": {"host_reserve_cores": 1.25}})
-    admission, device = server_admission(cfg, cores=2)
-    assert device == "cpu" and admission.cluster.headroom == pytest.approx(0.25)
+    admission, device, policy = server_admission(cfg, cores=2)
+    assert device == "cpu" and policy.name == "cpu-host" and admission.cluster.headroom == pytest.approx(0.25)
+    gpus = serve_config({"engine": {"workers": 2, "devices": ["cuda:0", "cuda:1"]},
+                         "admission": {"host_reserve_cores": 1.25}})
+    admission, device, policy = server_admission(gpus, cores=2)   # a GPU is its own device
+    assert device == "h200" and policy.name == "base" and admission.cluster.headroom == pytest.approx(0.1)
 
 
 def test_paced_robots_fill_one_cpu_worker_staggered_before_the_other_worker_is_used():
@@ -959,11 +963,12 @@ def test_paced_robots_fill_one_cpu_worker_staggered_before_the_other_worker_is_u
     idle worker, and robots on both workers fought over the cores (p99 100-108 ms of a 100 ms SLO). Three
     robots staggered on one worker, the other idle, held p99 88-91 ms in one run (a lone robot: 94) and
     came within 6 % of the SLO in three more (bench/RESULTS.md). The host budget still refuses the fourth."""
-    from physis_ros.serving.capacity import HostBudget, worker_headroom
+    from physis_ros.serving.capacity import HostBudget
     from physis_ros.serving.calibration import LoadCalibration
+    from physis_ros.serving.policies import worker_headroom
 
     host = HostBudget(cores=2, reserve=0.75, per_stream=0.08, headroom=0.1)
-    adm = ServerAdmission(2, make_device(), make_config(worker_headroom(0.1, "cpu", 0.75, cores=2)), host=host,
+    adm = ServerAdmission(2, make_device(), make_config(worker_headroom(0.1, 0.75, cores=2)), host=host,
                           calibration=LoadCalibration())
     adm.follow({0: 1.2, 1: 1.2})        # measured 1.2x busier than profiled
     assert adm.load_factors() == [1.2, 1.2]
@@ -994,7 +999,7 @@ def test_the_host_budget_rejects_what_the_workers_alone_would_take():
     assert adm.utilisation() == before and set(adm.admitted) == {"a", "b"}
     adm.remove("a")                                    # leaving frees the node's share too
     assert adm.admit("c", model, 100.0).workers
-    alone = ServerAdmission(2, make_device(), make_config(0.0))     # no budget (GPU workers): all three fit
+    alone = ServerAdmission(2, make_device(), make_config(0.0))     # no budget (policy base): all three fit
     for name in "abc":
         alone.admit(name, model, 100.0)
 

@@ -159,10 +159,10 @@ def test_a_streams_spread_is_the_largest_of_the_last_minute():
 
 def robot_admission(intervals: IntervalCalibration | None) -> ServerAdmission:
     """Two CPU workers on a 2-core host, as the server sets them up (defaults: reserve 0.75 core)."""
-    from physis_ros.serving.capacity import worker_headroom
+    from physis_ros.serving.policies import worker_headroom
 
     host = HostBudget(cores=2, reserve=0.75, per_stream=0.08, headroom=0.1)
-    return ServerAdmission(2, make_device(), make_config(worker_headroom(0.1, "cpu", 0.75, cores=2)), host=host,
+    return ServerAdmission(2, make_device(), make_config(worker_headroom(0.1, 0.75, cores=2)), host=host,
                            calibration=LoadCalibration(), intervals=intervals)
 
 
@@ -208,7 +208,7 @@ def test_a_replay_follows_the_spreads_a_server_published_for_its_streams_only():
     adm.admit("r0", robot, 80.0, 100.0)
     adm.follow({}, {"r0": 12.5, "gone": 30.0, "r9": -1.0})
     assert adm.spreads == {"r0": 12.5}
-    off = robot_admission(None)                                     # admission.measure_spread off: nothing kept
+    off = robot_admission(None)                                     # without the measured-spread check: nothing kept
     off.admit("r0", robot, 80.0, 100.0)
     off.follow({}, {"r0": 12.5})
     assert off.spreads == {}

@@ -152,13 +152,13 @@ class Live:
             "model": "tiny-wam", "deterministic": True, "pair_timeout_s": 5.0, "telemetry_topic": TELEMETRY,
             "diagnostics_period_s": 0.5,
             "engine": {"workers": 2, "max_streams": MAX_STREAMS, "chunk_timeout_floor_s": 3.0},
-            # The workers' time is what this module fills up: no host budget and no latency-jitter bound (both
-            # tested in test_admission_unit and tests/scheduling), so the capacity checks do not depend on how
-            # many cores the CI host has, and several robots share a worker at these short SLOs. Admission
+            # The workers' time is what this module fills up: the base policy (no host budget) and no
+            # latency-jitter bound (both tested in test_admission_unit, test_policies and tests/scheduling), so
+            # the capacity checks do not depend on how many cores the CI host has, and several robots share a
+            # worker at these short SLOs. Admission
             # books the shipped CPU profiles, not a measurement taken now: deterministic serving decides from
             # profiles alone, so what fits is the same on a quiet and on a busy machine.
-            "admission": {"profiles": SHIPPED_PROFILES, "host_reserve_cores": 0.0, "host_cores_per_stream": 0.0,
-                          "bound_jitter": False}}}}))
+            "admission": {"profiles": SHIPPED_PROFILES, "policy": "base", "checks": []}}}}))
         self.probe = Probe("physis_serve_stream_probe")
         self.probe.subscribe("diagnostics", DiagnosticArray, "/diagnostics", QoSProfile(depth=50))
         self.probe.subscribe("telemetry", ChunkTelemetry, TELEMETRY, LATCHED)

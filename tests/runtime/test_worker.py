@@ -292,10 +292,27 @@ def test_a_wake_keeps_the_worker_polling_and_makes_its_chunks_noise_ahead(worker
     assert not worker.tasks._noise_ahead   # used once
 
 
-def test_a_wake_rehearses_the_streams_last_first_task_and_changes_nothing(worker):
+@pytest.fixture
+def rehearsing(engine_end):
+    w = make_worker(engine_end, rehearse=True)   # EngineConfig.cpu_host (the cpu-host admission policy)
+    yield w
+    w.close()
+
+
+def test_without_cpu_host_measures_a_wake_rehearses_nothing_and_no_frames_are_kept(worker):
+    worker.tasks.accept_task(task(chunk=0))
+    worker.tasks.ready.clear()
+    worker.tasks.accept_task(wire.encode(p.Wake(stream="robot0", chunk=1)))
+    assert worker.tasks.rehearsals == 0 and not worker.tasks._rehearsal
+    worker.tasks.accept_task(task(chunk=1))
+    assert [j.chunk for j in worker.tasks.ready] == [1]
+
+
+def test_a_wake_rehearses_the_streams_last_first_task_and_changes_nothing(rehearsing):
     """While a chunk is on its way the worker takes its stream's previous first task in again (the path the
     new one takes, warm) and throws that away: the queue, the noise made ahead and the counters stay as they
     were, and the next task's state is exactly what it would have been."""
+    worker = rehearsing
     host = worker.tasks.host.models["tiny-wam"]
     worker.tasks.accept_task(wire.encode(p.Wake(stream="robot0", chunk=0)))
     assert worker.tasks.rehearsals == 0   # no first task seen yet: nothing to rehearse
@@ -311,7 +328,8 @@ def test_a_wake_rehearses_the_streams_last_first_task_and_changes_nothing(worker
     assert all(torch.equal(state[k], v) for k, v in obs.items())
 
 
-def test_a_rehearsal_that_fails_is_dropped_and_the_next_task_is_served(worker):
+def test_a_rehearsal_that_fails_is_dropped_and_the_next_task_is_served(rehearsing):
+    worker = rehearsing
     worker.tasks.accept_task(task(chunk=0))
     worker.tasks.ready.clear()
     worker.tasks._rehearsal["robot0"] = [b"\x93garbage"]   # (as if the stream's model had changed since)
