@@ -11,7 +11,10 @@ due), one model after another from ``--models`` (``tiny-wam,tiny-acwm``: a mix),
 at which its chunk's executed rows last the SLO (``--control-rate-hz`` to fix one). Each is released at its
 admitted pace (the SLO less ``admission.pace_margin``), as the server does; no jitter buffer.
 
-JSON, times in ms: ``slo_ms``, ``models``, ``workers``, ``feasible`` (robots meeting the SLO together with
+``--policy base`` measures admission without what a shared CPU host adds (``admission.policy``; auto picks
+cpu-host for CPU workers): what the cpu-host policy buys.
+
+JSON, times in ms: ``slo_ms``, ``models``, ``workers``, ``policy``, ``feasible`` (robots meeting the SLO together with
 admission off; ``feasible_capped`` when ``--max-robots`` all met it; ``off_refused`` when a robot was refused
 even so: a stage alone slower than the SLO, or memory), ``admitted``, ``rejected`` (the next
 robot's reason label and detail), ``admitted_over_feasible`` (goal >= 0.8), ``admitted_meeting_slo`` (the
@@ -36,7 +39,7 @@ from physis_ros.console import CliError, write_json
 from physis_ros.model import load_model_config
 from physis_ros.observations import SyntheticScene
 from physis_ros.serving.capacity import Rejected
-from physis_ros.serving.config import StreamConfig
+from physis_ros.serving.config import StreamConfig, serve_config
 from physis_ros.serving.fit import execution_steps
 from physis_ros.serving.server import Server
 from physis_ros.telemetry import percentile
@@ -49,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="tiny-wam",
                    help="comma-separated models the robots run, one after another (tiny-wam,tiny-acwm: a mix)")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--policy", default="auto",
+                   help="admission.policy of both phases (auto: cpu-host for CPU workers; base: the cost model and "
+                        "the SLO alone, without what a shared CPU host adds)")
     p.add_argument("--control-rate-hz", type=float, default=None,
                    help="the robots' control rate (default: per model, the rate at which a chunk's executed rows "
                         "last the SLO interval, so the control timeline needs one chunk per SLO)")
@@ -147,7 +153,7 @@ def _config(args, enforce: bool) -> dict:
     return {"model": args.models[0],
             "engine": {"workers": args.workers, "batching": "off", "policy": "edf",
                        "max_streams": args.max_robots + 1},
-            "admission": {"profiles": args.profiles, "enforce": enforce}}
+            "admission": {"profiles": args.profiles, "enforce": enforce, "policy": args.policy}}
 
 
 def admission_off(args) -> dict:
@@ -210,6 +216,7 @@ def summarize(args, off: dict, on: dict, wall_s: float) -> dict:
         note = f"with admission off not even one robot meets {args.slo_ms:g} ms alone"
     return {
         "benchmark": "admission-accuracy", "slo_ms": args.slo_ms, "models": args.models, "workers": args.workers,
+        "policy": args.policy,
         "control_rate_hz": args.control_rate_hz, "window_s": args.window_s, "measure_s": args.measure_s,
         "settle_s": args.settle_s, "max_robots": args.max_robots, "profiles": args.profiles or "measured",
         "feasible": feasible, "feasible_capped": off["capped"], "off_refused": off["refused"],
@@ -245,7 +252,8 @@ def plot(result: dict, path: str) -> None:
     b.set_xticks(range(len(names)), [f"{n}\n{result['on'][n]['model']}" for n in names], fontsize=7)
     b.set(ylabel="output interval p99 (ms)",
           title=f"admission on: {result['admitted']} admitted, over {result['measure_s']:g} s")
-    fig.suptitle(f"admission accuracy, SLO {slo:g} ms, {'+'.join(result['models'])}, {result['workers']} workers: "
+    fig.suptitle(f"admission accuracy, SLO {slo:g} ms, {'+'.join(result['models'])}, {result['workers']} workers, "
+                 f"policy {result.get('policy', 'auto')}: "
                  f"admitted/feasible {result['admitted_over_feasible']}, meeting SLO {result['admitted_meeting_slo']}",
                  fontsize=9)
     fig.tight_layout()
@@ -265,6 +273,10 @@ def run(args: argparse.Namespace) -> int:
             load_model_config(model)
         except ConfigError as exc:
             raise CliError(f"--models: {exc}") from None
+    try:
+        serve_config(_config(args, enforce=True))
+    except ConfigError as exc:
+        raise CliError(f"--policy/--workers/--profiles: {exc}") from None
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     off = admission_off(args)

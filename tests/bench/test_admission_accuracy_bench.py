@@ -63,10 +63,12 @@ def test_a_small_mixed_run_reports_feasible_admitted_and_each_robot(tmp_path):
 @pytest.mark.slow
 def test_an_slo_no_stage_meets_says_the_machine_is_too_small_instead_of_failing(tmp_path):
     out = tmp_path / "acc.json"
-    code = bench.main(["admission-accuracy", "--slo-ms", "1", "--max-robots", "2", *SHORT, "--json", str(out)])
+    code = bench.main(["admission-accuracy", "--slo-ms", "1", "--max-robots", "2", *SHORT, "--json", str(out),
+                       "--policy", "base"])
     assert code == 0
     r = json.loads(out.read_text())
     check_consistent(r)
+    assert r["policy"] == "base"
     assert r["too_small"] and r["admitted"] == 0 and r["admitted_over_feasible"] is None
     assert r["feasible"] == 0 and r["off_refused"]["reason"] == "slo-too-tight"
     assert r["rejected"]["reason"] == "slo-too-tight"
@@ -80,3 +82,5 @@ def test_bad_flags_are_refused_before_anything_starts(capsys):
     assert "--slo-ms must be > 0" in capsys.readouterr().err
     assert bench.main(["admission-accuracy", "--slo-ms", "100", "--max-robots", "0"]) == 2
     assert bench.main(["admission-accuracy"]) == 2     # --slo-ms is required: one SLO per run
+    assert bench.main(["admission-accuracy", "--slo-ms", "100", "--policy", "fastest"]) == 2
+    assert "admission.policy" in capsys.readouterr().err
