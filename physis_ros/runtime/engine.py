@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -35,14 +35,15 @@ from physis_ros.logs import Throttle
 from physis_ros.model.stages import observation_payload
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
+from physis_ros.runtime.chunk_scheduler import ChunkScheduler
 from physis_ros.runtime.hops import LinkBook
 from physis_ros.runtime.launchers import RayLauncher
 from physis_ros.runtime.plans import Plan
 from physis_ros.runtime.recovery import Recovery
 from physis_ros.runtime.security import CurveKeys
 from physis_ros.runtime.settings import EngineConfig
-from physis_ros.runtime.streams import (ChunkOutput, EngineHealth, InFlight, Observation, ObserveFn, OutputFn,
-                                        ServedModel, StreamEvent, StreamState, staggered_anchor)
+from physis_ros.runtime.streams import (ChunkOutput, EngineHealth, Observation, ObserveFn, OutputFn, ServedModel,
+                                        StreamEvent, StreamState)
 from physis_ros.runtime.workers import EngineError, WorkerPool, WorkerProc
 from physis_ros.telemetry import ChunkRecord
 from physis_ros.timeline import ControlTimeline
@@ -55,24 +56,43 @@ BURST = 64  # output messages handled per turn before yielding to the monitor, f
 OUTPUT_SPIN_S = 0.003
 
 
+@dataclass
+class StreamIO:
+    """What the engine's I/O keeps for a stream beside its schedule: where its observations come from and its
+    outputs go, its feeder task, and the events its feeder and its waiters wait on."""
+
+    observe: ObserveFn
+    on_output: OutputFn | None
+    keep_outputs: bool = False
+    outputs: list[ChunkOutput] = field(default_factory=list)
+    credit: asyncio.Event = field(default_factory=asyncio.Event)   # set when a chunk in flight less may free one
+    done: asyncio.Event = field(default_factory=asyncio.Event)     # the stream is over (ChunkScheduler.done)
+    feeder: asyncio.Task | None = None
+    first_addr: str = ""                # the data address of the stream's first stage's worker
+    emit_scheduled: bool = False        # a held output's hand-out is on the loop's timer
+
+
 class Engine:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic,
-                 on_event: Callable[[StreamEvent], None] | None = None):
+                 on_event: Callable[[StreamEvent], None] | None = None,
+                 supervisor: Callable[[Engine], Recovery] = Recovery):
         """Workers per ``config``; streams (each with its model and placement) come with
-        :meth:`add_stream`. ``on_event`` hears stream failures and re-admissions."""
+        :meth:`add_stream`. ``on_event`` hears stream failures and re-admissions. ``supervisor`` makes the
+        supervisor of faults (:class:`~physis_ros.runtime.recovery.Recovery`) for this engine."""
         self.config = config
         self.clock = clock
         self.on_event = on_event
         self.events: list[StreamEvent] = []
         self.max_bytes = config.max_message_mb * 1024 * 1024
         self.ctx = zmq.asyncio.Context()
-        self.streams: dict[str, StreamState] = {}
+        self.scheduler = ChunkScheduler(config)   # what each stream does next (pure: no I/O)
+        self.io: dict[str, StreamIO] = {}          # each stream's I/O side
         self.failure: EngineError | None = None
         self.pool: WorkerPool | None = None
         self.dropped: Counter = Counter()   # outputs dropped: malformed, stale
         self.wakes = 0                      # Wake messages received (a chunk's output is on its way)
         self.throttle = Throttle(5.0)
-        self.recovery = Recovery(self)
+        self.recovery = supervisor(self)
         self._push: dict[str, zmq.asyncio.Socket] = {}
         self._tasks: list[asyncio.Task] = []
         self._ipc_dir: tempfile.TemporaryDirectory | None = None
@@ -89,9 +109,14 @@ class Engine:
         """The workers are up (start() has finished)."""
         return self._started
 
+    @property
+    def streams(self) -> dict[str, StreamState]:
+        """Each stream's schedule, by name (the chunk scheduler's; read only)."""
+        return self.scheduler.streams
+
     def in_flight_limit(self, plan: Plan) -> int:
         """Chunks a stream placed by ``plan`` may have in flight (config override, else from the plan)."""
-        return self.config.max_in_flight or plan.in_flight(self.config.batching != "off", self.config.max_batch)
+        return self.scheduler.in_flight_limit(plan)
 
     def health(self) -> EngineHealth:
         """The latest snapshot (refreshed several times a second on the engine's loop)."""
@@ -163,10 +188,10 @@ class Engine:
 
     async def stop(self) -> None:
         """Stop streams and workers; leaves no processes or ipc files behind."""
-        for s in self.streams.values():
-            for t in (s.feeder, s.readmission):
-                if t is not None:
-                    t.cancel()
+        for io in self.io.values():
+            if io.feeder is not None:
+                io.feeder.cancel()
+        self.recovery.close()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -215,58 +240,23 @@ class Engine:
             raise EngineError("start the engine before adding streams")
         if self.failure is not None:
             raise EngineError(f"the engine has failed: {self.failure}")
-        if name in self.streams:
-            raise ValueError(f"stream '{name}' already exists")
-        if len(self.streams) >= self.config.max_streams:
-            raise ValueError(f"the engine holds max_streams={self.config.max_streams} streams already")
-        if (plan.steps, plan.blocks) != (model.config.steps, model.config.blocks):
-            raise ValueError(f"plan of {plan.steps}x{plan.blocks} stages does not fit model '{model.config.name}' "
-                             f"({model.config.steps}x{model.config.blocks})")
-        if max(plan.workers_used) >= self.config.workers:
-            raise ValueError(f"plan uses worker w{max(plan.workers_used)} but only {self.config.workers} exist")
-        limit = self.in_flight_limit(plan)
-        held = sum(self.in_flight_limit(s.plan) for s in self.streams.values())
-        if held + limit > self.config.max_ready:
-            raise ValueError(f"stream '{name}' would bring the chunks in flight to {held + limit}, beyond a "
-                             f"worker's ready queue (max_ready {self.config.max_ready})")
-        s = StreamState(name, model, plan, observe, on_output, chunks, slo_interval_ms, asyncio.Semaphore(limit),
-                        keep_outputs=keep_outputs, timeline=timeline)
+        self.scheduler.check(name, model, plan)
+        s = StreamState(name, model, plan, chunks, slo_interval_ms, timeline=timeline)
+        io = StreamIO(observe, on_output, keep_outputs)
         # Placed first (it may load blocks: tens of ms on a slow host), anchored after: an anchor taken before
         # would put the first release late on its own grid, and the stream's timeline off it from chunk 1.
-        await self.place(s)
-        if release_interval_ms:
-            s.release_interval_s = release_interval_ms / 1e3
-            if emit_delay_ms is not None:
-                s.emit_delay_s = emit_delay_ms / 1e3
-            s.release_t0 = self._anchor(s, time.monotonic(), release_phase_ms)
-        self.streams[name] = s
-        s.feeder = asyncio.create_task(self.feed(s), name=f"feed-{name}")
-
-    def _anchor(self, s: StreamState, now: float, phase_ms: float | None) -> float:
-        """When a paced stream's first release falls: at ``phase_ms`` of its interval (admission's choice) if
-        given, else at its batching mates' phase, else as far as it can from the streams sharing its workers."""
-        interval = s.release_interval_s
-        if phase_ms is not None:
-            t0 = self.phase_epoch + phase_ms / 1e3
-        else:
-            others = [o for o in self.streams.values() if o.release_t0 is not None and o.release_interval_s
-                      and set(s.plan.workers_used) & set(o.plan.workers_used)]
-            # Batching workers run same-model stages together only if they arrive together (and admission
-            # credits that): join such a stream's phase. Everything else is spread apart, so it does not queue.
-            mates = [o for o in others if self.config.batching != "off" and o.model.id == s.model.id
-                     and math.isclose(o.release_interval_s, interval)]
-            if not mates:
-                return staggered_anchor(now, interval, [(o.release_t0, o.release_interval_s) for o in others]) or now
-            t0 = mates[0].release_t0
-        return t0 + math.ceil((now - t0) / interval) * interval   # the first slot of that phase from now on
+        io.first_addr = await self.place(s)
+        self.scheduler.add(s, time.monotonic(), release_interval_ms, emit_delay_ms, release_phase_ms, self.phase_epoch)
+        self.io[name] = io
+        io.feeder = asyncio.create_task(self.feed(s), name=f"feed-{name}")
 
     def workers_of(self, s: StreamState) -> list[WorkerProc]:
         by_index = {w.index: w for w in self.pool.workers.values()}
         return [by_index[i] for i in s.plan.workers_used]
 
-    async def place(self, s: StreamState) -> None:
+    async def place(self, s: StreamState) -> str:
         """Tell each of the stream's workers its stages (fresh KV, current epoch) and where to send each
-        stage's output."""
+        stage's output; the data address of its first stage's worker."""
         procs = self.workers_of(s)
         down = [w.name for w in procs if not w.alive]
         if down:
@@ -295,59 +285,86 @@ class Engine:
                 self.keys.client(sock)
             sock.connect(first)
             self._push[first] = sock
-        s.first_addr = first
+        return first
+
+    def pause(self, name: str) -> None:
+        """Stop releasing the stream's chunks (its feeder), e.g. while recovery resets it."""
+        io = self.io.get(name)
+        if io is not None and io.feeder is not None:
+            io.feeder.cancel()
+
+    async def resume(self, s: StreamState) -> None:
+        """Place the stream's current incarnation again (fresh KV) and release its chunks from here: recovery's
+        re-admission. EngineError if a worker it needs does not take it."""
+        io = self.io[s.name]
+        io.first_addr = await self.place(s)
+        self.scheduler.readmitted(s)
+        io.credit.set()
+        io.feeder = asyncio.create_task(self.feed(s), name=f"feed-{s.name}")
+
+    def fail(self, reason: str) -> None:
+        """The engine cannot serve on (a worker that cannot come back): it says so from now on."""
+        if self.failure is None:
+            self.failure = EngineError(reason)
+
+    def finish(self, name: str) -> None:
+        """The stream is over (emitted all its chunks, or failed for good): wake its waiters."""
+        io = self.io.get(name)
+        if io is not None:
+            io.done.set()
 
     async def remove_stream(self, name: str) -> None:
-        s = self.streams.pop(name)
-        for t in (s.feeder, s.readmission):
-            if t is not None:
-                t.cancel()
-        s.done.set()
+        s = self.scheduler.remove(name)
+        io = self.io.pop(name)
+        if io.feeder is not None:
+            io.feeder.cancel()
+        self.recovery.forget(name)
+        io.done.set()
         await asyncio.gather(*(self.pool.request(w.name, p.StopStream(req=0, stream=name))
                                for w in self.workers_of(s) if w.alive), return_exceptions=True)
 
     async def wait_stream(self, name: str) -> list[ChunkOutput]:
         """Wait until a finite stream has emitted all its chunks; raises if it failed for good."""
-        s = self.streams[name]
-        await s.done.wait()
+        s, io = self.streams[name], self.io[name]
+        await io.done.wait()
         if s.gone:
             raise EngineError(s.failed)
-        return s.outputs
+        return io.outputs
 
     def stream_status(self, name: str) -> dict:
-        s = self.streams[name]
-        return {"failed": s.failed, "epoch": s.epoch, "lost_chunks": s.lost_chunks, "next_chunk": s.next_chunk,
-                "in_flight": len(s.inflight), "resets": dict(s.resets),
-                "workers": [f"w{i}" for i in s.plan.workers_used]}
+        return self.scheduler.status(name)
 
     async def feed(self, s: StreamState) -> None:
-        """Release stream ``s``'s chunks on its pace, each when a credit (a chunk in flight less) allows: the
-        stream's feeder task (started when it is added, and again by recovery when it is re-admitted)."""
-        bound_s = self.recovery.chunk_bound_s(s)
-        wake, lead_s = self._waker(s), self.config.wake_ahead_us * 1e-6
-        while s.limit is None or s.next_chunk < s.limit:
-            await s.credits.acquire()
-            due = await s.pace(wake, lead_s)
-            obs = s.observe(s.next_chunk)
+        """Release stream ``s``'s chunks when the chunk scheduler says (on its pace, each when a credit, a chunk
+        in flight less, allows): the stream's feeder task (started when it is added, and again when recovery
+        re-admits it)."""
+        sched, io = self.scheduler, self.io[s.name]
+        wake, lead_s = self._waker(s, io), self.config.wake_ahead_us * 1e-6
+        while not sched.finished(s):
+            while not sched.may_release(s):
+                io.credit.clear()
+                await io.credit.wait()
+            at = sched.release_at(s, time.monotonic())
+            if at is not None:
+                delay = at - time.monotonic()
+                if wake is not None and delay > lead_s:
+                    await asyncio.sleep(delay - lead_s)
+                    await wake()
+                    delay = sched.release_at(s, time.monotonic()) - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            obs = io.observe(s.next_chunk)
             while obs is None:  # no observation yet (a camera not publishing): poll, do not spin
                 await asyncio.sleep(0.005)
-                obs = s.observe(s.next_chunk)
-            c = s.next_chunk
-            if due is not None:
-                s.release_due[c] = s.released(due)
-            s.next_chunk += 1
-            bound = bound_s + (0.0 if s.epoch_started else self.config.warmup_grace_s)
-            enqueue = self.clock()
-            f = InFlight(obs.stamp, enqueue, obs.tag, bound, time.monotonic() + bound)
-            handoff = s.place_on_timeline(f, s.scheduled(c, enqueue))
-            s.inflight[c] = f
+                obs = io.observe(s.next_chunk)
+            r = sched.release(s, time.monotonic(), self.clock(), obs.stamp, obs.tag)
             order = time.perf_counter()
-            task = p.Task(stream=s.name, chunk=c, stage=s.plan.first_stage, epoch=s.epoch, seed=self.config.seed,
-                          order=order, deadline=order + s.slack_s(c, enqueue), sent=order, handoff=handoff)
-            await self._push[s.first_addr].send_multipart(wire.encode(task, observation_payload(obs.data)),
-                                                          copy=False)
+            task = p.Task(stream=s.name, chunk=r.chunk, stage=s.plan.first_stage, epoch=r.epoch, seed=self.config.seed,
+                          order=order, deadline=order + r.slack_s, sent=order, handoff=r.handoff)
+            await self._push[io.first_addr].send_multipart(wire.encode(task, observation_payload(obs.data)),
+                                                           copy=False)
 
-    def _waker(self, s: StreamState) -> Callable[[], Awaitable[None]] | None:
+    def _waker(self, s: StreamState, io: StreamIO) -> Callable[[], Awaitable[None]] | None:
         """Sends a Wake to the stream's first worker ahead of its next release (None: wake-ups are off)."""
         if not self.config.wake_ahead_us:
             return None
@@ -355,7 +372,7 @@ class Engine:
         async def wake() -> None:
             frames = wire.encode(p.Wake(stream=s.name, chunk=s.next_chunk, seed=self.config.seed))
             try:
-                await self._push[s.first_addr].send_multipart(frames, zmq.NOBLOCK)
+                await self._push[io.first_addr].send_multipart(frames, zmq.NOBLOCK)
             except zmq.Again:
                 pass   # the worker is not taking messages: the task will find out
         return wake
@@ -405,8 +422,8 @@ class Engine:
 
     def _take_output(self, rec: wire.Received[p.Output], received: float, emit: float) -> None:
         msg = rec.msg
-        s = self.streams.get(msg.stream)
-        if s is None or msg.epoch != s.epoch or msg.chunk not in s.inflight:
+        s = self.scheduler.owner(msg.stream, msg.epoch, msg.chunk)
+        if s is None:
             self.dropped["stale"] += 1  # a removed stream, or an incarnation before a reset
             return
         try:
@@ -422,52 +439,39 @@ class Engine:
         hops = list(msg.hops)
         if msg.sent:
             hops.append(max(0.0, (received - msg.sent) * 1e3))
-        f = s.inflight.pop(msg.chunk)
+        f = s.inflight[msg.chunk]
         trace = [[e.step, e.block, e.worker, e.queue_ms, e.compute_ms, e.batch] for e in msg.trace]
         record = ChunkRecord.from_trace(s.name, msg.chunk, f.obs_stamp, f.enqueue, emit, trace, hops)
         if f.slot is not None:
             record.first_step, record.delay_steps, record.shift = f.slot.first_step, f.slot.delay_steps, f.slot.shift
             record.step0 = s.timeline.emitted(f.slot, f.enqueue, emit)
-        s.pending[msg.chunk] = ChunkOutput(s.name, msg.chunk, output, record, f.tag)
-        s.epoch_started = True
-        s.last_output_mono = time.monotonic()
-        s.credits.release()
+        self.scheduler.take(s, ChunkOutput(s.name, msg.chunk, output, record, f.tag), time.monotonic())
+        self.io[s.name].credit.set()
         self._deliver(s)
 
     def _deliver(self, s: StreamState) -> None:
-        while s.next_emit in s.pending:
-            if s.emit_delay_s is not None:  # jitter buffer: hold the chunk until its slot on the timeline
-                wait = s.release_due.get(s.next_emit, 0.0) + s.emit_delay_s - time.monotonic()
-                if wait > 0:
-                    if not s.emit_scheduled:
-                        s.emit_scheduled = True
-                        asyncio.get_running_loop().call_later(wait, self._paced_deliver, s)
-                    return
-            out = s.pending.pop(s.next_emit)
-            s.release_due.pop(s.next_emit, None)
-            rec = out.record
-            if s.emit_delay_s is not None:
-                rec.emit = self.clock()
-            if s.last_emit is not None:
-                rec.interval_ms = (rec.emit - s.last_emit) * 1e3
-                rec.deadline_miss = s.slo_interval_ms is not None and rec.interval_ms > s.slo_interval_ms
-            s.last_emit = rec.emit
-            s.next_emit += 1
-            if s.keep_outputs:
-                s.outputs.append(out)
-            if s.on_output is not None:
+        """Hand out the stream's outputs the chunk scheduler releases now, in order; a timer for one it holds."""
+        io = self.io[s.name]
+        outs, wait = self.scheduler.emit(s, time.monotonic(), self.clock())
+        for out in outs:
+            if io.keep_outputs:
+                io.outputs.append(out)
+            if io.on_output is not None:
                 try:
-                    s.on_output(out)
+                    io.on_output(out)
                 except Exception:  # a consumer's bug must not stop the pipeline
                     self.throttle.log(log, logging.ERROR, f"on_output:{s.name}",
                                       f"output callback of stream {s.name} failed")
                     log.debug("output callback of stream %s failed", s.name, exc_info=True)
-            if s.limit is not None and s.next_emit >= s.limit:
-                s.done.set()
+        if wait is not None and not io.emit_scheduled:   # jitter buffer: hold it until its slot on the timeline
+            io.emit_scheduled = True
+            asyncio.get_running_loop().call_later(wait, self._paced_deliver, s)
+        if self.scheduler.done(s):
+            io.done.set()
 
     def _paced_deliver(self, s: StreamState) -> None:
-        s.emit_scheduled = False
         if self.streams.get(s.name) is s:
+            self.io[s.name].emit_scheduled = False
             self._deliver(s)
 
     def event(self, event: StreamEvent) -> None:

@@ -22,6 +22,11 @@ three 2 s floods on a worker's socket reset a stream (chunk_timeout, 2 lost).
 
 The watcher also publishes the engine's health snapshot several times a
 second, so readers in other threads never touch the engine's live state.
+
+Recovery is the engine's supervisor: it decides about streams through the chunk
+scheduler's public interface (which chunks are overdue, reset, re-admitted,
+failed for good) and acts through the engine's (pause a stream's feeder, place
+it again, wake its waiters); it keeps its own re-admission tasks.
 """
 
 from __future__ import annotations
@@ -53,19 +58,24 @@ class Recovery:
         self.garbage = 0                  # malformed/unknown messages counted so far (see garbage_count)
         self.garbage_at = -FLOOD_QUIET_S  # time.monotonic() the count last moved
         self.flood_waits = 0              # deadlines extended because the sockets were flooded
+        self.readmissions: dict[str, asyncio.Task] = {}   # stream -> its re-admission under way
 
     def attach(self, pool: WorkerPool) -> None:
         pool.on_lost = self.worker_lost
         pool.on_gone = self.worker_gone
         pool.on_task_lost = self.task_lost
 
-    # ---- bounds ----------------------------------------------------------------------------------
-    def chunk_bound_s(self, s: StreamState) -> float:
-        cfg = self.engine.config
-        interval_s = (s.slo_interval_ms or 1000.0) / 1e3
-        return max(cfg.chunk_timeout_floor_s, cfg.chunk_timeout_factor * self.engine.in_flight_limit(s.plan)
-                   * interval_s)
+    def forget(self, name: str) -> None:
+        """The stream left: stop re-admitting it."""
+        task = self.readmissions.pop(name, None)
+        if task is not None:
+            task.cancel()
 
+    def close(self) -> None:
+        for name in list(self.readmissions):
+            self.forget(name)
+
+    # ---- bounds ----------------------------------------------------------------------------------
     def garbage_count(self) -> int:
         """Malformed or unknown messages seen so far on the engine's sockets and the workers'."""
         e = self.engine
@@ -86,19 +96,15 @@ class Recovery:
     def check_deadlines(self, now: float) -> None:
         """Reset each stream whose oldest chunk in flight is past its bound, unless the sockets are flooded."""
         flooded = self.flooded(now)
-        for s in list(self.engine.streams.values()):
-            if s.failed is not None or not s.inflight:
-                continue
-            c = min(s.inflight)
-            f = s.inflight[c]
-            if now > f.deadline and flooded:
-                f.deadline = now + f.bound_s   # behind the garbage in a socket's queue: late, not lost
+        for s, c in self.engine.scheduler.overdue(now):
+            if flooded:
+                self.engine.scheduler.extend(s, c, now)   # behind the garbage in a socket's queue: late, not lost
                 self.flood_waits += 1
                 self.engine.throttle.log(log, logging.WARNING, "flood_wait",
                                          f"stream {s.name}: chunk {c} is late while garbage floods the sockets "
                                          f"({self.garbage} malformed messages so far): waiting, not resetting")
-            elif now > f.deadline:
-                self.reset(s, f"chunk {c} did not come out of its pipeline within {f.bound_s:.2f} s",
+            else:
+                self.reset(s, f"chunk {c} did not come out of its pipeline within {s.inflight[c].bound_s:.2f} s",
                            "chunk_timeout")
 
     async def watch(self) -> None:
@@ -115,76 +121,62 @@ class Recovery:
     def reset(self, s: StreamState, reason: str, cause: str) -> None:
         """Drop a stream's current incarnation and place it again (see the module docstring)."""
         engine = self.engine
-        s.resets[cause] += 1
-        if s.failed is not None:  # a reset is already under way (or the stream failed for good)
+        lost = engine.scheduler.reset(s, reason, cause)
+        if lost is None:  # a reset is already under way (or the stream failed for good)
             return
-        if s.feeder is not None:
-            s.feeder.cancel()
-        lost = len(s.inflight) + len(s.pending)
-        s.lost_chunks += lost
-        s.failed = reason
-        s.epoch += 1
-        s.inflight.clear()
-        s.pending.clear()
-        s.release_due.clear()
-        s.next_emit = s.next_chunk  # the chunks in flight are lost; counted in lost_chunks
-        s.epoch_started = False
+        engine.pause(s.name)
         engine.throttle.log(log, logging.ERROR, f"reset:{s.name}:{cause}",
                             f"stream {s.name} reset ({cause}): {reason}; {lost} chunk(s) lost")
         engine.event(StreamEvent(s.name, "failed", reason, lost, cause))
-        if s.limit is not None and s.next_emit >= s.limit:
-            s.done.set()
+        if engine.scheduler.done(s):
+            engine.finish(s.name)
             return
-        s.readmission = asyncio.create_task(self._readmit(s), name=f"readmit-{s.name}")
+        self.readmissions[s.name] = asyncio.create_task(self._readmit(s), name=f"readmit-{s.name}")
 
     async def _readmit(self, s: StreamState) -> None:
         engine = self.engine
         delay = READMIT_BACKOFF_S[0]
-        while engine.streams.get(s.name) is s and not s.gone:
-            await engine.pool.wait_up([w.name for w in engine.workers_of(s)])
-            try:
-                await engine.place(s)  # start_stream under the new epoch: fresh KV, old tasks dropped
-            except EngineError as exc:
-                engine.throttle.log(log, logging.WARNING, f"readmit:{s.name}",
-                                    f"re-admitting stream {s.name} failed, retrying: {exc}")
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, READMIT_BACKOFF_S[1])
-                continue
-            s.credits = asyncio.Semaphore(engine.in_flight_limit(s.plan))
-            s.failed = None
-            engine.event(StreamEvent(s.name, "readmitted", f"epoch {s.epoch}: fresh KV on "
-                                                           f"{', '.join(w.name for w in engine.workers_of(s))}"))
-            s.feeder = asyncio.create_task(engine.feed(s), name=f"feed-{s.name}")
-            return
+        try:
+            while engine.streams.get(s.name) is s and not s.gone:
+                await engine.pool.wait_up([w.name for w in engine.workers_of(s)])
+                try:
+                    await engine.resume(s)  # start_stream under the new epoch: fresh KV, old tasks dropped
+                except EngineError as exc:
+                    engine.throttle.log(log, logging.WARNING, f"readmit:{s.name}",
+                                        f"re-admitting stream {s.name} failed, retrying: {exc}")
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, READMIT_BACKOFF_S[1])
+                    continue
+                engine.event(StreamEvent(s.name, "readmitted", f"epoch {s.epoch}: fresh KV on "
+                                                               f"{', '.join(w.name for w in engine.workers_of(s))}"))
+                return
+        finally:
+            if self.readmissions.get(s.name) is asyncio.current_task():
+                del self.readmissions[s.name]
 
     def task_lost(self, msg: p.TaskLost) -> None:
         links = self.engine.links
         if msg.reason == "link_failed" and msg.peer and links is not None:
             links.link_failed(msg.worker, msg.peer)  # the stream's next start builds the pair afresh
-        s = self.engine.streams.get(msg.stream)
-        if s is not None and msg.epoch == s.epoch and msg.chunk in s.inflight:
+        s = self.engine.scheduler.owner(msg.stream, msg.epoch, msg.chunk)
+        if s is not None:
             self.reset(s, f"chunk {msg.chunk} lost on {msg.worker} ({msg.reason}): {msg.detail}", msg.reason)
 
     def worker_lost(self, w: WorkerProc, reason: str) -> None:
         if self.engine.links is not None:
             self.engine.links.worker_lost(w.name)
-        for s in list(self.engine.streams.values()):
-            if w.index in s.plan.workers_used:
-                self.reset(s, reason, "worker_lost")
+        for s in self.engine.scheduler.streams_on(w.index):
+            self.reset(s, reason, "worker_lost")
 
     def worker_gone(self, w: WorkerProc, reason: str) -> None:
         """A worker that cannot come back: its streams fail for good and the engine reports failure."""
         engine = self.engine
         log.error("%s", reason)
-        if engine.failure is None:
-            engine.failure = EngineError(reason)
-        for s in list(engine.streams.values()):
-            if w.index in s.plan.workers_used:
-                s.gone = True
-                s.failed = reason
-                if s.readmission is not None:
-                    s.readmission.cancel()
-                s.done.set()
+        engine.fail(reason)
+        for s in engine.scheduler.streams_on(w.index):
+            engine.scheduler.fail(s, reason)
+            self.forget(s.name)
+            engine.finish(s.name)
 
     # ---- health ----------------------------------------------------------------------------------
     def take_snapshot(self) -> EngineHealth:

@@ -81,10 +81,11 @@ class EngineConfig:
         ge=0, le=100_000, doc="wake the receiver this long before a paced chunk's release (the engine) and as a "
                               "chunk's last stage on a worker starts (that worker), so its message finds the "
                               "next worker or the engine awake (0: off)"))
-    cpu_host: bool | None = F(default=None, metadata=bounded(
+    cpu_host: str = F(default="auto", metadata=bounded(
+        choices=("auto", "on", "off"),
         doc="measures for CPU workers sharing one host (a server sets it from admission.policy: cpu-host): a "
             "worker rehearses a stream's last first task when its next one is announced, the engine polls for "
-            "an announced output; unset: on when every worker is a CPU; never on a GPU worker"))
+            "an announced output; auto: on when every worker is a CPU; never on a GPU worker"))
     bind_host: str = F(default="127.0.0.1", metadata=bounded(
         doc="interface the engine and spawned workers bind (loopback unless told otherwise; needs curve_keys)"))
     threads_per_worker: int = F(default=1, metadata=bounded(ge=1, doc="torch threads of each worker"))
@@ -164,9 +165,9 @@ class EngineConfig:
                                                      "store that nothing authenticates, and these workers are off "
                                                      "loopback: set hop_network_trusted: true if the network is "
                                                      "private, or use hops zmq (CurveZMQ)")
-        if self.cpu_host and any(self.device_of(i) != "cpu" for i in range(self.workers)):
+        if self.cpu_host == "on" and any(self.device_of(i) != "cpu" for i in range(self.workers)):
             raise ConfigError("cpu_host", "the CPU-host measures are for CPU workers sharing one host; these run on "
-                                          "a GPU: drop cpu_host (or set it false)")
+                                          "a GPU: drop cpu_host (or set it off)")
         if self.hops == "shm" and (self.launcher != "local" or any(self.device_of(i) != "cpu"
                                                                     for i in range(self.workers))):
             raise ConfigError("hops", "hops shm shares memory between CPU worker processes on this host: it needs "
@@ -212,7 +213,7 @@ class EngineConfig:
 
     @property
     def host_measures(self) -> bool:
-        """Whether the CPU-host measures run (``cpu_host``; unset: when every worker is a CPU)."""
-        if self.cpu_host is not None:
-            return self.cpu_host
+        """Whether the CPU-host measures run (``cpu_host``; auto: when every worker is a CPU)."""
+        if self.cpu_host != "auto":
+            return self.cpu_host == "on"
         return all(self.device_of(i) == "cpu" for i in range(self.workers))

@@ -3,11 +3,9 @@ the health snapshot it publishes for them."""
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,15 +87,15 @@ class InFlight:
 
 @dataclass
 class StreamState:
+    """One stream's schedule, as the chunk scheduler (:mod:`~physis_ros.runtime.chunk_scheduler`) keeps it:
+    data and arithmetic on the times it is given, no I/O (the engine keeps the stream's callbacks and tasks)."""
+
     name: str
     model: ServedModel
     plan: Plan
-    observe: ObserveFn
-    on_output: OutputFn | None
-    limit: int | None
+    limit: int | None                  # chunks to serve (None: until removed)
     slo_interval_ms: float | None
-    credits: asyncio.Semaphore
-    keep_outputs: bool = False
+    timeline: ControlTimeline | None = None
     epoch: int = 0
     next_chunk: int = 0
     next_emit: int = 0
@@ -106,48 +104,21 @@ class StreamState:
     epoch_started: bool = False        # the current epoch has emitted a chunk (warm-up grace is over)
     pending: dict[int, ChunkOutput] = field(default_factory=dict)
     inflight: dict[int, InFlight] = field(default_factory=dict)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    feeder: asyncio.Task | None = None
-    readmission: asyncio.Task | None = None
-    outputs: list[ChunkOutput] = field(default_factory=list)
     failed: str | None = None          # why the stream is not serving now (reset under way, or for good)
     gone: bool = False                 # failed for good: a worker it needs cannot come back
     lost_chunks: int = 0
     resets: Counter = field(default_factory=Counter)   # cause -> count
-    first_addr: str = ""
-    timeline: ControlTimeline | None = None
     release_interval_s: float | None = None  # pace: one release per interval, anchored at release_t0
     release_t0: float | None = None          # time.monotonic() of the first release (moved on after a late one)
     releases: int = 0
     release_due: dict[int, float] = field(default_factory=dict)  # chunk -> when it was due (jitter buffer)
     emit_delay_s: float | None = None  # jitter buffer: chunk c leaves no earlier than its release + this
-    emit_scheduled: bool = False
 
-    async def pace(self, wake: Callable[[], Awaitable[None]] | None = None, lead_s: float = 0.0) -> float | None:
-        """Wait for the stream's next release on its schedule (one every release interval, anchored at its
-        first release), :meth:`capture_lead_s` ahead of it; the time it was due (time.monotonic()), or None
-        for an unpaced stream. ``wake`` is awaited ``lead_s`` before a release it has to wait for (the engine
-        wakes the first worker then)."""
-        if self.release_interval_s is None:
-            return None
-        if self.release_t0 is None:
-            return time.monotonic()
-        due = self.release_t0 + self.releases * self.release_interval_s
-        delay = due - self.capture_lead_s() - time.monotonic()
-        if wake is not None and delay > lead_s:
-            await asyncio.sleep(delay - lead_s)
-            await wake()
-            delay = due - self.capture_lead_s() - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        return due
-
-    def released(self, due: float) -> float:
-        """A chunk is released (its observation taken) now: keep the schedule; after a late release (a
-        camera that was silent, credits held up) the next ones do not catch up in a burst: the next
-        comes at the first slot of the same phase at least half an interval away (the phase keeps
+    def released(self, due: float, now: float) -> float:
+        """A chunk due at ``due`` is released (its observation taken) at ``now``: keep the schedule; after a
+        late release (a camera that was silent, credits held up) the next ones do not catch up in a burst:
+        the next comes at the first slot of the same phase at least half an interval away (the phase keeps
         streams that share a worker apart, :func:`staggered_anchor`)."""
-        now = time.monotonic()
         interval = self.release_interval_s
         if self.release_t0 is None:
             self.release_t0, due = now, now
@@ -168,13 +139,14 @@ class StreamState:
             return slo_s
         return min(slo_s, self.last_emit + slo_s - now)
 
-    def scheduled(self, chunk: int, now: float) -> float:
-        """When chunk ``chunk``, released at ``now`` (engine clock), was due on its stream's pace: on the
-        timeline a paced chunk starts at its slot (whole steps after the one before), not when the loop got
-        to it (a few ms late, or on purpose ahead: :meth:`capture_lead_s`), so its rows stay on the grid.
-        ``now`` for an unpaced stream, or a release so late it left the schedule (:meth:`released`)."""
+    def scheduled(self, chunk: int, stamp: float, now: float) -> float:
+        """When chunk ``chunk``, released at engine time ``stamp`` (monotonic ``now``), was due on its
+        stream's pace, in engine time: on the timeline a paced chunk starts at its slot (whole steps after the
+        one before), not when the loop got to it (a few ms late, or on purpose ahead: :meth:`capture_lead_s`),
+        so its rows stay on the grid. ``stamp`` for an unpaced stream, or a release so late it left the
+        schedule (:meth:`released`)."""
         due = self.release_due.get(chunk)
-        return now if due is None else now - (time.monotonic() - due)
+        return stamp if due is None else stamp - (now - due)
 
     def capture_lead_s(self) -> float:
         """How far ahead of its slot the next chunk's observation is taken (s): the timeline's

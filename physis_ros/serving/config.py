@@ -338,10 +338,10 @@ class ServeConfig:
         if not _TOPIC.match(self.telemetry_topic):
             raise ConfigError("telemetry_topic", f"{self.telemetry_topic!r} is not a valid ROS topic name")
         policy = resolve_policy(self)   # admission.policy and .checks name registered ones that fit the workers
-        if self.engine.cpu_host is not None and self.engine.cpu_host != policy.cpu_host:
+        if self.engine.cpu_host != "auto" and (self.engine.cpu_host == "on") != policy.cpu_host:
             raise ConfigError("engine.cpu_host", f"admission.policy {policy.name} sets it "
-                                                 f"{str(policy.cpu_host).lower()}: drop engine.cpu_host, or choose "
-                                                 f"the admission.policy that has it")
+                                                 f"{'on' if policy.cpu_host else 'off'}: drop engine.cpu_host, or "
+                                                 f"choose the admission.policy that has it")
 
     def namespace_of(self, stream: str) -> str:
         return stream_namespace(stream, self.streams[stream])

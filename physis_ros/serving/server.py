@@ -153,7 +153,7 @@ class Server:
         itself, through :meth:`admit`, once :attr:`state` is ``serving``)."""
         if self.state != "unstarted":
             raise RuntimeError(f"the server is {self.state}; a server starts once")
-        engine = dataclasses.replace(self.config.engine, cpu_host=self.policy.cpu_host)   # the policy's runtime part
+        engine = dataclasses.replace(self.config.engine, cpu_host="on" if self.policy.cpu_host else "off")  # policy
         self.engine = EngineThread(engine, clock=self.clock, on_event=self.on_engine_event)
         self.engine.start()
         self._housekeeper = threading.Thread(target=self._housekeeping, name="physis-housekeeping", daemon=True)

@@ -473,7 +473,7 @@ def test_a_stream_slow_to_place_still_starts_on_its_release_grid(monkeypatch):
 
     async def slow_place(self, s):
         await asyncio.sleep(0.1)
-        await place(self, s)
+        return await place(self, s)
 
     monkeypatch.setattr(Engine, "place", slow_place)
     cfg = load_model_config("tiny-wam")

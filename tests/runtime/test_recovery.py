@@ -116,7 +116,7 @@ def test_a_silently_dropped_task_resets_its_stream_within_its_bound():
             n = len(run.got["b"])
             await run.until(lambda: len(run.got["b"]) >= n + 5)
             return run.events, run.engine.stream_status("b"), run.chunks("a"), run.chunks("b"), \
-                run.engine.recovery.chunk_bound_s(run.engine.streams["b"]), dropped_at
+                run.engine.scheduler.chunk_bound_s(run.engine.streams["b"]), dropped_at
 
     events, status, a, b, bound, _ = uvloop.run(main())
     failed = [e for e in events if e.kind == "failed"]
@@ -296,13 +296,21 @@ def test_a_chunk_late_behind_a_flood_is_waited_for_and_reset_once_the_sockets_ar
     from types import SimpleNamespace
 
     from physis_ros.logs import Throttle
+    from physis_ros.model import load_model_config
+    from physis_ros.runtime.chunk_scheduler import ChunkScheduler
+    from physis_ros.runtime.plans import make_plan
     from physis_ros.runtime.recovery import FLOOD_QUIET_S, Recovery
-    from physis_ros.runtime.streams import InFlight
+    from physis_ros.runtime.settings import EngineConfig
+    from physis_ros.runtime.streams import InFlight, ServedModel, StreamState
 
     worker = SimpleNamespace(stats=p.WorkerStats())
     f = InFlight(0.0, 0.0, None, bound_s=0.5, deadline=10.0)
-    stream = SimpleNamespace(name="a", failed=None, inflight={7: f})
-    engine = SimpleNamespace(streams={"a": stream}, dropped=Counter(), throttle=Throttle(5.0),
+    cfg = load_model_config("tiny-wam")
+    scheduler = ChunkScheduler(EngineConfig(workers=1))
+    stream = scheduler.add(StreamState("a", ServedModel(cfg), make_plan("sequential", cfg.steps, cfg.blocks, 1),
+                                       None, None), 0.0)
+    stream.inflight[7] = f
+    engine = SimpleNamespace(scheduler=scheduler, dropped=Counter(), throttle=Throttle(5.0),
                              pool=SimpleNamespace(counts=Counter(), workers={"w0": worker}))
     rec = Recovery(engine)
     resets = []

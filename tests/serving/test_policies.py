@@ -49,7 +49,7 @@ def test_auto_is_cpu_host_for_cpu_workers_and_base_for_gpu_workers_and_cpu_host_
         cfg(GPUS, policy="cpu-host")
     assert exc.value.key == "admission.policy" and "cpu workers only" in str(exc.value), exc.value
     with pytest.raises(ConfigError) as exc:     # the runtime part alone cannot be forced onto a GPU either
-        EngineConfig(workers=1, devices=["cuda:0"], cpu_host=True).validate()
+        EngineConfig(workers=1, devices=["cuda:0"], cpu_host="on").validate()
     assert "cpu_host" in str(exc.value)
     assert EngineConfig(workers=1, devices=["cuda:0"]).host_measures is False
     assert EngineConfig(workers=1).host_measures is True
@@ -98,9 +98,9 @@ def test_checks_are_named_validated_and_each_one_installs_its_part():
 
 def test_engine_cpu_host_follows_the_policy_and_a_contradiction_is_refused_by_its_key():
     with pytest.raises(ConfigError) as exc:
-        cfg({"cpu_host": True}, policy="base")
+        cfg({"cpu_host": "on"}, policy="base")
     assert exc.value.key == "engine.cpu_host" and "admission.policy base" in str(exc.value), exc.value
-    cfg({"cpu_host": True})          # the same as auto's cpu-host: fine
+    cfg({"cpu_host": "on"})          # the same as auto's cpu-host: fine
     server = Server(cfg(policy="base"))
     assert server.policy.name == "base" and server.catalog.corun_slowdown == 1.0
     server = Server(cfg(corun_slowdown=1.3))
