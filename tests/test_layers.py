@@ -30,13 +30,7 @@ LAYERS = {
     "cli": 7,
 }
 # Imports that go up a layer today: (importing module, imported module) -> the issue that removes them.
-KNOWN_UPWARD = {
-    ("physis_ros.runtime.offline", "physis_ros.scheduling.profiles"): "issue 52",
-    ("physis_ros.runtime.pipesim", "physis_ros.scheduling.profiles"): "issue 52",
-    ("physis_ros.runtime.planner", "physis_ros.scheduling.profiles"): "issue 52",
-    ("physis_ros.runtime.profiler", "physis_ros.scheduling.profiles"): "issue 52",
-    ("physis_ros.runtime.streams", "physis_ros.scheduling.profiles"): "issue 52",
-}
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 
 def modules() -> dict[str, Path]:

@@ -180,7 +180,7 @@ def _profiles(args, models: list, repeats: int, corun: float, out_dir: Path) -> 
     import json
 
     from physis_ros.console import set_threads
-    from physis_ros.scheduling.profiles import load_profile
+    from physis_ros.runtime.costs import load_profile
 
     set_threads(1)  # as the workers run
     info = {}

@@ -32,7 +32,7 @@ from physis_ros.runtime.offline import run_chunks
 from physis_ros.runtime.planner import choose_plan
 from physis_ros.runtime.plans import pipeline_order
 from physis_ros.runtime.profiler import measure_corun_slowdown, measure_profile
-from physis_ros.scheduling.profiles import CostProfile, profile_from_json
+from physis_ros.runtime.costs import CostProfile, profile_from_json
 from physis_ros.telemetry import summarize
 
 MODES = ("off", "on", "adaptive")

@@ -95,7 +95,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise CliError(f"--model: {exc}") from None
     if values.get("profile"):
         from physis_ros.model import load_model_config
-        from physis_ros.scheduling.profiles import profile_from_json
+        from physis_ros.runtime.costs import profile_from_json
 
         try:
             profile_from_json(check_json_file(values["profile"], "--profile"),

@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from physis_ros.config import ConfigError
     from physis_ros.model.spec import load_model_config, preset_names
-    from physis_ros.scheduling.profiles import get_profile, load_profile, measure_profile
+    from physis_ros.runtime.costs import load_profile
+    from physis_ros.scheduling.profiles import get_profile, measure_profile
     from physis_ros.scheduling.settings import load_device, load_scheduling
     from physis_ros.scheduling.simulator import (Workload, compare, load_profiles, pooled, report24, run_policy,
                                                  slo_sweep)

@@ -16,7 +16,7 @@ from physis_ros.model.spec import ModelConfig
 from physis_ros.runtime.engine import ChunkOutput, Engine, Observation, ServedModel
 from physis_ros.runtime.planner import resolve_plan
 from physis_ros.runtime.plans import Plan
-from physis_ros.scheduling.profiles import CostProfile
+from physis_ros.runtime.costs import CostProfile
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.timeline import ControlTimeline
 

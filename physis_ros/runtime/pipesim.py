@@ -23,7 +23,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from physis_ros.runtime.plans import Plan, Stage
-from physis_ros.scheduling.profiles import CostProfile
+from physis_ros.runtime.costs import CostProfile
 from physis_ros.runtime.batching import BatchPolicy
 
 

@@ -31,7 +31,7 @@ from physis_ros.model.spec import ModelConfig
 from physis_ros.runtime.pipesim import SimResult, simulate
 from physis_ros.runtime.plans import Plan, Stage, linear_partition, make_plan, pipeline_order, segment_assignment
 from physis_ros.runtime.profiler import measure_profile
-from physis_ros.scheduling.profiles import CostProfile, profile_from_json
+from physis_ros.runtime.costs import CostProfile, profile_from_json
 from physis_ros.runtime.settings import EngineConfig
 
 log = logging.getLogger("physis.engine")

@@ -1,6 +1,6 @@
 """Measuring a model's cost profile on the current device: stage time vs batch size, hop time.
 
-The result is a :class:`~physis_ros.scheduling.profiles.CostProfile`, the one cost model the
+The result is a :class:`~physis_ros.runtime.costs.CostProfile`, the one cost model the
 planner, the workers' adaptive batching and the joint scheduler start from.
 Each stage is timed through the same ``run_stage`` the workers call, with the
 KV slots filled to the window so attention reads a realistic cache, in the
@@ -32,7 +32,7 @@ from physis_ros.observations import SyntheticScene
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime import wire
 from physis_ros.runtime.plans import Stage, pipeline_order
-from physis_ros.scheduling.profiles import CostProfile, memory_fields
+from physis_ros.runtime.costs import CostProfile, memory_fields
 
 
 def _sync(device: torch.device) -> None:

@@ -15,7 +15,7 @@ from physis_ros.config import to_mapping
 from physis_ros.model.spec import ModelConfig
 from physis_ros.runtime import protocol as p
 from physis_ros.runtime.plans import Plan, Stage
-from physis_ros.scheduling.profiles import CostProfile
+from physis_ros.runtime.costs import CostProfile
 from physis_ros.telemetry import ChunkRecord
 from physis_ros.timeline import ControlTimeline, Slot
 

@@ -1,6 +1,7 @@
 """Multi-stream joint scheduling (DESIGN.md section 3, layer 3; docs/scheduling.md).
 
-``profiles``   cost profiles: measured (physis-profile JSON) or roofline-modelled (H200)
+``profiles``   cost profiles (runtime/costs.py's CostProfile): measured (physis-profile JSON) or
+               roofline-modelled (H200)
 ``ranks``      virtual ranks: a stream's stages cut to fit its SLO with headroom
 ``cluster``    device state: time utilisation, memory, reference-counted shared weights
 ``admission``  requests, decisions, rejection reasons
@@ -9,11 +10,12 @@
 ``simulator``  arrival sequences on N devices, joint vs equal (``physis-sim``)
 """
 
+from physis_ros.runtime.costs import CostProfile, load_profile
 from physis_ros.scheduling.admission import REASONS, Decision, StreamRequest
 from physis_ros.scheduling.cluster import Cluster, PlacedStream
 from physis_ros.scheduling.equal import EqualSplitScheduler
 from physis_ros.scheduling.placement import JointScheduler
-from physis_ros.scheduling.profiles import CostProfile, get_profile, load_profile, roofline_profile
+from physis_ros.scheduling.profiles import get_profile, roofline_profile
 from physis_ros.scheduling.ranks import VirtualRank, equal_ranks, group_size, pack_ranks
 from physis_ros.scheduling.settings import DeviceSpec, SchedulingConfig, load_device, load_scheduling
 

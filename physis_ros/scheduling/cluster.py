@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from physis_ros.scheduling.jitter import JitterBound
-from physis_ros.scheduling.profiles import CostProfile
+from physis_ros.runtime.costs import CostProfile
 from physis_ros.scheduling.ranks import VirtualRank
 from physis_ros.scheduling.settings import DeviceSpec
 

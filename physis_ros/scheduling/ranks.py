@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from physis_ros.runtime.plans import Stage, linear_partition
-from physis_ros.scheduling.profiles import CostProfile
+from physis_ros.runtime.costs import CostProfile
 
 EPS = 1e-9
 

@@ -32,7 +32,8 @@ from physis_ros.scheduling.admission import Decision, StreamRequest
 from physis_ros.scheduling.cluster import Cluster
 from physis_ros.scheduling.equal import EqualSplitScheduler
 from physis_ros.scheduling.placement import JointScheduler
-from physis_ros.scheduling.profiles import CostProfile, get_profile
+from physis_ros.runtime.costs import CostProfile
+from physis_ros.scheduling.profiles import get_profile
 from physis_ros.scheduling.ranks import Unplaceable, group_size, rank_budget_ms
 from physis_ros.scheduling.settings import DeviceSpec, SchedulingConfig
 

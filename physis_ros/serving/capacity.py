@@ -30,7 +30,7 @@ from physis_ros.scheduling.admission import StreamRequest
 from physis_ros.scheduling.cluster import Cluster, PlacedStream
 from physis_ros.scheduling.placement import JointScheduler
 from physis_ros.scheduling.ranks import Unplaceable
-from physis_ros.scheduling.profiles import stream_memory_bytes
+from physis_ros.runtime.costs import stream_memory_bytes
 from physis_ros.scheduling.settings import GB, DeviceSpec, SchedulingConfig
 
 if TYPE_CHECKING:

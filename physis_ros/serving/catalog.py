@@ -37,7 +37,7 @@ from physis_ros.serving.capacity import Rejected
 from physis_ros.serving.config import AdmissionConfig, ServeConfig
 from physis_ros.serving.fit import check_stream_model
 from physis_ros.runtime.streams import ServedModel
-from physis_ros.scheduling.profiles import CostProfile, profile_from_json, stream_memory_bytes
+from physis_ros.runtime.costs import CostProfile, profile_from_json, stream_memory_bytes
 from physis_ros.scheduling.settings import GB
 
 

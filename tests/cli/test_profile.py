@@ -9,7 +9,7 @@ from physis_ros.cli import profile as profile_cli
 from physis_ros.config import to_mapping
 from physis_ros.model import load_model_config
 from physis_ros.runtime.plans import pipeline_order
-from physis_ros.scheduling.profiles import CostProfile, profile_from_json
+from physis_ros.runtime.costs import CostProfile, profile_from_json
 
 
 def test_plan_report_covers_every_worker_count_and_mode():

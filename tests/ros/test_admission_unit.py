@@ -29,7 +29,7 @@ from physis_ros.model.spec import load_model_config
 from physis_ros.serving.capacity import REASONS, Rejected, ServerAdmission, plan_of
 from physis_ros.serving.config import ServeConfig, StreamConfig
 from physis_ros.runtime.streams import ServedModel
-from physis_ros.scheduling.profiles import CostProfile, memory_fields
+from physis_ros.runtime.costs import CostProfile, memory_fields
 from physis_ros.scheduling.settings import GB
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scheduling"))

@@ -22,7 +22,7 @@ from physis_ros.runtime.engine import Engine, EngineError, Observation, ServedMo
 from physis_ros.runtime.offline import run_chunks
 from physis_ros.runtime.planner import resolve_plan
 from physis_ros.runtime.plans import Plan, pipeline_order
-from physis_ros.scheduling.profiles import CostProfile
+from physis_ros.runtime.costs import CostProfile
 
 pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
 

@@ -4,7 +4,7 @@ import pytest
 
 from physis_ros.runtime.pipesim import simulate
 from physis_ros.runtime.plans import Plan, make_plan, pipeline_order
-from physis_ros.scheduling.profiles import CostProfile
+from physis_ros.runtime.costs import CostProfile
 
 
 def profile(steps, blocks, single=1.0, per_extra=0.25, hop=0.1, engine=0.0):

@@ -8,7 +8,7 @@ from physis_ros.model import load_model_config
 from physis_ros.runtime.planner import choose_plan, predict
 from physis_ros.runtime.plans import make_plan, pipeline_order
 from physis_ros.runtime.profiler import measure_profile
-from physis_ros.scheduling.profiles import CostProfile, profile_from_json
+from physis_ros.runtime.costs import CostProfile, profile_from_json
 
 
 def synthetic(steps, blocks, single, per_extra):

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from physis_ros.runtime.plans import pipeline_order
-from physis_ros.scheduling.profiles import CostProfile
+from physis_ros.runtime.costs import CostProfile
 from physis_ros.scheduling.settings import GB, DeviceSpec, LDSConfig, SchedulingConfig
 
 

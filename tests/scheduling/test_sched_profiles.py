@@ -6,8 +6,8 @@ import pytest
 
 from physis_ros.config import ConfigError
 from physis_ros.model import load_model_config
-from physis_ros.scheduling.profiles import (block_flops, get_profile, load_profile, roofline_ms, roofline_profile,
-                                            shipped_profile_path)
+from physis_ros.runtime.costs import load_profile
+from physis_ros.scheduling.profiles import block_flops, get_profile, roofline_ms, roofline_profile, shipped_profile_path
 from physis_ros.scheduling.settings import load_device, load_scheduling
 
 
