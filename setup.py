@@ -12,6 +12,11 @@ import os
 
 from setuptools import find_packages, setup
 
+MODEL_FAMILIES = """
+wam=physis_ros.model.wam:FAMILY
+acwm=physis_ros.model.acwm:FAMILY
+"""
+
 PACKAGE = "physis_ros"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -78,5 +83,8 @@ setup(
             "physis-stream=physis_ros.cli.stream:main",
             "physis-train=physis_ros.cli.train:main",
         ],
+        # Model families (physis_ros/model/families.py). Written unquoted, one per line: CMakeLists.txt reads
+        # every quoted "name=module:attr" line of this file as a console script.
+        "physis_ros.models": MODEL_FAMILIES.split(),
     },
 )

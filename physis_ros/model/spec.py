@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from physis_ros.config import ConfigError, bounded, from_mapping, load_yaml, repo_config_dir
+from physis_ros.model.families import check_family
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -56,7 +57,9 @@ class ModelConfig:
     """A servable DiT: trunk shape, denoising schedule, KV window and the I/O head."""
 
     name: str
-    kind: str = field(metadata=bounded(choices=("wam", "acwm")))
+    kind: str = field(metadata=bounded(doc="the model family (physis_ros.model.families): wam, acwm, or a "
+                                           "family a package registers under the entry point group "
+                                           "physis_ros.models"))
     hidden: int = field(metadata=bounded(ge=8))
     heads: int = field(metadata=bounded(ge=1))
     blocks: int = field(metadata=bounded(ge=1))
@@ -74,13 +77,16 @@ class ModelConfig:
     def validate(self) -> None:
         if self.hidden % self.heads:
             raise ConfigError("heads", f"{self.heads} must divide hidden {self.hidden}")
-        if self.kind == "wam" and self.wam is None:
-            raise ConfigError("wam", "kind 'wam' needs a 'wam:' section")
-        if self.kind == "acwm" and self.acwm is None:
-            raise ConfigError("acwm", "kind 'acwm' needs an 'acwm:' section")
-        other = "acwm" if self.kind == "wam" else "wam"
-        if getattr(self, other) is not None:
-            raise ConfigError(other, f"a '{other}:' section does not belong to kind '{self.kind}'")
+        check_family(self.kind)
+        if self.kind in ("wam", "acwm") and getattr(self, self.kind) is None:
+            raise ConfigError(self.kind, f"kind '{self.kind}' needs a '{self.kind}:' section")
+        if self.wam is None and self.acwm is None:
+            raise ConfigError("kind", f"kind '{self.kind}' needs an I/O section: 'wam:' (actions out) or 'acwm:' "
+                                      f"(predicted frames out)")
+        if self.wam is not None and self.acwm is not None:
+            other = "acwm" if self.kind == "wam" else "wam"
+            raise ConfigError(other, f"a model has one I/O section; '{other}:' does not belong to kind "
+                                     f"'{self.kind}'")
 
     @property
     def ffn_dim(self) -> int:

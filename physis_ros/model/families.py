@@ -1,0 +1,112 @@
+"""Model families as plug-ins: a package registers a family under the Python entry point group
+``physis_ros.models``, and a model config names it in ``kind:``; physis_ros itself registers its built-in
+tiny DiT families (``wam``, ``acwm``) through the same group (setup.py), so this registry is the only factory
+of servable models.
+
+An entry point's name is the family's name and its object a :class:`ModelFamily`::
+
+    # a package's pyproject.toml
+    [project.entry-points."physis_ros.models"]
+    mydit = "my_package.family:FAMILY"
+
+Looking a family up by name reads the installed packages' metadata only (no import, so tools that only read
+model configs do not import torch): :func:`family_names`, :func:`check_family` (is it installed, and can its
+module be found: what a config load checks). :func:`load_family` imports it (a worker building the model),
+and a family that fails to import, or is not a ModelFamily of its own name, is refused with one line naming
+its package and the ``kind`` field.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING, Any
+
+from physis_ros.config import ConfigError
+
+if TYPE_CHECKING:
+    from physis_ros.model.interface import ServableModel
+    from physis_ros.model.spec import ModelConfig
+
+GROUP = "physis_ros.models"
+# physis_ros's own families, as setup.py registers them (tests/model/test_families.py keeps the two equal): read
+# from here only where physis_ros is installed without its metadata (a colcon build installs the package
+# directory without a dist-info), so that the built-in families are found either way.
+BUILT_IN = {"wam": "physis_ros.model.wam:FAMILY", "acwm": "physis_ros.model.acwm:FAMILY"}
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A model family: ``name`` as a model config's ``kind`` names it; ``build(config, hosted_blocks=,
+    device=)`` makes its servable model (:class:`~physis_ros.model.interface.ServableModel`) with only the
+    blocks ``hosted_blocks`` names (None: all); ``doc``: one line on what it is."""
+
+    name: str
+    build: Callable[..., ServableModel]
+    doc: str = ""
+
+    def make(self, config: ModelConfig, *, hosted_blocks: Any = None, device: Any = "cpu") -> ServableModel:
+        return self.build(config, hosted_blocks=hosted_blocks, device=device)
+
+
+def _registered() -> dict[str, list[EntryPoint]]:
+    """Every entry point of the group by name (a name two packages register twice is listed twice)."""
+    found: dict[str, list[EntryPoint]] = {}
+    for ep in entry_points(group=GROUP):
+        if all(ep.value != other.value for other in found.get(ep.name, [])):
+            found.setdefault(ep.name, []).append(ep)
+    for name, value in BUILT_IN.items():
+        found.setdefault(name, [EntryPoint(name, value, GROUP)])
+    return found
+
+
+def _package(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return dist.name if dist is not None else ep.module
+
+
+def family_names() -> list[str]:
+    """The installed model families (entry point names), sorted; nothing is imported."""
+    return sorted(_registered())
+
+
+def _find(name: str) -> EntryPoint:
+    eps = _registered().get(name)
+    if not eps:
+        raise ConfigError("kind", f"no model family '{name}' is installed (installed: "
+                                  f"{', '.join(family_names()) or 'none'}; a package registers one under the "
+                                  f"entry point group {GROUP})")
+    if len(eps) > 1:
+        raise ConfigError("kind", f"model family '{name}' is registered by more than one package ("
+                                  f"{', '.join(f'{_package(ep)}: {ep.value}' for ep in eps)}): uninstall one")
+    return eps[0]
+
+
+def check_family(name: str) -> None:
+    """ConfigError naming ``kind`` unless family ``name`` is installed and its module can be found (without
+    importing it)."""
+    ep = _find(name)
+    try:
+        found = importlib.util.find_spec(ep.module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError("kind", f"model family '{name}' of package '{_package(ep)}' points at module "
+                                  f"'{ep.module}', which cannot be found: reinstall the package")
+
+
+def load_family(name: str) -> ModelFamily:
+    """The :class:`ModelFamily` named ``name``, imported from its package (ConfigError naming ``kind`` and the
+    package when it cannot be)."""
+    ep = _find(name)
+    try:
+        found = ep.load()
+    except Exception as exc:
+        raise ConfigError("kind", f"model family '{name}' of package '{_package(ep)}' failed to import "
+                                  f"({ep.value}): {type(exc).__name__}: {exc}") from None
+    if not isinstance(found, ModelFamily) or found.name != name:
+        raise ConfigError("kind", f"entry point '{name}' of package '{_package(ep)}' ({ep.value}) is "
+                                  f"{type(found).__name__}, not a ModelFamily named '{name}'")
+    return found
