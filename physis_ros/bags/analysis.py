@@ -82,9 +82,9 @@ def load_outputs(recorded, serve: ServeInfo) -> Outputs:
 
     from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
 
-    chunk_topics = {s.topics["action_chunk"]: s.name for s in serve.streams if s.kind == "wam"}
-    frame_topics = {s.topics["predicted_frames"]: s.name for s in serve.streams if s.kind != "wam"}
-    traj_topics = {s.topics["joint_trajectory"]: s.name for s in serve.streams if s.kind == "wam"}
+    chunk_topics = {s.topics["action_chunk"]: s.name for s in serve.streams if s.produces == "actions"}
+    frame_topics = {s.topics["predicted_frames"]: s.name for s in serve.streams if s.produces != "actions"}
+    traj_topics = {s.topics["joint_trajectory"]: s.name for s in serve.streams if s.produces == "actions"}
     outputs = Outputs({s.name: [] for s in serve.streams}, {s.name: [] for s in serve.streams}, [], 0)
     for topic, _, log_ns, raw in read_all(recorded):
         if topic in chunk_topics:
@@ -193,7 +193,7 @@ def _check_fields(result: Analysis, stream: StreamInfo, got: list[OutputChunk]) 
     """Each chunk names its stream and has its model's output shape (and, for actions, the joint names)."""
     name = stream.name
     shape = tuple(stream.model_config.output_shape) if stream.model_config is not None else None
-    if stream.kind == "wam":
+    if stream.produces == "actions":
         bad = [c.index for c in got if c.stream != name or c.joint_names != stream.joint_names
                or c.values.ndim != 2 or (shape is not None and c.values.shape != shape)]
         ok_text, bad_text = "stream, joint_names, horizon x dof consistent", "a wrong stream name, joint names or shape"
@@ -252,7 +252,7 @@ def analyse(inputs: dict[str, list[InputObservation]] | Inputs, outputs: Outputs
                    else f"{len(wrong)} chunk(s) carry another observation's stamp, first chunk {wrong[0]}")
         _check_fields(result, stream, got)
         tele = [r for r in outputs.telemetry if r["stream"] == name]
-        if stream.kind == "wam":
+        if stream.produces == "actions":
             # A chunk whose every row was already due when it came out (telemetry: late; a host busier than
             # the robot's timeline) is not sent as a trajectory: that is timing, not a lost message.
             trajs = outputs.trajectories.get(name, [])

@@ -67,7 +67,7 @@ class StreamInfo:
     # joint_trajectory (a WAM's outputs) or predicted_frames (an ACWM's); telemetry (with telemetry: true)
     topics: dict[str, str] = field(default_factory=dict)
     types: dict[str, str] = field(default_factory=dict)    # role -> message type
-    kind: str = "wam"                                      # the model's kind: wam | acwm
+    produces: str = "actions"                              # what the model's chunks are: actions | frames
     model: str = ""                                        # model reference as served (preset, YAML, checkpoint)
     model_config: ModelConfig | None = None
     checkpoint: str | None = None                          # weights the server loads (None: init_seed)
@@ -79,13 +79,13 @@ class StreamInfo:
 
     @property
     def output_roles(self) -> list[str]:
-        chunk = ["action_chunk", "joint_trajectory"] if self.kind == "wam" else ["predicted_frames"]
+        chunk = ["action_chunk", "joint_trajectory"] if self.produces == "actions" else ["predicted_frames"]
         return chunk + (["telemetry"] if "telemetry" in self.topics else [])
 
     @property
     def chunk_role(self) -> str:
         """The topic that carries one message per chunk: action_chunk (WAM) or predicted_frames (ACWM)."""
-        return "action_chunk" if self.kind == "wam" else "predicted_frames"
+        return "action_chunk" if self.produces == "actions" else "predicted_frames"
 
     @property
     def chunk_topic(self) -> str:
@@ -214,7 +214,7 @@ def stream_info(config: ServeConfig, name: str) -> StreamInfo:
         add("joint_states", "joint_states", JOINT_STATE_TYPE)
     if "actions" in shapes:
         add("actions", "actions", TRAJECTORY_TYPE if s.actions_type == "joint_trajectory" else ACTION_CHUNK_TYPE)
-    if model.kind == "wam":
+    if model.produces == "actions":
         add("action_chunk", "action_chunk", ACTION_CHUNK_TYPE)
         add("joint_trajectory", "joint_trajectory", TRAJECTORY_TYPE)
         add("expert", "expert", ACTION_CHUNK_TYPE)   # optional input: what an expert does (tracking error)
@@ -222,7 +222,7 @@ def stream_info(config: ServeConfig, name: str) -> StreamInfo:
         add("predicted_frames", "predicted_frames", FRAMES_TYPE)
     if s.telemetry:
         add("telemetry", "telemetry", TELEMETRY_TYPE)
-    return StreamInfo(name, config.namespace_of(name), list(s.joint_names), topics, types, model.kind, ref, model,
+    return StreamInfo(name, config.namespace_of(name), list(s.joint_names), topics, types, model.produces, ref, model,
                       checkpoint, paired)
 
 

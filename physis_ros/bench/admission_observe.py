@@ -101,14 +101,14 @@ class Recorder:
         for sub in self.subs:
             self.node.destroy_subscription(sub)
 
-    def watch(self, stream: str, kind: str) -> None:
+    def watch(self, stream: str, produces: str) -> None:
         """Subscribe to the robot's output as its controller would (RELIABLE): a world-action model's
         action_chunk, a world model's predicted_frames."""
         from physis_ros.msg import ActionChunk, PredictedFrames
 
         if stream not in self.watched:
             self.watched.add(stream)
-            msg_type, topic = (ActionChunk, "action_chunk") if kind == "wam" else (PredictedFrames, "predicted_frames")
+            msg_type, topic = (ActionChunk, "action_chunk") if produces == "actions" else (PredictedFrames, "predicted_frames")
             self.subs.append(self.node.create_subscription(
                 msg_type, f"/{stream}/{topic}",
                 lambda msg, s=stream: self.received[s].add(int(msg.chunk_index)), self.reliable))

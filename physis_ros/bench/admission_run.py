@@ -130,7 +130,7 @@ class Run:
     def join(self, name: str, model: str, slo: float, rate: float, actions_topic: str = "") -> dict:
         goal = self.ServeStream.Goal(stream=name, topic_namespace=name, model=model, joint_names=JOINTS,
                                      slo_interval_ms=slo, control_rate_hz=rate, actions_topic=actions_topic)
-        self.rec.watch(name, self.mirror.model(model).config.kind)
+        self.rec.watch(name, self.mirror.model(model).config.produces)
         pace = release_pace_ms(slo, self.cfg.admission.pace_margin, rate)   # as the server paces it (ros/hub.py)
         fb: dict = {}
         t_sent, wall = time.monotonic(), time.time()

@@ -125,14 +125,13 @@ class SyntheticRobots:
 
 def streams_from_config(path: str) -> dict[str, SyntheticStream]:
     from physis_ros.serving.config import load_serve_config
-    from physis_ros.serving.fit import model_horizon
     from physis_ros.serving.catalog import model_config_of
     cfg = load_serve_config(path)
     out = {}
     for name, s in cfg.streams.items():
         model, _ = model_config_of(s.model or cfg.engine.checkpoint or cfg.model)
         out[name] = SyntheticStream(cfg.namespace_of(name), list(s.joint_names), s.control_rate_hz,
-                                    model_horizon(model))
+                                    model.control_horizon)
     return out
 
 

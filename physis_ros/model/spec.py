@@ -89,6 +89,20 @@ class ModelConfig:
                                      f"'{self.kind}'")
 
     @property
+    def produces(self) -> str:
+        """What a chunk's output is (its spec, not its family): ``actions`` (rows of control actions
+        ``[horizon, dof]``, published as an action chunk and a trajectory) or ``frames`` (predicted latent
+        frames, published as PredictedFrames)."""
+        return "actions" if self.wam is not None else "frames"
+
+    @property
+    def control_horizon(self) -> int:
+        """Control steps one chunk plans: the action rows it outputs, or the actions it is given to imagine."""
+        if self.produces == "actions":
+            return self.output_shape[0]
+        return self.observation_shapes["actions"][0]
+
+    @property
     def ffn_dim(self) -> int:
         return self.ffn or 4 * self.hidden
 

@@ -93,7 +93,7 @@ class RosStream:
     def _make_outputs(self) -> None:
         s = self.config
         self.pub_chunk = self.pub_traj = self.pub_frames = self.pub_telemetry = None
-        if self.model.kind == "wam":
+        if self.model.produces == "actions":
             horizon, dof = self.model.output_shape
             self.pub_chunk = self._publisher(ActionChunk, "action_chunk", qos.profile(s.qos.action_chunk))
             self.pub_traj = self._publisher(JointTrajectory, "joint_trajectory", qos.profile(s.qos.joint_trajectory))
@@ -134,7 +134,7 @@ class RosStream:
             kind = JointTrajectory if s.actions_type == "joint_trajectory" else ActionChunk
             # The actions come from a policy (a command, not a sensor): reliable, as published.
             self._subscribe(kind, self.topic("actions"), self.on_actions, qos.profile(s.qos.action_chunk), "actions")
-        if self.model.kind == "wam":
+        if self.model.produces == "actions":
             self._subscribe(ActionChunk, self.topic("expert"), self.on_expert, qos.profile(s.qos.action_chunk),
                             "expert")
         self.node.get_logger().info(

@@ -31,10 +31,10 @@ def check_stream_model(key: str, stream: StreamConfig, model: ModelConfig) -> No
         if width is not None and width != n:
             raise ConfigError(f"{key}.joint_names", f"{n} joint names but model '{model.name}' takes {name} of "
                                                     f"{width} columns")
-    if model.kind == "wam" and model.output_shape[-1] != n:
+    if model.produces == "actions" and model.output_shape[-1] != n:
         raise ConfigError(f"{key}.joint_names", f"{n} joint names but model '{model.name}' outputs "
                                                 f"{model.output_shape[-1]} action columns")
-    horizon = model_horizon(model)
+    horizon = model.control_horizon
     if stream.execution_horizon > horizon:
         raise ConfigError(f"{key}.execution_horizon", f"{stream.execution_horizon} steps but model '{model.name}' "
                                                       f"plans {horizon}; use 1..{horizon}")
@@ -51,14 +51,10 @@ def check_stream_model(key: str, stream: StreamConfig, model: ModelConfig) -> No
                                                     f"(lower it, or raise execution_horizon)")
 
 
-def model_horizon(model: ModelConfig) -> int:
-    """Control steps one chunk plans: a WAM's action horizon, a world model's imagined actions."""
-    return model.observation_shapes["actions"][0] if model.kind == "acwm" else model.output_shape[0]
-
 
 def execution_steps(stream: StreamConfig, model: ModelConfig) -> int:
     """s: the control steps each chunk is executed for."""
-    return stream.execution_horizon or max(1, model_horizon(model) // 2)
+    return stream.execution_horizon or max(1, model.control_horizon // 2)
 
 
 def timeline_interval_ms(stream: StreamConfig, model: ModelConfig) -> float:
@@ -83,7 +79,7 @@ def stream_timeline(stream: StreamConfig, model: ModelConfig, deterministic: boo
     timeline: whole control steps apart). Deterministic serving (replay equal to the reference) takes no
     hand-off: it depends on measured delays."""
     steps = release_steps(slo_ms, pace_margin, stream.control_rate_hz) if stream.cadence == "timeline" else 0
-    return ControlTimeline(stream.control_rate_hz, model_horizon(model), execution_steps(stream, model),
+    return ControlTimeline(stream.control_rate_hz, model.control_horizon, execution_steps(stream, model),
                            handoff="none" if deterministic else stream.handoff, extra_delay=stream.extra_delay_steps,
                            lead_s=stream.trajectory_min_lead_s, capture_margin=stream.capture_margin_steps,
                            release_steps=steps)

@@ -244,7 +244,7 @@ class Session:
     def deliver(self, out: ChunkOutput) -> None:
         """A finished chunk (the engine's ``on_output`` callback): to ``on_chunk``, else to the queue."""
         output = np.asarray(out.output)
-        wam = self.model.kind == "wam"
+        wam = self.model.produces == "actions"
         chunk = Chunk(self.name, out.chunk, self.health.epoch, output, out.record.obs_stamp, out.record,
                       output if wam else None, None if wam else output, out.tag)
         self.health.delivered()

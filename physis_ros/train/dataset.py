@@ -41,9 +41,9 @@ def make_scene(kind: str, config: ModelConfig, expert: ScriptedExpert | None = N
 
 def expert_for(config: ModelConfig) -> ScriptedExpert:
     """The scripted expert whose chunks have ``config``'s shape (a WAM whose state is its joints)."""
-    if config.kind != "wam" or config.wam is None:
-        raise ValueError(f"model '{config.name}' is a {config.kind}; the scripted expert trains world-action "
-                         f"models (kind 'wam')")
+    if config.produces != "actions" or config.wam is None:
+        raise ValueError(f"model '{config.name}' produces {config.produces}; the scripted expert trains models "
+                         f"that produce actions (a 'wam:' I/O section)")
     if config.wam.state_dim != config.wam.dof:
         raise ValueError(f"model '{config.name}' has state_dim {config.wam.state_dim} != dof {config.wam.dof}; "
                          f"the scripted expert moves the joints it observes")

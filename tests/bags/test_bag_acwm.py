@@ -218,7 +218,7 @@ def test_record_topics_follow_each_streams_model(mixed):
 
     config, _ = mixed
     serve = load_serve_info(config)
-    assert [s.kind for s in serve.streams] == ["wam", "acwm"]
+    assert [s.produces for s in serve.streams] == ["actions", "frames"]
     assert serve.stream("robot1").model == "tiny-acwm" and serve.stream("robot0").model == "tiny-wam"
     assert server_topics(serve) == {
         "/robot0/camera/image_raw": "sensor_msgs/msg/Image",

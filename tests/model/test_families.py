@@ -110,3 +110,16 @@ def test_an_unknown_family_names_the_installed_ones():
     with pytest.raises(ConfigError) as exc:
         load_family("vla")
     assert exc.value.key == "kind" and "installed: acwm, wam" in str(exc.value)
+
+
+def test_no_code_outside_the_model_package_branches_on_a_model_family():
+    """What a server does with a model comes from its spec (``ModelConfig.produces``, ``control_horizon``,
+    ``observation_shapes``, ``output_shape``), never from its family's name (issue 53 item 2)."""
+    branch = re.compile(r"""kind\s*(==|!=|in)\s*[("'\[]*(wam|acwm)|["'](wam|acwm)["']\s*(==|!=)\s*\w+\.kind""")
+    found = [f"{path.relative_to(ROOT)}:{i}: {line.strip()}"
+             for path in sorted((ROOT / "physis_ros").rglob("*.py")) if "model" not in path.relative_to(ROOT).parts[1:2]
+             for i, line in enumerate(path.read_text().splitlines(), 1) if branch.search(line)]
+    assert not found, "\n".join(found)
+    model = load_model_config("tiny-acwm")
+    assert (model.produces, model.control_horizon) == ("frames", model.observation_shapes["actions"][0])
+    assert (load_model_config("tiny-wam").produces, load_model_config("tiny-wam").control_horizon) == ("actions", 16)
