@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,3 +64,24 @@ def tiny_wam():
 def tiny_acwm():
     from physis_ros.model import build_model
     return build_model("tiny-acwm")
+
+
+EXAMPLE_FAMILY = Path(__file__).resolve().parents[1] / "examples" / "physis_gmlp"
+
+
+@pytest.fixture(scope="session")
+def example_family() -> Path:
+    """The worked third-party model family (examples/physis_gmlp) installed into this venv as a user installs a
+    package (a regular install: a server already running finds it), once per test process, under a lock
+    (pytest-xdist runs test files in parallel); the path of its model YAML."""
+    import sys
+    import tempfile
+
+    from filelock import FileLock
+
+    with FileLock(str(Path(tempfile.gettempdir()) / "physis-example-family.lock")):
+        pip = subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q",
+                              "--no-deps", "--no-build-isolation", "--force-reinstall", str(EXAMPLE_FAMILY)],
+                             capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    return EXAMPLE_FAMILY / "physis_gmlp" / "gmlp-policy.yaml"

@@ -24,7 +24,7 @@ def test_valid_config_loads():
     ({"hidden": "big"}, "hidden", "expected an integer"),
     ({"hidden": True}, "hidden", "expected an integer"),
     ({"blocks": 0}, "blocks", "out of range; must be >= 1"),
-    ({"kind": "vla"}, "kind", "no model family 'vla' is installed (installed: acwm, wam"),
+    ({"kind": "vla"}, "kind", "no model family 'vla' is installed (installed: acwm, "),
     ({"heads": 3}, "heads", "must divide hidden 32"),
     ({"steps": None}, "steps", "required key is missing"),
     ({"wam": {"image_size": 16, "patch": 5}}, "wam.patch", "must divide image_size"),

@@ -156,6 +156,20 @@ def test_add_prints_its_admission_and_duration_cancels_and_a_refused_add_exits_1
     assert json.loads((live.tmp / "refused.json").read_text()) == d and len(stdout) == 1
 
 
+def test_a_goal_for_a_third_party_family_is_served_by_physis_serve(live, example_family):
+    """Issue 53: the example package's family (examples/physis_gmlp, installed as a user installs it) behind a
+    running physis-serve through a ServeStream goal naming its model YAML: profiled, its blocks built on the
+    worker, served until cancelled, listed under its model's name."""
+    add = live.add("g0", "--model", str(example_family), "--duration", "4")
+    d = decision(add.next_line(timeout=120.0))
+    assert d == {"accepted": True, "reason": "", "workers": ["w0"]}, d
+    code, stdout, _ = live.run("list")
+    assert code == 0 and any(line.split()[:2] == ["g0", "gmlp-policy"] for line in stdout), stdout
+    code, stdout, stderr = add.wait()
+    assert code == 0 and stderr == [], (stdout, stderr)
+    assert (json.loads(stdout[-1])["outcome"], json.loads(stdout[-1])["chunks_lost"]) == ("cancelled", 0)
+
+
 def test_list_shows_attached_robots_remove_ends_one_and_ctrl_c_cancels_one(live):
     controller = f"/{TAG}_arm_controller/joint_trajectory"
     removed, interrupted = live.add("r1", "--joint-trajectory-topic", controller), live.add("r2")
