@@ -104,7 +104,7 @@ class DiTModel(ServableModel):
         # Each module is initialised from its own seed, so a worker that builds
         # only some blocks gets exactly the weights the full model has.
         self.time_embed = self._seeded("time_embed", lambda: TimestepEmbedder(d))
-        self.blocks = nn.ModuleDict({str(b): self._new_block(b) for b in sorted(self.hosted_blocks)})
+        self.blocks = nn.ModuleDict({str(b): self.new_block(b) for b in sorted(self.hosted_blocks)})
         self.out_ada = self._seeded("out_ada", lambda: nn.Linear(d, 2 * d))
         self.io = self._seeded("io", self.build_io)
         self.to(device=device, dtype=self.dtype)
@@ -117,7 +117,7 @@ class DiTModel(ServableModel):
         # the noise of every chunk asks for the device).
         return self.out_ada.weight.device
 
-    def _new_block(self, b: int) -> Block:
+    def new_block(self, b: int) -> Block:
         c = self.config
         return self._seeded(f"blocks.{b}", lambda: Block(c.hidden, c.heads, c.ffn_dim))
 
@@ -125,21 +125,6 @@ class DiTModel(ServableModel):
         return TimestepCache(lambda t: blk.ada(F.silu(self.time_embed(t))))
 
     # ---- hosting blocks one by one (a worker adds what new streams need while others run) ----
-    def build_blocks(self, blocks, weights=None) -> dict[int, nn.Module]:
-        """New modules for ``blocks`` (seeded init, or ``weights``: state-dict entries ``blocks.{b}.*``),
-        on this model's device and dtype; nothing of the model changes until :meth:`attach_blocks`."""
-        built = {}
-        for b in sorted(set(blocks)):
-            if not 0 <= b < self.config.blocks:
-                raise ValueError(f"block {b} does not exist; model '{self.config.name}' has blocks "
-                                 f"0..{self.config.blocks - 1}")
-            blk = self._new_block(b)
-            if weights is not None:
-                prefix = f"blocks.{b}."
-                blk.load_state_dict({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)})
-            built[b] = blk.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
-        return built
-
     def attach_blocks(self, built: dict[int, nn.Module]) -> None:
         for b, blk in built.items():
             self.blocks[str(b)] = blk

@@ -13,8 +13,9 @@ computed as in DESIGN.md section 2 and that the model exposes these pieces:
 - ``head(h, t)``: velocity of the chunk (epilogue of stage ``(k, L-1)``);
 - ``timesteps``: flow-matching timesteps and the Euler update;
 - ``noise(seed, stream, chunk)``: the deterministic initial noise;
-- ``build_blocks`` / ``attach_blocks`` / ``release_blocks``: host blocks one by one, so a
-  worker loads what a new stream needs without touching what running streams use;
+- ``new_block(b)`` (each block seeded by its name), ``build_blocks`` (from it, or a checkpoint's weights) /
+  ``attach_blocks`` / ``release_blocks``: host blocks one by one, so a worker loads what a new stream needs
+  without touching what running streams use;
 - metadata: :class:`~physis_ros.model.spec.ModelConfig` (shapes, tokens per
   chunk, KV bytes per slot).
 
@@ -86,10 +87,26 @@ class ServableModel(nn.Module, ABC):
         """Hidden [B, T, D] -> velocity [B, *output_shape]."""
 
     @abstractmethod
+    def new_block(self, b: int) -> nn.Module:
+        """A fresh module for block ``b`` with its own seeded init: exactly the weights block ``b`` of the full
+        model has, whichever worker builds it (seed it by its name, e.g. ``derived_seed(..., f"blocks.{b}")``)."""
+
     def build_blocks(self, blocks: Iterable[int], weights: dict[str, torch.Tensor] | None = None
                      ) -> dict[int, nn.Module]:
-        """Modules for more blocks (seeded init, or ``weights``), ready on this model's device; safe to
-        call from a loader thread: nothing of the model changes until :meth:`attach_blocks`."""
+        """Modules for more blocks (:meth:`new_block`, or ``weights``: state-dict entries ``blocks.{b}.*``),
+        ready on this model's device and dtype; safe to call from a loader thread: nothing of the model
+        changes until :meth:`attach_blocks`."""
+        built = {}
+        for b in sorted(set(blocks)):
+            if not 0 <= b < self.config.blocks:
+                raise ValueError(f"block {b} does not exist; model '{self.config.name}' has blocks "
+                                 f"0..{self.config.blocks - 1}")
+            blk = self.new_block(b)
+            if weights is not None:
+                prefix = f"blocks.{b}."
+                blk.load_state_dict({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)})
+            built[b] = blk.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        return built
 
     @abstractmethod
     def attach_blocks(self, built: dict[int, nn.Module]) -> None:

@@ -10,8 +10,9 @@ SwiGLU MLP. What physis_ros needs from a family (``physis_ros.model.interface.Se
 - ``embed(cond, x, t)``: condition tokens + noisy chunk [B, *output_shape] at timesteps t [B] -> hidden [B, T, D]
 - ``block(b, h, t, kv)``: block b on the hidden state, reading then appending each sample's K/V slot
 - ``head(h, t)``: hidden -> velocity [B, *output_shape] (the server integrates it over ``config.steps``)
-- ``build_blocks``/``attach_blocks``/``release_blocks``: a worker builds only the blocks placed on it, while
-  others run; each module is initialised from its own seed, so any subset has the full model's weights
+- ``new_block(b)``, ``attach_blocks``, ``release_blocks``: a worker builds only the blocks placed on it (the
+  base class's ``build_blocks`` calls ``new_block``), while others run; each module is initialised from its
+  own seed, so any subset has the full model's weights
 - ``action_rows()``: leading output rows that are control actions (the hand-off between chunks applies to them)
 
 ``FAMILY`` is what the entry point ``physis_ros.models: gmlp`` names (pyproject.toml).
@@ -78,7 +79,7 @@ class GatedPolicy(ServableModel):
         self.pos = self._seeded("pos", lambda: nn.Embedding(config.tokens_per_chunk, d))
         self.out_norm = RMSNorm(d)
         self.actions_out = self._seeded("actions_out", lambda: nn.Linear(d, io.dof))
-        self.blocks = nn.ModuleDict({str(b): self._new_block(b) for b in sorted(self.hosted_blocks)})
+        self.blocks = nn.ModuleDict({str(b): self.new_block(b) for b in sorted(self.hosted_blocks)})
         self.to(device=device, dtype=self.dtype)
 
     @property
@@ -90,7 +91,7 @@ class GatedPolicy(ServableModel):
             torch.manual_seed(derived_seed("gmlp-init", self.config.init_seed, name))
             return make()
 
-    def _new_block(self, b: int) -> GatedBlock:
+    def new_block(self, b: int) -> GatedBlock:
         c = self.config
         return self._seeded(f"blocks.{b}", lambda: GatedBlock(c.hidden, c.heads, c.ffn_dim))
 
@@ -114,21 +115,7 @@ class GatedPolicy(ServableModel):
         rows = self.config.wam.horizon
         return self.actions_out(self.out_norm(h[:, -rows:]))
 
-    # ---- hosting blocks one by one ----
-    def build_blocks(self, blocks: Iterable[int], weights: dict[str, torch.Tensor] | None = None
-                     ) -> dict[int, nn.Module]:
-        built = {}
-        for b in sorted(set(blocks)):
-            if not 0 <= b < self.config.blocks:
-                raise ValueError(f"block {b} does not exist; model '{self.config.name}' has blocks "
-                                 f"0..{self.config.blocks - 1}")
-            blk = self._new_block(b)
-            if weights is not None:
-                prefix = f"blocks.{b}."
-                blk.load_state_dict({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)})
-            built[b] = blk.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
-        return built
-
+    # ---- hosting blocks one by one (ServableModel.build_blocks builds them with new_block) ----
     def attach_blocks(self, built: dict[int, nn.Module]) -> None:
         for b, blk in built.items():
             self.blocks[str(b)] = blk
