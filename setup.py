@@ -13,8 +13,8 @@ import os
 from setuptools import find_packages, setup
 
 MODEL_FAMILIES = """
-wam=physis_ros.model.wam:FAMILY
-acwm=physis_ros.model.acwm:FAMILY
+wam=physis_ros.model.dit_family:WAM
+acwm=physis_ros.model.dit_family:ACWM
 """
 
 PACKAGE = "physis_ros"

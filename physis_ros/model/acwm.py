@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from physis_ros.model.dit import DiTModel
-from physis_ros.model.families import ModelFamily
 
 
 class ACWMModel(DiTModel):
@@ -52,7 +51,3 @@ class ACWMModel(DiTModel):
 
     def head(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return self._unpatchify(self.io["latent_out"](self.final_norm(h, t)))
-
-
-# registered under the entry point group physis_ros.models (setup.py)
-FAMILY = ModelFamily("acwm", ACWMModel, "tiny DiT action-conditioned world model: camera image, joint state and an action chunk in, predicted latent frames out")

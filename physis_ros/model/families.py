@@ -18,6 +18,8 @@ its package and the ``kind`` field.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,21 +36,31 @@ GROUP = "physis_ros.models"
 # physis_ros's own families, as setup.py registers them (tests/model/test_families.py keeps the two equal): read
 # from here only where physis_ros is installed without its metadata (a colcon build installs the package
 # directory without a dist-info), so that the built-in families are found either way.
-BUILT_IN = {"wam": "physis_ros.model.wam:FAMILY", "acwm": "physis_ros.model.acwm:FAMILY"}
+BUILT_IN = {"wam": "physis_ros.model.dit_family:WAM", "acwm": "physis_ros.model.dit_family:ACWM"}
 
 
 @dataclass(frozen=True)
 class ModelFamily:
     """A model family: ``name`` as a model config's ``kind`` names it; ``build(config, hosted_blocks=,
     device=)`` makes its servable model (:class:`~physis_ros.model.interface.ServableModel`) with only the
-    blocks ``hosted_blocks`` names (None: all); ``doc``: one line on what it is."""
+    blocks ``hosted_blocks`` names (None: all): the class, or ``"module:Class"`` imported when a model is first
+    built, so that the module the entry point names stays light (no torch) for tools that only read configs;
+    ``block_params(config)``: parameters of one block, from the config alone (what admission's memory figures
+    and the roofline count; checked against a built block); ``doc``: one line on what it is."""
 
     name: str
-    build: Callable[..., ServableModel]
+    build: Callable[..., ServableModel] | str
+    block_params: Callable[[ModelConfig], int]
     doc: str = ""
 
+    def model_class(self) -> Callable[..., ServableModel]:
+        if not isinstance(self.build, str):
+            return self.build
+        module, _, attr = self.build.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
     def make(self, config: ModelConfig, *, hosted_blocks: Any = None, device: Any = "cpu") -> ServableModel:
-        return self.build(config, hosted_blocks=hosted_blocks, device=device)
+        return self.model_class()(config, hosted_blocks=hosted_blocks, device=device)
 
 
 def _registered() -> dict[str, list[EntryPoint]]:
@@ -97,9 +109,11 @@ def check_family(name: str) -> None:
                                   f"'{ep.module}', which cannot be found: reinstall the package")
 
 
+@functools.lru_cache(maxsize=64)
 def load_family(name: str) -> ModelFamily:
     """The :class:`ModelFamily` named ``name``, imported from its package (ConfigError naming ``kind`` and the
-    package when it cannot be)."""
+    package when it cannot be). Remembered once loaded (a scan of the installed packages takes milliseconds
+    and memory figures ask often); a failed lookup is not, so a package installed later is found."""
     ep = _find(name)
     try:
         found = ep.load()

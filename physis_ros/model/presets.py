@@ -6,7 +6,8 @@ from collections.abc import Iterable
 
 import torch
 
-from physis_ros.model.families import load_family
+from physis_ros.config import ConfigError
+from physis_ros.model.families import ModelFamily, load_family
 from physis_ros.model.interface import ServableModel
 from physis_ros.model.spec import ModelConfig, load_model_config
 
@@ -18,5 +19,19 @@ def build_model(config: ModelConfig | str, *, device: torch.device | str = "cpu"
     eval mode."""
     if isinstance(config, str):
         config = load_model_config(config)
-    model = load_family(config.kind).make(config, hosted_blocks=hosted_blocks, device=device)
+    family = load_family(config.kind)
+    model = family.make(config, hosted_blocks=hosted_blocks, device=device)
+    check_spec(family, model)
     return model.eval().requires_grad_(False)
+
+
+def check_spec(family: ModelFamily, model: ServableModel) -> None:
+    """ConfigError naming ``kind`` unless the family's spec matches the model it built: its ``block_params``
+    (what memory figures count) against a block built on the meta device (no memory, no init cost)."""
+    config = model.config
+    with torch.device("meta"):
+        actual = sum(p.numel() for p in model.new_block(0).parameters())
+    declared = family.block_params(config)
+    if declared != actual:
+        raise ConfigError("kind", f"model family '{family.name}' counts {declared} parameters per block for "
+                                  f"model '{config.name}' but its block has {actual}: fix its block_params")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from physis_ros.config import ConfigError, bounded, from_mapping, load_yaml, repo_config_dir
-from physis_ros.model.families import check_family
+from physis_ros.model.families import check_family, load_family
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -140,9 +140,8 @@ class ModelConfig:
                 "actions": (io.action_horizon, io.action_dim)}
 
     def block_params(self) -> int:
-        """Parameters of one transformer block (attention, MLP, adaLN modulation)."""
-        d, f = self.hidden, self.ffn_dim
-        return (4 * d * d + 4 * d) + (2 * d * f + f + d) + (6 * d * d + 6 * d)
+        """Parameters of one block, as the model's family counts them (``ModelFamily.block_params``)."""
+        return load_family(self.kind).block_params(self)
 
     def kv_slot_bytes(self) -> int:
         """Bytes of one (stream, step) KV slot of one block."""

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from physis_ros.model.dit import DiTModel
-from physis_ros.model.families import ModelFamily
 
 
 class WAMModel(DiTModel):
@@ -40,7 +39,3 @@ class WAMModel(DiTModel):
 
     def head(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return self.io["action_out"](self.final_norm(h, t))
-
-
-# registered under the entry point group physis_ros.models (setup.py)
-FAMILY = ModelFamily("wam", WAMModel, "tiny DiT world-action model: camera image and joint state in, an action chunk [horizon, dof] out")

@@ -29,7 +29,7 @@ def test_the_example_family_is_served_bit_for_bit_as_its_reference(example_famil
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["family"] == "physis_gmlp.GatedPolicy"
+    assert out["family"] == "physis_gmlp.model.GatedPolicy"
     assert out["workers"] and set(out["workers"]) <= {"w0", "w1"}   # its blocks built on the worker(s) hosting them
     assert "failed" not in proc.stderr, proc.stderr[-2000:]          # leaving released them (release_blocks)
     assert out["indices"] == [0, 1, 2, 3] and out["equal"] == [True] * 4, out

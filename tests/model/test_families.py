@@ -43,6 +43,7 @@ def fresh_modules():
     yield
     for name in ("toy_family", "ghost_mod"):
         sys.modules.pop(name, None)
+    load_family.cache_clear()
 
 
 def test_the_built_in_families_come_through_the_entry_point_group_from_physis_ros_metadata():
@@ -53,12 +54,13 @@ def test_the_built_in_families_come_through_the_entry_point_group_from_physis_ro
     listed = re.search(r'MODEL_FAMILIES = """(.*?)"""', setup, re.S).group(1).split()
     assert dict(line.split("=", 1) for line in listed) == BUILT_IN
     assert {"wam", "acwm"} <= set(family_names())
-    assert load_family("wam").build is WAMModel
+    assert load_family("wam").model_class() is WAMModel
     assert type(build_model("tiny-acwm")).__name__ == "ACWMModel"
 
 
 def test_a_family_a_package_installs_is_served_by_name(tmp_path, monkeypatch):
     install(tmp_path, "toy_family", "[physis_ros.models]\ntoy = toy_family:FAMILY\n", {"toy_family": '''
+from physis_ros.model.dit_family import dit_block_params
 from physis_ros.model.families import ModelFamily
 from physis_ros.model.wam import WAMModel
 
@@ -69,7 +71,7 @@ class ToyModel(WAMModel):
     origin = "toy_family"
 
 
-FAMILY = ModelFamily("toy", ToyModel, "a test family")
+FAMILY = ModelFamily("toy", ToyModel, dit_block_params, "a test family")
 '''})
     monkeypatch.syspath_prepend(str(tmp_path))
     assert "toy" in family_names()
@@ -88,8 +90,12 @@ FAMILY = ModelFamily("toy", ToyModel, "a test family")
      "entry point 'ghost' of package 'broken_family' (ghost_mod:FAMILY) is object, not a ModelFamily named 'ghost'"),
     ("ghost = ghost_mod:FAMILY", {"ghost_mod": "from physis_ros.model.families import ModelFamily\n"
                                                "from physis_ros.model.wam import WAMModel\n"
-                                               "FAMILY = ModelFamily('other', WAMModel)"}, "build",
+                                               "FAMILY = ModelFamily('other', WAMModel, lambda c: 0)"}, "build",
      "is ModelFamily, not a ModelFamily named 'ghost'"),
+    ("ghost = ghost_mod:FAMILY", {"ghost_mod": "from physis_ros.model.families import ModelFamily\n"
+                                               "from physis_ros.model.wam import WAMModel\n"
+                                               "FAMILY = ModelFamily('ghost', WAMModel, lambda c: 1)"}, "build",
+     "model family 'ghost' counts 1 parameters per block for model 'ghost-m' but its block has 231040"),
     ("wam = ghost_mod:FAMILY", {"ghost_mod": ""}, "config",
      "model family 'wam' is registered by more than one package"),
 ])
