@@ -169,8 +169,9 @@ class ServerAdmission:
         self.version = 0   # placements on the host: every join and leave counts (restarts the interval windows)
         # False: admission off (admission.enforce), every stream placed on the least booked workers, unchecked
         self.enforce = enforce
-        # registered checks' own refusals after a placement (each raises Rejected; the placement is undone)
-        self.vetoes = list(vetoes)
+        # refusals after a placement (each raises Rejected; the placement is undone): the host budget's, then
+        # registered checks' own
+        self.vetoes = [*([host_cpu_veto] if host is not None else []), *vetoes]
 
     def check_memory(self, config: ModelConfig) -> None:
         """Rejected("memory") when one stream of ``config`` cannot fit all the workers' memory together even
@@ -213,20 +214,11 @@ class ServerAdmission:
         decision = self.scheduler.admit(request)
         if not decision.admitted:
             raise Rejected(CAUSES.get(decision.reason, decision.reason), decision.detail, cause=decision.reason)
-        if self.host is not None:
-            # the workers' load as they run now: each booking scaled by its worker's measured factor
-            used = self.host.used(float((self.cluster.util * factors).sum()), len(self.admitted) + 1)
-            if used > self.host.capacity + 1e-9:
-                self.scheduler.remove(stream)   # nothing else moved: undo this placement only
-                raise Rejected("capacity", f"{used:.2f} of the host's {self.host.cores} cores would be in use "
-                                           f"(at most {self.host.capacity:.2f}: workers' load plus "
-                                           f"{self.host.reserve:g} + {self.host.per_stream:g} per stream)",
-                               cause="host-cpu")
         for veto in self.vetoes:
             try:
                 veto(self, stream, factors)
             except Rejected:
-                self.scheduler.remove(stream)
+                self.scheduler.remove(stream)   # nothing else moved: undo this placement only
                 raise
         return self._book(model, decision.placed)
 
@@ -313,3 +305,14 @@ class ServerAdmission:
             for s, v in spreads.items():
                 if s in self.admitted:
                     self.cluster.jitter.charge(s, v)
+
+
+def host_cpu_veto(admission: ServerAdmission, stream: str, factors: np.ndarray) -> None:
+    """The host budget (``host-cpu``) of a placement just made: the workers' load as they run now (each
+    booking scaled by its worker's measured factor), plus what the node keeps, within the host's cores."""
+    host = admission.host
+    used = host.used(float((admission.cluster.util * factors).sum()), len(admission.admitted) + 1)
+    if used > host.capacity + 1e-9:
+        raise Rejected("capacity", f"{used:.2f} of the host's {host.cores} cores would be in use (at most "
+                                   f"{host.capacity:.2f}: workers' load plus {host.reserve:g} + "
+                                   f"{host.per_stream:g} per stream)", cause="host-cpu")
