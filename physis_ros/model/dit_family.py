@@ -5,7 +5,7 @@ Torch-free: the model classes are imported when a model is first built."""
 from __future__ import annotations
 
 from physis_ros.model.families import ModelFamily
-from physis_ros.model.spec import ModelConfig
+from physis_ros.model.spec import ModelConfig, ModelSpec, section_spec
 
 
 def dit_block_params(config: ModelConfig) -> int:
@@ -14,8 +14,13 @@ def dit_block_params(config: ModelConfig) -> int:
     return (4 * d * d + 4 * d) + (2 * d * f + f + d) + (6 * d * d + 6 * d)
 
 
-WAM = ModelFamily("wam", "physis_ros.model.wam:WAMModel", dit_block_params,
+def dit_spec(config: ModelConfig) -> ModelSpec:
+    """The DiT's spec: the I/O of its ``wam:``/``acwm:`` section, its block's parameters, the same_step rule."""
+    return section_spec(config, block_params=dit_block_params(config))
+
+
+WAM = ModelFamily("wam", "physis_ros.model.wam:WAMModel", dit_spec,
                   "tiny DiT world-action model: camera image and joint state in, an action chunk [horizon, dof] out")
-ACWM = ModelFamily("acwm", "physis_ros.model.acwm:ACWMModel", dit_block_params,
+ACWM = ModelFamily("acwm", "physis_ros.model.acwm:ACWMModel", dit_spec,
                    "tiny DiT action-conditioned world model: camera image, joint state and an action chunk in, "
                    "predicted latent frames out")

@@ -30,7 +30,7 @@ from physis_ros.config import ConfigError
 
 if TYPE_CHECKING:
     from physis_ros.model.interface import ServableModel
-    from physis_ros.model.spec import ModelConfig
+    from physis_ros.model.spec import ModelConfig, ModelSpec
 
 GROUP = "physis_ros.models"
 # physis_ros's own families, as setup.py registers them (tests/model/test_families.py keeps the two equal): read
@@ -45,12 +45,14 @@ class ModelFamily:
     device=)`` makes its servable model (:class:`~physis_ros.model.interface.ServableModel`) with only the
     blocks ``hosted_blocks`` names (None: all): the class, or ``"module:Class"`` imported when a model is first
     built, so that the module the entry point names stays light (no torch) for tools that only read configs;
-    ``block_params(config)``: parameters of one block, from the config alone (what admission's memory figures
-    and the roofline count; checked against a built block); ``doc``: one line on what it is."""
+    ``spec(config)``: the :class:`~physis_ros.model.spec.ModelSpec` of a model of this family, from the config
+    alone (inputs and output by name and shape, tokens per chunk, K/V per slot, parameters and FLOPs per block,
+    the history rule: what admission, the planner, the roofline and the front ends read; checked when a config
+    is loaded, and against the model when one is built); ``doc``: one line on what it is."""
 
     name: str
     build: Callable[..., ServableModel] | str
-    block_params: Callable[[ModelConfig], int]
+    spec: Callable[[ModelConfig], ModelSpec]
     doc: str = ""
 
     def model_class(self) -> Callable[..., ServableModel]:

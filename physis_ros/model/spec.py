@@ -1,7 +1,9 @@
-"""Model configuration (what ``config/models/*.yaml`` holds) and the shape metadata a model exposes."""
+"""Model configuration (what ``config/models/*.yaml`` holds) and the spec a model's family gives for it
+(:class:`ModelSpec`: what the server knows of a model)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,6 +11,60 @@ from physis_ros.config import ConfigError, bounded, from_mapping, load_yaml, rep
 from physis_ros.model.families import check_family, load_family
 
 DTYPES = ("float32", "bfloat16", "float16")
+OUTPUTS = ("actions", "frames")
+# How chunk c at step k reads the K/V of earlier chunks (docs/models.md); issue 54 adds latest and clean.
+HISTORY_RULES = {"same_step": "chunk c at step k reads the step-k K/V of chunks c-1..c-window (and the sink's)"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the runtime, the planner, admission and the front ends know of a model, as its family gives it for
+    one config (``ModelFamily.spec``); nothing outside ``physis_ros.model`` asks which family a model is."""
+
+    inputs: dict[str, tuple[int, ...]]
+    """Named observation tensors one chunk consumes (float32, unbatched): ``image`` (C, H, W), ``state``
+    (joints,), for a world model ``actions`` (rows, action dims)."""
+    output: tuple[int, ...]
+    """Shape of one chunk's output: ``(horizon, dof)`` actions, or latent frames ``(F, C, h, w)``."""
+    produces: str
+    """``actions`` (published as action chunks) or ``frames`` (published as predicted frames)."""
+    tokens_per_chunk: int
+    """Tokens of one chunk in the trunk (the hidden state a stage passes on is [tokens, hidden])."""
+    kv_slot_tokens: int
+    """Tokens of K/V one (stream, stage) slot holds: the history window's and the sink's."""
+    kv_width: int
+    """Width of one token's K (and of its V) in elements (heads x head_dim)."""
+    block_params: int
+    """Parameters of one block (its weights' bytes are this x the dtype's size)."""
+    block_flops: float
+    """FLOPs of one block forward for one sample at one denoising step, attention over the history included."""
+    history: str = "same_step"
+    """The history rule: how a chunk reads earlier chunks' K/V (HISTORY_RULES)."""
+
+    def check(self, family: str, model: str) -> None:
+        """ConfigError naming ``kind`` and the field unless the spec is consistent."""
+        def bad(field_name: str, problem: str) -> ConfigError:
+            return ConfigError("kind", f"model family '{family}' gives model '{model}' a spec whose "
+                                       f"{field_name} {problem}: fix the family's spec")
+
+        if self.produces not in OUTPUTS:
+            raise bad("produces", f"is '{self.produces}', not one of {', '.join(OUTPUTS)}")
+        if self.produces == "actions" and len(self.output) != 2:
+            raise bad("output", f"is {self.output}; an action chunk is (horizon, dof)")
+        if not self.inputs:
+            raise bad("inputs", "is empty; a chunk reads at least one observation")
+        for name, shape in {"output": self.output, **{f"inputs.{k}": v for k, v in self.inputs.items()}}.items():
+            if not shape or any(not isinstance(n, int) or n < 1 for n in shape):
+                raise bad(name, f"is {shape}; a shape is one or more positive integers")
+        for name in ("tokens_per_chunk", "kv_width", "block_params"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise bad(name, f"is {getattr(self, name)!r}; it must be a positive integer")
+        if not isinstance(self.kv_slot_tokens, int) or self.kv_slot_tokens < 0:
+            raise bad("kv_slot_tokens", f"is {self.kv_slot_tokens!r}; it must be a non-negative integer")
+        if not self.block_flops > 0:
+            raise bad("block_flops", f"is {self.block_flops!r}; it must be positive")
+        if self.history not in HISTORY_RULES:
+            raise bad("history", f"is '{self.history}', not one of {', '.join(HISTORY_RULES)}")
 
 
 @dataclass(frozen=True)
@@ -87,13 +143,22 @@ class ModelConfig:
             other = "acwm" if self.kind == "wam" else "wam"
             raise ConfigError(other, f"a model has one I/O section; '{other}:' does not belong to kind "
                                      f"'{self.kind}'")
+        self.spec  # the family's spec, checked (a broken family is refused when its config is loaded)
+
+    @functools.cached_property
+    def spec(self) -> ModelSpec:
+        """What the server knows of this model: its family's :class:`ModelSpec` for this config
+        (``ModelFamily.spec``), checked once."""
+        spec = load_family(self.kind).spec(self)
+        spec.check(self.kind, self.name)
+        return spec
 
     @property
     def produces(self) -> str:
         """What a chunk's output is (its spec, not its family): ``actions`` (rows of control actions
         ``[horizon, dof]``, published as an action chunk and a trajectory) or ``frames`` (predicted latent
         frames, published as PredictedFrames)."""
-        return "actions" if self.wam is not None else "frames"
+        return self.spec.produces
 
     @property
     def control_horizon(self) -> int:
@@ -112,41 +177,67 @@ class ModelConfig:
 
     @property
     def tokens_per_chunk(self) -> int:
-        if self.wam is not None:
-            io = self.wam
-            return (io.image_size // io.patch) ** 2 + 1 + io.horizon
-        io = self.acwm
-        assert io is not None
-        per_frame = (io.latent_height // io.patch) * (io.latent_width // io.patch)
-        return (io.image_size // io.image_patch) ** 2 + io.action_horizon + 1 + io.frames * per_frame
+        return self.spec.tokens_per_chunk
 
     @property
     def output_shape(self) -> tuple[int, ...]:
-        if self.wam is not None:
-            return (self.wam.horizon, self.wam.dof)
-        io = self.acwm
-        assert io is not None
-        return (io.frames, io.latent_channels, io.latent_height, io.latent_width)
+        return self.spec.output
 
     @property
     def observation_shapes(self) -> dict[str, tuple[int, ...]]:
         """Named observation tensors one chunk consumes (float32, unbatched)."""
-        if self.wam is not None:
-            io = self.wam
-            return {"image": (io.image_channels, io.image_size, io.image_size), "state": (io.state_dim,)}
-        io = self.acwm
-        assert io is not None
-        return {"image": (io.image_channels, io.image_size, io.image_size), "state": (io.state_dim,),
-                "actions": (io.action_horizon, io.action_dim)}
+        return dict(self.spec.inputs)
 
     def block_params(self) -> int:
-        """Parameters of one block, as the model's family counts them (``ModelFamily.block_params``)."""
-        return load_family(self.kind).block_params(self)
+        """Parameters of one block, as the model's family counts them (its spec)."""
+        return self.spec.block_params
 
     def kv_slot_bytes(self) -> int:
-        """Bytes of one (stream, step) KV slot of one block."""
+        """Bytes of one (stream, stage) K/V slot: one block's K and V at one step of one stream."""
         itemsize = 4 if self.dtype == "float32" else 2
-        return 2 * (self.window + int(self.sink)) * self.tokens_per_chunk * self.hidden * itemsize
+        return 2 * self.spec.kv_slot_tokens * self.spec.kv_width * itemsize
+
+
+def section_tokens(config: ModelConfig) -> int:
+    """Tokens per chunk of the ``wam:``/``acwm:`` layout: the image's patches, the state (and for a world model
+    the actions to imagine) as tokens, one token per action row or per latent patch of each frame."""
+    if config.wam is not None:
+        io = config.wam
+        return (io.image_size // io.patch) ** 2 + 1 + io.horizon
+    io = config.acwm
+    assert io is not None
+    per_frame = (io.latent_height // io.patch) * (io.latent_width // io.patch)
+    return (io.image_size // io.image_patch) ** 2 + io.action_horizon + 1 + io.frames * per_frame
+
+
+def attention_block_flops(config: ModelConfig, params: int, tokens: int) -> float:
+    """FLOPs of one transformer block forward for one sample at one step: its dense matmuls over ``tokens``
+    (2 per parameter and token) and attention (scores and weighted sum) over its own and the cached tokens."""
+    cached = (config.window + int(config.sink)) * tokens
+    return 2.0 * params * tokens + 4.0 * tokens * (tokens + cached) * config.hidden
+
+
+def section_spec(config: ModelConfig, *, block_params: int, tokens_per_chunk: int | None = None,
+                 block_flops: float | None = None, history: str = "same_step") -> ModelSpec:
+    """The spec of a model whose I/O is its config's ``wam:`` or ``acwm:`` section: image and state in (and
+    for a world model the actions to imagine), an action chunk ``[horizon, dof]`` or latent frames out. A
+    family gives its block's parameters and, where its layout differs, its tokens per chunk and FLOPs."""
+    tokens = section_tokens(config) if tokens_per_chunk is None else tokens_per_chunk
+    if config.wam is not None:
+        io = config.wam
+        inputs = {"image": (io.image_channels, io.image_size, io.image_size), "state": (io.state_dim,)}
+        output, produces = (io.horizon, io.dof), "actions"
+    else:
+        io = config.acwm
+        assert io is not None
+        inputs = {"image": (io.image_channels, io.image_size, io.image_size), "state": (io.state_dim,),
+                  "actions": (io.action_horizon, io.action_dim)}
+        output = (io.frames, io.latent_channels, io.latent_height, io.latent_width)
+        produces = "frames"
+    flops = attention_block_flops(config, block_params, tokens) if block_flops is None else block_flops
+    return ModelSpec(inputs=inputs, output=output, produces=produces, tokens_per_chunk=tokens,
+                     kv_slot_tokens=(config.window + int(config.sink)) * tokens, kv_width=config.hidden,
+                     block_params=block_params, block_flops=flops, history=history)
 
 
 def presets_dir() -> Path:

@@ -23,26 +23,18 @@ DEFAULT_BATCHES = (1, 2, 4, 8)
 
 # ----------------------------------------------------------------------------- roofline model
 
-def block_flops(cfg: ModelConfig) -> float:
-    """FLOPs of one block forward for one sample: dense matmuls + attention over own + cached tokens."""
-    t = cfg.tokens_per_chunk
-    cached = (cfg.window + int(cfg.sink)) * t
-    return 2.0 * cfg.block_params() * t + 4.0 * t * (t + cached) * cfg.hidden
-
-
 def block_bytes(cfg: ModelConfig, batch: int) -> float:
     """HBM traffic of one block forward: weights once per batch; KV and activations per sample."""
     s = ITEMSIZE[cfg.dtype]
     t, d, f = cfg.tokens_per_chunk, cfg.hidden, cfg.ffn_dim
-    cached = (cfg.window + int(cfg.sink)) * t
-    kv_read = 2 * cached * d * s
-    kv_write = 2 * t * d * s
+    kv_read = 2 * cfg.spec.kv_slot_tokens * cfg.spec.kv_width * s
+    kv_write = 2 * t * cfg.spec.kv_width * s
     activations = t * (20 * d + 2 * f) * s
     return cfg.block_params() * s + batch * (kv_read + kv_write + activations)
 
 
 def roofline_ms(cfg: ModelConfig, dev: DeviceSpec, batch: int) -> float:
-    compute_s = batch * block_flops(cfg) / (dev.peak_tflops * 1e12 * dev.efficiency)
+    compute_s = batch * cfg.spec.block_flops / (dev.peak_tflops * 1e12 * dev.efficiency)
     memory_s = block_bytes(cfg, batch) / (dev.mem_bw_gbps * 1e9 * dev.bw_efficiency)
     return max(compute_s, memory_s) * 1e3 + dev.launch_overhead_us * 1e-3
 
@@ -57,7 +49,7 @@ def roofline_profile(cfg: ModelConfig, dev: DeviceSpec,
     """Modelled per-stage times of ``cfg`` on ``dev`` (every stage is one block forward)."""
     table = {n: roofline_ms(cfg, dev, n) for n in batches}
     order = pipeline_order(cfg.steps, cfg.blocks)
-    flops = block_flops(cfg)
+    flops = cfg.spec.block_flops
     bound = "compute" if flops / (dev.peak_tflops * dev.efficiency) > block_bytes(cfg, 1) / (
         dev.mem_bw_gbps * dev.bw_efficiency) * 1e3 else "memory"
     return CostProfile(

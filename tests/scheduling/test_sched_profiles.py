@@ -7,7 +7,7 @@ import pytest
 from physis_ros.config import ConfigError
 from physis_ros.model import load_model_config
 from physis_ros.runtime.costs import load_profile
-from physis_ros.scheduling.profiles import block_flops, get_profile, roofline_ms, roofline_profile, shipped_profile_path
+from physis_ros.scheduling.profiles import get_profile, roofline_ms, roofline_profile, shipped_profile_path
 from physis_ros.scheduling.settings import load_device, load_scheduling
 
 
@@ -18,7 +18,7 @@ def test_roofline_is_labelled_modelled_and_follows_the_formula():
     assert prof.source == "roofline-model:h200" and prof.modelled
     t = cfg.tokens_per_chunk
     flops = 2 * cfg.block_params() * t + 4 * t * (t + 2 * t) * cfg.hidden  # window 2, no sink
-    assert block_flops(cfg) == flops
+    assert cfg.spec.block_flops == flops
     expected = flops / (989e12 * 0.6) * 1e3 + 0.030  # compute-bound at 4693 tokens, + launch overhead
     assert prof.time_ms((4, 0), 1) == pytest.approx(expected, rel=1e-9)
     assert prof.notes["bound_at_batch_1"] == "compute"

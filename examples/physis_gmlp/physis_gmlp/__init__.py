@@ -16,13 +16,15 @@ SwiGLU MLP. What physis_ros needs from a family (``physis_ros.model.interface.Se
 - ``action_rows()``: leading output rows that are control actions (the hand-off between chunks applies to them)
 
 ``FAMILY`` is what the entry point ``physis_ros.models: gmlp`` names (pyproject.toml). This module stays
-light (no torch): physis_ros reads a family's ``block_params`` wherever it counts memory, and imports the model
-class (``physis_gmlp.model``) only to build one.
+light (no torch): physis_ros reads a family's ``spec`` (``physis_ros.model.spec.ModelSpec``: inputs and output,
+tokens per chunk, K/V per slot, parameters and FLOPs per block, history rule) whenever it loads a config, and
+imports the model class (``physis_gmlp.model``) only to build one.
 """
 
 from __future__ import annotations
 
 from physis_ros.model.families import ModelFamily
+from physis_ros.model.spec import section_spec
 
 
 def gmlp_block_params(config) -> int:
@@ -31,5 +33,13 @@ def gmlp_block_params(config) -> int:
     return 2 * d + 4 * d * d + 3 * d * f
 
 
-FAMILY = ModelFamily("gmlp", "physis_gmlp.model:GatedPolicy", gmlp_block_params,
+def gmlp_spec(config):
+    """Image and state in, ``[horizon, dof]`` actions out (the config's ``wam:`` section); one token per image
+    patch, one for the state, one per action row; the GatedBlock's parameters; history by the same_step rule."""
+    io = config.wam
+    tokens = (io.image_size // io.patch) ** 2 + 1 + io.horizon
+    return section_spec(config, block_params=gmlp_block_params(config), tokens_per_chunk=tokens)
+
+
+FAMILY = ModelFamily("gmlp", "physis_gmlp.model:GatedPolicy", gmlp_spec,
                      "gated-MLP transformer policy (physis-gmlp): image + state in, actions out")
