@@ -31,19 +31,23 @@ class ReferenceChunk:
 
 
 class ReferenceRollout:
-    """Stateful reference for one or more streams: call :meth:`step` once per chunk and stream."""
+    """Stateful reference for one or more streams: call :meth:`step` once per chunk and stream. Earlier
+    chunks' K/V are read by the model's history rule (``config.history``, docs/history.md): ``same_step``,
+    chunk c at step k reads the K/V chunks c-window..c-1 wrote at step k (one slot per step: slot k-1);
+    ``clean``, every step of chunk c reads the K/V that a pass at t = 0 over each earlier chunk's output
+    wrote (one slot, written once per chunk, after its last step)."""
 
     def __init__(self, model: ServableModel, seed: int = 0):
         self.model = model
         self.seed = seed
+        self.clean = model.config.history == "clean"
         self._tables: dict[str, list[KVTable]] = {}
         self._next_chunk: dict[str, int] = {}
 
     def _stream_tables(self, stream: str) -> list[KVTable]:
         if stream not in self._tables:
-            # One slot per step: slot k-1 holds what earlier chunks wrote at step k.
-            self._tables[stream] = [self.model.new_kv_table(b, self.model.config.steps)
-                                    for b in range(self.model.config.blocks)]
+            slots = 1 if self.clean else self.model.config.steps
+            self._tables[stream] = [self.model.new_kv_table(b, slots) for b in range(self.model.config.blocks)]
             self._next_chunk[stream] = 0
         return self._tables[stream]
 
@@ -71,10 +75,16 @@ class ReferenceRollout:
         for k in range(cfg.steps, 0, -1):
             ks = torch.tensor([k], dtype=torch.long, device=x.device)
             t = model.timesteps.timestep(ks)
+            slot = 0 if self.clean else k - 1
             h = model.embed(cond, x, t)
             for b in range(cfg.blocks):
-                h = model.block(b, h, t, KVBatch(tables[b], [k - 1]))
-            x = denoise_update(model, x, model.head(h, t), ks, KVBatch(tables[-1], [k - 1]), [handoff])
+                h = model.block(b, h, t, KVBatch(tables[b], [slot], write=not self.clean))
+            x = denoise_update(model, x, model.head(h, t), ks, KVBatch(tables[-1], [slot]), [handoff])
+        if self.clean:          # the clean pass: the finished chunk at t = 0 writes what later chunks read
+            t0 = model.timesteps.timestep(torch.zeros(1, dtype=torch.long, device=x.device))
+            h = model.embed(cond, x, t0)
+            for b in range(cfg.blocks):
+                h = model.block(b, h, t0, KVBatch(tables[b], [0]))
         ms = (time.perf_counter() - start) * 1e3
         self._next_chunk[stream] = c + 1
         return ReferenceChunk(stream, c, x[0].float().cpu(), ms)

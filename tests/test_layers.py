@@ -20,6 +20,7 @@ LAYERS = {
     "config": 0, "logs": 0, "heap": 0, "telemetry": 0, "timeline": 0,
     "model": 1,                                   # the model contract and the reference models
     "observations": 1.5, "reference": 1.5,        # the bundled scene, the sequential reference (on the models)
+    "recompute": 1.5,                             # the full-recompute reference of the history rules
     "runtime": 2,                                 # wire/transport, workers, engine
     "scheduling": 3,                              # cost model, placement, admission
     "serving": 4,                                 # the serving application (Server, Session)

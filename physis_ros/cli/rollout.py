@@ -5,6 +5,11 @@ Prints a live per-chunk table and optionally writes JSON with a sha256 per chunk
 reference and a server, can be compared exactly.
 
     physis-rollout [--model tiny-wam] [--chunks 16] [--streams 1] [--seed 0] [--json out.json]
+                   [--history same_step|clean] [--tensors out.safetensors] [--recompute]
+
+``--history`` serves the model under another history rule than its own (docs/history.md); ``--tensors``
+writes each chunk's output (``output.<stream>.<c>``) and initial noise (``noise.<stream>.<c>``), float32;
+``--recompute`` computes every chunk by full recompute (no K/V cache) instead of the cached reference.
 
 Exit status: 0 success; 2 usage or input error (bad flag or value, unknown preset,
 unreadable/empty/binary/invalid model YAML, unusable --device, unwritable --json);
@@ -17,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
+from dataclasses import replace
 
 from physis_ros.console import (ArgumentParser, check_writable, cli_main, device_arg, fail, model_arg, nonneg_int,
                                    positive_int, set_threads, write_json)
@@ -26,6 +32,23 @@ def chunk_bytes(output) -> bytes:
     import numpy as np
 
     return np.ascontiguousarray(output.numpy(), dtype=np.float32).tobytes()
+
+
+def rollout(model, source, streams: list[str], chunks: int, seed: int, recompute: bool):
+    """The chunks of every stream (round robin): the cached reference, or the full recompute."""
+    from physis_ros.reference import ReferenceChunk, reference_rollout
+
+    if not recompute:
+        yield from reference_rollout(model, source, streams, chunks, seed)
+        return
+    from physis_ros.recompute import RecomputeRollout
+
+    full = {s: RecomputeRollout(model, seed, s) for s in streams}
+    for c in range(chunks):
+        for s in streams:
+            start = time.perf_counter()
+            out = full[s].step(model.observation_tensors(source(s, c)))
+            yield ReferenceChunk(s, c, out, (time.perf_counter() - start) * 1e3)
 
 
 @cli_main("physis-rollout")
@@ -39,18 +62,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     parser.add_argument("--json", help="write per-chunk hashes and timings here")
     parser.add_argument("--live", action="store_true", help="print a table row per chunk as it is produced")
+    parser.add_argument("--history", choices=("same_step", "clean"),
+                        help="read history by this rule instead of the model's own (docs/history.md)")
+    parser.add_argument("--tensors", help="write each chunk's output and initial noise here (.safetensors)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="compute every chunk by full recompute of its history (no K/V cache; slow)")
     args = parser.parse_args(argv)
     check_writable(args.json)
+    check_writable(args.tensors, "--tensors")
     import numpy as np
 
     from physis_ros.config import ConfigError
     from physis_ros.model import build_model, load_model_config
     from physis_ros.observations import SyntheticScene
-    from physis_ros.reference import reference_rollout
-
     set_threads(args.threads)
     try:
         config = load_model_config(args.model)
+        if args.history:
+            config = replace(config, history=args.history)
         model = build_model(config, device=args.device)
     except (ConfigError, ValueError, RuntimeError) as exc:
         fail(f"{exc}" if not isinstance(exc, RuntimeError) else f"cannot build the model on --device "
@@ -60,11 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     total = hashlib.sha256()
     rows = []
     if args.live:
-        print(f"{config.name}: {config.kind}, {config.blocks} blocks x {config.steps} steps, "
+        print(f"{config.name}: {config.kind}, {config.blocks} blocks x {config.steps} steps, {config.history} "
+              f"history{' (full recompute)' if args.recompute else ''}, "
               f"{config.tokens_per_chunk} tokens/chunk, output {list(config.output_shape)}, device {args.device}")
         print(f"{'stream':>8} {'chunk':>6} {'ms':>8} {'chunks/s':>9} {'|x|max':>8}  sha256")
+    tensors = {}
     start = time.perf_counter()
-    for n, r in enumerate(reference_rollout(model, scene.observation, streams, args.chunks, args.seed), 1):
+    for n, r in enumerate(rollout(model, scene.observation, streams, args.chunks, args.seed, args.recompute), 1):
+        if args.tensors:
+            tensors[f"output.{r.stream}.{r.index}"] = r.output.float().contiguous()
+            tensors[f"noise.{r.stream}.{r.index}"] = model.noise(args.seed, r.stream, r.index)[0].float().cpu()
         data = chunk_bytes(r.output)
         digest = hashlib.sha256(data).hexdigest()
         total.update(data)
@@ -76,8 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     ms = np.array([r["ms"] for r in rows])
     print(f"{len(rows)} chunks: ms p50 {np.percentile(ms, 50):.2f}, p99 {np.percentile(ms, 99):.2f}; "
           f"output sha256 {total.hexdigest()}")
+    if args.tensors:
+        from safetensors.torch import save_file
+
+        save_file(tensors, args.tensors, metadata={"model": config.name, "history": config.history,
+                                                   "seed": str(args.seed), "recompute": str(args.recompute)})
     if args.json:
-        write_json(args.json, {"model": config.name, "seed": args.seed, "device": args.device,
+        write_json(args.json, {"model": config.name, "history": config.history, "seed": args.seed,
+                               "recompute": args.recompute, "device": args.device,
                                "streams": streams, "chunks": rows, "output_sha256": total.hexdigest()})
     return 0
 

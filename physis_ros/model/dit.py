@@ -78,9 +78,8 @@ class Block(nn.Module):
         x = F.layer_norm(h, (d,)) * (1 + scale1) + shift1
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).unbind(2)
         keys, values, mask = kv.attend_inputs(k, v)
-        attn_mask = None if mask is None else mask[:, None, None, :]
         o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                           attn_mask=attn_mask)
+                                           attn_mask=mask)
         kv.append(k, v)
         h = h + gate1 * self.proj(o.transpose(1, 2).reshape(b, t, d))
         x = F.layer_norm(h, (d,)) * (1 + scale2) + shift2

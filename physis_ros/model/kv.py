@@ -41,9 +41,9 @@ class KVTable:
         self.device = device
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
-        # The head stage's hand-off cache: the clean-action estimate the slot's last chunk left at this
-        # step (physis_ros.model.handoff); empty for every other block.
-        self.actions: dict[int, torch.Tensor] = {}
+        # The head stage's hand-off cache: the clean-action estimate the slot's last chunk left at a step,
+        # by (slot, step) (physis_ros.model.handoff); empty for every other block.
+        self.actions: dict[tuple[int, int], torch.Tensor] = {}
         self.length: dict[int, int] = {}
         self.chunks_written: dict[int, int] = {}
         for slot in range(slots):
@@ -74,14 +74,19 @@ class KVTable:
 
     def remove(self, slot: int) -> None:
         """Free a slot's memory."""
-        for store in (self.k, self.v, self.length, self.chunks_written, self.actions):
+        for store in (self.k, self.v, self.length, self.chunks_written):
             store.pop(slot, None)
+        self._forget_actions(slot)
+
+    def _forget_actions(self, slot: int) -> None:
+        for key in [key for key in self.actions if key[0] == slot]:
+            del self.actions[key]
 
     def reset(self, slot: int) -> None:
         """Forget a slot's history (its stream restarts)."""
         self.length[slot] = 0
         self.chunks_written[slot] = 0
-        self.actions.pop(slot, None)
+        self._forget_actions(slot)
 
     def cached(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the keys and values cached in a slot, oldest first: [n, heads, head_dim]."""
@@ -110,18 +115,22 @@ class KVTable:
 
 @dataclass
 class KVBatch:
-    """The slots one batched block call reads and appends to: sample i uses ``slots[i]``."""
+    """The slots one batched block call reads and appends to: sample i uses ``slots[i]``; ``write`` False:
+    the call reads its slots' history and leaves it as it was (the ``clean`` history rule's denoising steps,
+    which read what a clean pass wrote)."""
 
     table: KVTable
     slots: list[int]
+    write: bool = True
 
     def attend_inputs(self, k: torch.Tensor, v: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Keys/values to attend to: each sample's cache followed by its own tokens.
 
         ``k``/``v``: [B, T, heads, head_dim]. Returns keys, values of shape
-        [B, L, heads, head_dim] and a boolean mask [B, L] (True = attend), or
-        None when no padding was needed (always the case for B == 1).
+        [B, L, heads, head_dim] and the ``attn_mask`` of ``scaled_dot_product_attention`` over them
+        (boolean, True = attend, [B, 1, 1, L] here; [B, 1, T, L] where each query has its own keys), or None
+        when every key is attended (always the case for B == 1).
         """
         if len(self.slots) != k.shape[0]:
             raise ValueError(f"{len(self.slots)} slots for a batch of {k.shape[0]}")
@@ -144,8 +153,10 @@ class KVBatch:
             keys[i, n:n + t] = k[i]
             vals[i, n:n + t] = v[i]
             mask[i, :n + t] = True
-        return keys, vals, mask
+        return keys, vals, mask[:, None, None, :]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not self.write:
+            return
         for i, slot in enumerate(self.slots):
             self.table.append(slot, k[i], v[i])

@@ -12,8 +12,10 @@ from physis_ros.model.families import check_family, load_family
 
 DTYPES = ("float32", "bfloat16", "float16")
 OUTPUTS = ("actions", "frames")
-# How chunk c at step k reads the K/V of earlier chunks (docs/models.md); issue 54 adds latest and clean.
-HISTORY_RULES = {"same_step": "chunk c at step k reads the step-k K/V of chunks c-1..c-window (and the sink's)"}
+# How chunk c at step k reads the K/V of earlier chunks (docs/history.md).
+HISTORY_RULES = {"same_step": "chunk c at step k reads the K/V chunks c-window..c-1 (and the sink) wrote at step k",
+                 "clean": "every step of chunk c reads the K/V a pass at t = 0 over the finished chunks "
+                          "c-window..c-1 (and the sink) wrote"}
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,10 @@ class ModelConfig:
     window: int = field(default=2, metadata=bounded(ge=1))
     sink: bool = False
     timestep_shift: float = field(default=1.0, metadata=bounded(gt=0.0))
+    history: str = field(default="same_step", metadata=bounded(
+        choices=tuple(HISTORY_RULES), doc="how a chunk reads earlier chunks' K/V (docs/history.md): same_step "
+                                          "(at its own denoising step) or clean (what a pass at t = 0 over "
+                                          "each finished chunk wrote)"))
     dtype: str = field(default="float32", metadata=bounded(choices=DTYPES))
     init_seed: int = 0
     description: str = ""
@@ -218,7 +224,7 @@ def attention_block_flops(config: ModelConfig, params: int, tokens: int) -> floa
 
 
 def section_spec(config: ModelConfig, *, block_params: int, tokens_per_chunk: int | None = None,
-                 block_flops: float | None = None, history: str = "same_step") -> ModelSpec:
+                 block_flops: float | None = None) -> ModelSpec:
     """The spec of a model whose I/O is its config's ``wam:`` or ``acwm:`` section: image and state in (and
     for a world model the actions to imagine), an action chunk ``[horizon, dof]`` or latent frames out. A
     family gives its block's parameters and, where its layout differs, its tokens per chunk and FLOPs."""
@@ -237,7 +243,7 @@ def section_spec(config: ModelConfig, *, block_params: int, tokens_per_chunk: in
     flops = attention_block_flops(config, block_params, tokens) if block_flops is None else block_flops
     return ModelSpec(inputs=inputs, output=output, produces=produces, tokens_per_chunk=tokens,
                      kv_slot_tokens=(config.window + int(config.sink)) * tokens, kv_width=config.hidden,
-                     block_params=block_params, block_flops=flops, history=history)
+                     block_params=block_params, block_flops=flops, history=config.history)
 
 
 def presets_dir() -> Path:

@@ -103,9 +103,9 @@ def denoise_update(model: ServableModel, x: torch.Tensor, v: torch.Tensor, k: to
             rows.append(x_next[i])
             continue
         slot, step = kv.slots[i], int(k[i])
-        new, clean = guide(x[i], v[i], float(ts[step]), float(ts[step - 1]), kv.table.actions.get(slot), h,
-                           len(ts) - 1)
-        kv.table.actions[slot] = clean
+        new, clean = guide(x[i], v[i], float(ts[step]), float(ts[step - 1]), kv.table.actions.get((slot, step)),
+                           h, len(ts) - 1)
+        kv.table.actions[slot, step] = clean
         rows.append(new)
     return torch.stack(rows)
 

@@ -42,7 +42,7 @@ def test_batch_pads_and_masks_unequal_histories():
     own = torch.stack([chunk(1), chunk(2)])
     keys, values, mask = kv.attend_inputs(own, own)
     assert keys.shape == (2, 6, 2, 4)
-    assert mask.tolist() == [[True] * 6, [True] * 3 + [False] * 3]
+    assert mask[:, 0, 0].tolist() == [[True] * 6, [True] * 3 + [False] * 3] and mask.shape == (2, 1, 1, 6)
     assert keys[0, :3].eq(7).all() and keys[0, 3:].eq(1).all()
     assert keys[1, :3].eq(2).all()
 

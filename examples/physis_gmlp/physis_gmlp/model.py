@@ -37,9 +37,8 @@ class GatedBlock(nn.Module):
         b, t, d = h.shape
         q, k, v = self.qkv(self.norm1(h)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
         keys, values, mask = kv.attend_inputs(k, v)       # the cached K/V of earlier chunks, then this chunk's
-        attn_mask = None if mask is None else mask[:, None, None, :]
         o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                           attn_mask=attn_mask)
+                                           attn_mask=mask)
         kv.append(k, v)                                   # what later chunks of this stage read
         h = h + self.proj(o.transpose(1, 2).reshape(b, t, d))
         gate, up = self.gate_up(self.norm2(h)).chunk(2, dim=-1)
