@@ -272,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.signals import SignalHandlerOptions
 
-    from physis_ros.ros.launcher import Child, synthetic_command
+    from physis_ros.launcher import Child, synthetic_command
 
     stop = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -79,7 +79,7 @@ class Run:
 
     # ---- the sequence ------------------------------------------------------------------------------
     def execute(self) -> dict:
-        from physis_ros.ros.launcher import Child, serve_command
+        from physis_ros.launcher import Child, serve_command
 
         a, st = self.args, self.st
         _say(f"[{self.mode}, round {self.round}] starting physis-serve ({a.workers} workers, batching {self.mode})")

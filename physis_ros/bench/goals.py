@@ -162,7 +162,7 @@ def serving(config: dict, requests: int, logs: str, start_timeout: float, say: C
     import rclpy
     import yaml
 
-    from physis_ros.ros.launcher import Child, serve_command
+    from physis_ros.launcher import Child, serve_command
 
     with tempfile.TemporaryDirectory(prefix="physis_bench_") as tmp:
         log_dir = Path(logs or tmp)

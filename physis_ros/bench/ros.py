@@ -66,7 +66,7 @@ SCENARIOS = {
 
 
 def run_scenario(name: str, args: argparse.Namespace, cfg, config: Path, node, executor, stop) -> dict | None:
-    from physis_ros.ros.launcher import Child, serve_command, synthetic_command
+    from physis_ros.launcher import Child, serve_command, synthetic_command
 
     rec = Recorder(node, cfg)
     logs = tempfile.TemporaryDirectory(prefix="physis-bench-ros-")

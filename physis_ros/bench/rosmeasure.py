@@ -185,7 +185,7 @@ def run_floor(args: argparse.Namespace, node, executor, stop) -> dict:
     from rclpy.qos import QoSProfile, ReliabilityPolicy
 
     from physis_ros.msg import ActionChunk
-    from physis_ros.ros.launcher import Child
+    from physis_ros.launcher import Child
 
     topic = f"/physis_bench_floor_{os.getpid()}"
     samples: list[tuple[int, int, int, int]] = []  # (stamp, src, rx, cb)

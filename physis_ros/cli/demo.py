@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     check_writable(args.json)
 
-    from physis_ros.ros.launcher import Child, serve_command, synthetic_command
+    from physis_ros.launcher import Child, serve_command, synthetic_command
 
     config, cfg = serve_config_or_exit(args.config, "physis-demo")
     telemetry_topic = cfg.telemetry_topic if cfg.telemetry_topic.startswith("/") else "/" + cfg.telemetry_topic

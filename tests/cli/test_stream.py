@@ -26,7 +26,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ros"))
 from rosprobe import JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, diag_values, processes_with_marker  # noqa: E402
 
-from physis_ros.ros.launcher import Child, serve_command  # noqa: E402
+from physis_ros.launcher import Child, serve_command  # noqa: E402
 
 pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in `make test-fast`
 

@@ -15,7 +15,7 @@ import uuid
 import pytest
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
-from physis_ros.ros.launcher import Child, serve_command, synthetic_command
+from physis_ros.launcher import Child, serve_command, synthetic_command
 
 from rosprobe import JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, diag_values, processes_with_marker, write_config
 

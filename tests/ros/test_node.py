@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
-from physis_ros.ros.launcher import Child, serve_command, synthetic_command
+from physis_ros.launcher import Child, serve_command, synthetic_command
 
 import rosprobe
 from rosprobe import (JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, diag_values, processes_with_marker,

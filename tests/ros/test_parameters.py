@@ -17,7 +17,7 @@ from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from physis_ros.config import ConfigError, repo_config_dir, to_mapping
-from physis_ros.ros.launcher import Child, serve_command, synthetic_command
+from physis_ros.launcher import Child, serve_command, synthetic_command
 
 from rosprobe import DOMAIN, JOINTS, NODE, NODE_ARGS, TAG, Probe, admitted_stream, child_env, write_config
 

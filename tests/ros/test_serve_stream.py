@@ -24,7 +24,7 @@ import pytest
 import yaml
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
-from physis_ros.ros.launcher import Child, serve_command
+from physis_ros.launcher import Child, serve_command
 
 from rosprobe import (JOINTS, NODE, NODE_ARGS, SHIPPED_PROFILES, TAG, Probe, child_env, diag_values,
                       processes_with_marker)

@@ -11,7 +11,7 @@ import uuid
 import pytest
 import yaml
 
-from physis_ros.ros.launcher import Child, serve_command
+from physis_ros.launcher import Child, serve_command
 
 from rosprobe import JOINTS, NODE, NODE_ARGS, TAG, Probe, child_env, processes_with_marker
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
-from physis_ros.ros.launcher import Child, serve_command
+from physis_ros.launcher import Child, serve_command
 
 from rosprobe import (JOINTS, NODE_ARGS, TAG, Probe, child_env, diag_values, processes_with_marker,
                       write_config)

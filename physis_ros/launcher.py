@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 
@@ -72,12 +71,3 @@ def serve_command(config: str | Path, *extra: str) -> list[str]:
 
 def synthetic_command(config: str | Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "physis_ros.cli.synthetic", "--config", str(config), *extra]
-
-
-def wait_until(predicate, timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return predicate()
