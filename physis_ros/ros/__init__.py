@@ -5,6 +5,6 @@ application it fronts (config, admission, models, observation buffers, the engin
 - :mod:`~physis_ros.ros.conversions`: Image/JointState -> model tensors (``observation_from_msgs``),
   chunk -> ActionChunk / JointTrajectory / ChunkTelemetry. Pure functions.
 - :mod:`~physis_ros.ros.node`: the node (a lifecycle node); :mod:`~physis_ros.ros.parameters`: the config as declared, described ROS parameters.
-- :mod:`~physis_ros.ros.diagnostics` (pure verdicts) and :mod:`~physis_ros.ros.health` (gathering),
-  :mod:`~physis_ros.ros.qos`.
+- :mod:`~physis_ros.ros.diagnostics`: gathers /diagnostics and publishes the serving core's verdicts
+  (:mod:`physis_ros.serving.health`); :mod:`~physis_ros.ros.qos`.
 """

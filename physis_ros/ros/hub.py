@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from physis_ros.config import ConfigError
-from physis_ros.ros import health
+from physis_ros.ros import diagnostics
 from physis_ros.ros.streams import RosStream
 from physis_ros.ros.ticker import Ticker
 from physis_ros.serving.capacity import Rejected
@@ -142,5 +142,5 @@ class StreamHub:
         st = self.node.streams.pop(name, None)
         if st is not None:
             # its totals stay in the exit summary
-            self.node.ended[name] = st.report(health.engine_snapshot(self.node)["resets"].get(name, {}))
+            self.node.ended[name] = st.report(diagnostics.engine_snapshot(self.node)["resets"].get(name, {}))
             st.destroy()

@@ -5,7 +5,7 @@ through the ``~/serve_stream`` action (:mod:`physis_ros.ros.serve_action`); ever
 by the joint scheduler over the server's workers (:mod:`physis_ros.ros.hub`), and each has its own
 model, placement and ROS side (:class:`~physis_ros.ros.streams.RosStream`). Server-wide the node
 publishes ``telemetry`` (one ChunkTelemetry per chunk) and ``/diagnostics`` (gathered in
-:mod:`physis_ros.ros.health`). It is a lifecycle node: the outputs are published only while it is
+:mod:`physis_ros.ros.diagnostics`). It is a lifecycle node: the outputs are published only while it is
 active; every config key is a declared parameter (:mod:`physis_ros.ros.parameters`).
 
 Threads: the rclpy executor runs the subscriptions, the action's goals (coroutines), the services
@@ -29,8 +29,7 @@ from rclpy.parameter import Parameter
 from physis_ros.heap import HeapTrimmer
 from physis_ros.msg import ChunkTelemetry
 from physis_ros.ros import conversions as conv
-from physis_ros.ros import diagnostics as diag
-from physis_ros.ros import health, qos, rosout
+from physis_ros.ros import diagnostics, qos, rosout
 from physis_ros.serving.capacity import Rejected
 from physis_ros.serving.config import ServeConfig
 from physis_ros.serving.fit import model_label
@@ -233,9 +232,9 @@ class PhysisServer(LifecycleNode):
         if self.closing and self.state == "stopped":
             return
         self.update_state()
-        statuses = health.statuses(self)
+        statuses = diagnostics.statuses(self)
         if not self.closing:
-            self.pub_diagnostics.publish(diag.diagnostic_array(self.get_clock().now().to_msg(), statuses))
+            self.pub_diagnostics.publish(diagnostics.diagnostic_array(self.get_clock().now().to_msg(), statuses))
 
     def update_state(self) -> None:
         """The engine's state from its events: ``serving`` once the workers are up and every config stream
@@ -259,7 +258,7 @@ class PhysisServer(LifecycleNode):
 
     def report(self) -> dict[str, Any]:
         """Totals per stream (for the exit summary and tests), and the config streams not admitted."""
-        resets = health.engine_snapshot(self)["resets"]
+        resets = diagnostics.engine_snapshot(self)["resets"]
         out = {**self.ended, **{name: st.report(resets.get(name, {})) for name, st in self.streams.items()}}
         for name, verdict in self.startup.items():
             if verdict != "admitted":

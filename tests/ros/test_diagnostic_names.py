@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow   # starts programs, workers or ROS nodes: not in 
 def statuses_of(*ros_args: str, namespace: str | None = None) -> tuple[str, list[str]]:
     import rclpy
 
-    from physis_ros.ros import health
+    from physis_ros.ros import diagnostics
     from physis_ros.ros.node import PhysisServer
 
     context = rclpy.Context()
@@ -24,7 +24,7 @@ def statuses_of(*ros_args: str, namespace: str | None = None) -> tuple[str, list
     try:
         node = PhysisServer(None, {"engine": {"plan": "sequential"}}, context=context, namespace=namespace)
         try:
-            return node.get_fully_qualified_name(), [s.name for s in health.statuses(node)]
+            return node.get_fully_qualified_name(), [s.name for s in diagnostics.statuses(node)]
         finally:
             node.destroy_node()
     finally:

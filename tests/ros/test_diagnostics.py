@@ -1,5 +1,6 @@
 """/diagnostics statuses from snapshots (no ROS graph needed): levels, windowed rates that decay,
-hardware ids, and no STALE from the node itself."""
+hardware ids, and no STALE from the node itself. The verdicts are the serving core's
+(physis_ros.serving.health); they are checked here as the node publishes them (ros.diagnostics.to_msg)."""
 
 import math
 import time
@@ -7,10 +8,27 @@ import time
 import pytest
 from diagnostic_msgs.msg import DiagnosticStatus
 
-from physis_ros.ros import diagnostics as diag
+from physis_ros.ros.diagnostics import to_msg
+from physis_ros.serving import health
 from physis_ros.telemetry import ChunkRecord, RollingStats, window_stats
 
 from rosprobe import served_stream
+
+
+
+def published(verdict):
+    """A verdict of physis_ros.serving.health as the node publishes it."""
+    return lambda *args, **kw: to_msg(verdict(*args, **kw))
+
+
+class diag:   # noqa: N801 (the verdicts as messages)
+    stream_status = staticmethod(published(health.stream_status))
+    worker_status = staticmethod(published(health.worker_status))
+    engine_status = staticmethod(published(health.engine_status))
+    hardware_id = staticmethod(health.hardware_id)
+    stream_hardware_id = staticmethod(health.stream_hardware_id)
+    inputs_summary = staticmethod(health.inputs_summary)
+
 
 OK, WARN, ERROR, STALE = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR, DiagnosticStatus.STALE
 INPUTS = {"received": {"images": 60, "joints": 60}, "rejected": {"encoding": 2, "queue_full": 1},
@@ -183,13 +201,13 @@ def test_a_reset_stream_is_error_until_it_publishes_again_and_its_resets_by_caus
     engine's resets by cause reached neither /diagnostics nor the ``--summary-json`` totals."""
     import numpy as np
 
-    from physis_ros.ros import health
+    from physis_ros.ros import diagnostics
     from physis_ros.ros.conversions import time_msg
     from physis_ros.runtime.streams import ChunkOutput, StreamEvent
 
     with served_stream() as (node, name, st):
         def verdict():
-            s = next(s for s in health.statuses(node) if s.name == f"{node.diag_prefix}: {name}")
+            s = next(s for s in map(to_msg, diagnostics.statuses(node)) if s.name == f"{node.diag_prefix}: {name}")
             return s.level, s.message, values(s)
 
         node.server.on_engine_event(StreamEvent(name, "failed", "chunk 3 lost (dropped_task)", 2, "task_lost"))
@@ -222,7 +240,7 @@ def test_a_chunk_that_cannot_be_published_is_counted_as_lost_with_the_reason():
 
     import numpy as np
 
-    from physis_ros.ros import health
+    from physis_ros.ros import diagnostics
     from physis_ros.ros.conversions import time_msg
     from physis_ros.runtime.streams import ChunkOutput
 
@@ -232,7 +250,7 @@ def test_a_chunk_that_cannot_be_published_is_counted_as_lost_with_the_reason():
         for i, rec in enumerate(records(3, 0.1, end=now)):
             rec.stream, rec.chunk = name, i
             st.session.deliver(ChunkOutput(name, i, np.zeros(st.model.output_shape, np.float32), rec, time_msg(now)))
-        s = next(s for s in health.statuses(node) if s.name == f"{node.diag_prefix}: {name}")
+        s = next(s for s in map(to_msg, diagnostics.statuses(node)) if s.name == f"{node.diag_prefix}: {name}")
         v = values(s)
         assert v["lost_chunks_total"] == "3" and v["unpublished_total"] == "3", v
         assert [k for k in v if k.startswith("unpublished.")], v

@@ -1,0 +1,249 @@
+"""Health verdicts (what ROS publishes on ``/diagnostics``: :mod:`physis_ros.ros.diagnostics`, the same concept
+one layer up): one :class:`Status` per stream, one per worker and one for the engine, named ``<prefix>: <what>``
+(``physis_server: robot0``, ``physis_server: worker w0``, ``physis_server: engine``). Pure functions of
+snapshots; a front end gathers the numbers and publishes the statuses in its own messages.
+
+Verdicts are over a time window (``diagnostics_window_s``), so they decay: a stream that stops
+publishing falls to 0 chunks/s and turns ERROR ("no chunk for X s") once it has published nothing
+for two expected intervals (its SLO interval, or its own median interval if that is longer).
+
+- stream ERROR: failed (reset: a worker lost under it, a chunk lost or non-finite), recovering (re-admitted
+  after a reset, no chunk published since: ERROR until it publishes again), starved (no fresh observation for longer than
+  ``diagnostics_starved_s``) or stalled (no chunk for two expected intervals);
+  WARN: interval p99 over the SLO, deadline-miss rate over ``diagnostics_miss_rate_warn``, inputs
+  rejected since the last report, the engine not serving yet; else OK.
+- worker ERROR: process exited or heartbeat older than the timeout.
+- engine ERROR: failed, or any worker down; WARN: starting / unconfigured / stopping, or serving with
+  its outputs disarmed (lifecycle inactive).
+
+The node never reports STALE itself: that is the aggregator's word for a status that stopped coming.
+``hardware_id`` is ``host:device`` (``myhost:cpu``, ``myhost:cuda:0``); a stream's is the devices its
+workers run on, the engine's the host.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from dataclasses import dataclass
+
+OK, WARN, ERROR = 0, 1, 2       # the levels of diagnostic_msgs' status message
+PREFIX = "physis_server"
+
+
+@dataclass(frozen=True)
+class Status:
+    """One verdict: ``level`` OK, WARN or ERROR; ``name`` ``<prefix>: <what>``; ``message`` one line on why;
+    ``hardware_id`` where it runs (``host:device``); ``values`` the figures behind it."""
+
+    level: int
+    name: str
+    message: str
+    hardware_id: str
+    values: dict[str, Any]
+
+
+def _status(name: str, hardware_id: str, level: int, message: str, values: dict[str, Any],
+            prefix: str = PREFIX) -> Status:
+    return Status(level, f"{prefix}: {name}", message, hardware_id, values)
+
+
+def hardware_id(host: str, device: str) -> str:
+    return f"{host}:{device}"
+
+
+def stream_hardware_id(host: str, worker_ids: Iterable[str]) -> str:
+    """The devices a stream's workers run on (``host:cuda:0,host:cuda:1``), or the host."""
+    return ",".join(sorted(set(worker_ids))) or host
+
+
+def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, slo_interval_ms: float | None,
+                  new_rejects: int, engine_state: str, idle_s: float | None, armed: bool = True,
+                  hardware_id: str = "", miss_rate_warn: float = 0.05, starved_s: float = 2.0,
+                  since_s: float | None = None, stale_intervals: float = 1.0,
+                  prefix: str = PREFIX) -> Status:
+    """``stats``: :func:`~physis_ros.telemetry.window_stats` (plus the node's handover/publish times); ``inputs``:
+    StreamInput.snapshot() plus the node's counters; ``new_rejects``: inputs rejected since the last
+    report; ``idle_s``: seconds the stream has waited for an observation for its next chunk (None:
+    not waiting); ``since_s``: seconds since the engine began serving it; ``stale_intervals``: WARN when the
+    median age of the observations its chunks used exceeds this many SLO intervals."""
+    rate = float(stats.get("chunks_per_s", 0.0))
+    p50 = float(stats.get("interval_ms_p50", math.nan))
+    p99 = float(stats.get("interval_ms_p99", math.nan))
+    miss_rate = float(stats.get("deadline_miss_rate", 0.0))
+    age = float(stats.get("last_chunk_age_s", math.inf))
+    expected_ms = float(stats.get("expected_interval_ms", math.nan))
+    if math.isnan(expected_ms) and slo_interval_ms:
+        expected_ms = slo_interval_ms
+    rejected = inputs.get("rejected", {})
+    values: dict[str, Any] = {
+        "armed": armed,
+        "chunks_total": stats.get("total", 0),
+        "chunks_per_s": rate,
+        "window_s": float(stats.get("window_s", math.nan)),
+        "chunks_window": stats.get("chunks_window", 0),
+        "last_chunk_age_s": age,
+        "interval_ms_p50": p50,
+        "interval_ms_p99": p99,
+        "latency_ms_p50": float(stats.get("latency_ms_p50", math.nan)),
+        "latency_ms_p99": float(stats.get("latency_ms_p99", math.nan)),
+        "slo_interval_ms": float(slo_interval_ms) if slo_interval_ms else "none",
+        "slo_rate_hz": float(1000.0 / slo_interval_ms) if slo_interval_ms else "none",
+        "deadline_miss_rate": miss_rate,
+        "deadline_misses_total": stats.get("deadline_misses_total", 0),
+        # node-side: engine emit -> output callback, and callback -> ActionChunk published
+        "handover_ms_p50": float(stats.get("handover_ms_p50", math.nan)),
+        "handover_ms_p99": float(stats.get("handover_ms_p99", math.nan)),
+        "publish_ms_p50": float(stats.get("publish_ms_p50", math.nan)),
+        "publish_ms_p99": float(stats.get("publish_ms_p99", math.nan)),
+        "images_received": inputs.get("received", {}).get("images", 0),
+        "joint_states_received": inputs.get("received", {}).get("joints", 0),
+        "observations_used": inputs.get("used", 0),
+        "observations_queued": inputs.get("queued", 0),
+        "waiting_for_observation_s": float(idle_s) if idle_s is not None else 0.0,
+        "dropped_total": rejected.get("queue_full", 0) + rejected.get("unpaired", 0),
+        "rejected_total": sum(rejected.values()),
+        "failures_total": inputs.get("failures", 0),          # resets of this stream (any cause; resets.<cause>)
+        "lost_chunks_total": inputs.get("lost_chunks", 0),    # in flight at a reset, or not published
+        # computed, not published (unpublished.<why>)
+        "unpublished_total": sum(inputs.get("unpublished", {}).values()),
+        # matched subscribers (a controller connected?); a RELIABLE one is needed for ros2_control
+        "action_chunk_subscribers": inputs.get("action_chunk_subscribers", 0),
+        "joint_trajectory_subscribers": inputs.get("joint_trajectory_subscribers", 0),
+    }
+    for key in ("inference_delay_steps", "late_points_window", "late_chunks_window", "seam_blended_chunks_window"):
+        values[key] = stats.get(key, 0)
+    for key in ("seam_jump_p50", "seam_jump_p99", "seam_velocity_jump_p99", "tracking_error_p50",
+                "observation_age_ms_p50", "observation_age_ms_p99"):
+        values[key] = float(stats.get(key, math.nan))
+    # what admission charges the stream beyond its jitter bound (measured; "none" until measured)
+    spread = stats.get("admission_spread_ms")
+    values["admission_spread_ms"] = round(float(spread), 3) if spread is not None else "none"
+    values["late_points_total"] = inputs.get("late_points", 0)
+    values["late_chunks_total"] = inputs.get("late_chunks", 0)
+    values["seam_blended_chunks_total"] = inputs.get("blended_chunks", 0)
+    late = int(stats.get("late_chunks_window", 0))
+    values.update({f"rejected.{reason}": n for reason, n in sorted(rejected.items())})
+    values.update({f"resets.{cause}": n for cause, n in sorted(inputs.get("resets", {}).items())})
+    values.update({f"unpublished.{why}": n for why, n in sorted(inputs.get("unpublished", {}).items())})
+    slo = f" (SLO {slo_interval_ms:.1f} ms)" if slo_interval_ms else ""
+    stall_s = 2.0 * expected_ms / 1e3 if not math.isnan(expected_ms) else starved_s
+    if engine_state != "serving":
+        level, msg = (ERROR if engine_state == "failed" else WARN), f"engine {engine_state}"
+    elif inputs.get("failed"):
+        level, msg = ERROR, f"stream failed: {inputs['failed']}"
+    elif inputs.get("recovering"):
+        level, msg = ERROR, f"recovering: {inputs['recovering']}; re-admitted, waiting for its first chunk"
+    elif idle_s is not None and idle_s > starved_s:
+        level, msg = ERROR, (f"starved: no fresh observation for {idle_s:.1f} s (camera or joint_states silent "
+                             f"or stale)")
+    elif math.isinf(age):
+        if since_s is not None and since_s > max(stall_s, starved_s):
+            level, msg = ERROR, f"no chunk in {since_s:.1f} s of serving"
+        else:
+            level, msg = WARN, "waiting for the first chunk"
+    elif age > stall_s:
+        level, msg = ERROR, f"no chunk for {age:.1f} s (expected one every {expected_ms:.0f} ms)"
+    elif late:
+        level, msg = WARN, (f"{late} chunk(s) in the last {values['window_s']:.0f} s arrived after their last step "
+                            f"was due (not sent as trajectories)")
+    elif slo_interval_ms and values["observation_age_ms_p50"] > stale_intervals * slo_interval_ms:
+        level, msg = WARN, (f"stale inputs: the observations its chunks used were "
+                            f"{values['observation_age_ms_p50']:.0f} ms old (median) when the chunk started, over "
+                            f"{stale_intervals:g} x its SLO interval {slo_interval_ms:.0f} ms: is the robot "
+                            f"publishing at its rate? ({rate:.1f} chunks/s)")
+    elif slo_interval_ms and not math.isnan(p99) and p99 > slo_interval_ms:
+        level, msg = WARN, f"interval p99 {p99:.1f} ms over SLO {slo_interval_ms:.1f} ms ({rate:.1f} chunks/s)"
+    elif slo_interval_ms and miss_rate > miss_rate_warn:
+        level, msg = WARN, (f"deadline miss rate {miss_rate:.0%} over the last {values['window_s']:.0f} s "
+                            f"(warn above {miss_rate_warn:.0%}){slo}")
+    elif new_rejects:
+        level, msg = WARN, f"{new_rejects} input message(s) rejected since last report"
+    else:
+        level, msg = OK, f"{rate:.1f} chunks/s, interval p50 {p50:.1f} / p99 {p99:.1f} ms{slo}"
+    if not armed:
+        msg += " [outputs disarmed]"
+    return _status(name, hardware_id or name, level, msg, values, prefix)
+
+
+def inputs_summary(inputs: dict[str, Any]) -> str:
+    """What arrived on a stream's inputs, accepted and rejected with the reasons ("images 30 accepted; joint
+    states 0 accepted, 700 rejected (max_age 700)"), for a log line about a stream waiting for them."""
+    parts = []
+    for kind, label in (("images", "images"), ("joints", "joint states"), ("actions", "actions")):
+        accepted = inputs.get("received", {}).get(kind, 0)
+        refused = inputs.get("refused", {}).get(kind, {})
+        if kind == "actions" and not accepted and not refused:
+            continue
+        text = f"{label} {accepted} accepted"
+        if refused:
+            reasons = ", ".join(f"{r} {n}" for r, n in sorted(refused.items(), key=lambda rn: -rn[1]))
+            text += f", {sum(refused.values())} rejected ({reasons})"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def pending_stream_status(name: str, verdict: str | None, engine_state: str, prefix: str = PREFIX,
+                          hardware_id: str = "") -> Status:
+    """A stream of the config that is not served: waiting for admission (WARN), or refused (ERROR, the reason)."""
+    if verdict:
+        return _status(name, hardware_id or name, ERROR, f"not admitted: {verdict}", {"admitted": False}, prefix)
+    return _status(name, hardware_id or name, WARN, f"waiting for admission (engine {engine_state})",
+                   {"admitted": False}, prefix)
+
+
+def removed_stream_status(name: str, prefix: str = PREFIX, hardware_id: str = "") -> Status:
+    """A stream that left since the last /diagnostics (removed, cancelled, its client gone): said once, OK."""
+    return _status(name, hardware_id or name, OK, "removed: no longer served", {"admitted": False, "removed": True},
+                   prefix)
+
+
+def worker_status(name: str, pid: int, last_seen: float, stats: dict[str, Any], timeout_s: float,
+                  alive: bool, hardware_id: str = "", state: str = "", prefix: str = PREFIX) -> Status:
+    """``state``: the engine's word for the worker (up, starting, restarting, down), if it has one."""
+    age = time.monotonic() - last_seen if last_seen else math.inf
+    values: dict[str, Any] = {"pid": pid, "state": state or ("up" if alive else "down"),
+                              "heartbeat_age_s": float(age)}
+    for key, value in sorted(stats.items()):
+        if isinstance(value, (int, float, str, bool)):
+            values[key] = value
+    hw = hardware_id or name
+    if state in ("restarting", "down"):
+        return _status(f"worker {name}", hw, ERROR, f"worker {state}", values, prefix)
+    if not alive:
+        return _status(f"worker {name}", hw, ERROR, "worker process exited", values, prefix)
+    if state == "starting":
+        return _status(f"worker {name}", hw, WARN, "starting", values, prefix)
+    if age > timeout_s:
+        return _status(f"worker {name}", hw, ERROR, f"no heartbeat for {age:.1f} s", values, prefix)
+    return _status(f"worker {name}", hw, OK, "alive", values, prefix)
+
+
+def engine_status(state: str, model: str, plan: str, workers: int, failure: str | None,
+                  telemetry_subscribers: int = 0, *, armed: bool = True, lifecycle: str = "",
+                  workers_down: Sequence[str] = (), hardware_id: str = "", prefix: str = PREFIX,
+                  rss_mb: float | None = None) -> Status:
+    """``state``: unconfigured, starting, serving, failed, stopping, stopped; ``armed``: the outputs
+    (ActionChunk, JointTrajectory) are published (lifecycle active); ``rss_mb``: the server process's resident
+    memory (each worker's is its status's ``rss_bytes``)."""
+    values = {"state": state, "lifecycle": lifecycle or ("active" if armed else "inactive"), "armed": armed,
+              "model": model, "plan": plan, "workers": workers,
+              "workers_down": ",".join(workers_down) or "none", "telemetry_subscribers": telemetry_subscribers}
+    if rss_mb is not None:
+        values["rss_mb"] = round(rss_mb, 1)
+    hw = hardware_id or "engine"
+    if failure:
+        return _status("engine", hw, ERROR, failure, values, prefix)
+    if workers_down:
+        return _status("engine", hw, ERROR, f"worker(s) {', '.join(workers_down)} down", values, prefix)
+    if state == "serving":
+        if armed:
+            return _status("engine", hw, OK, "serving", values, prefix)
+        return _status("engine", hw, WARN, "serving, outputs disarmed (lifecycle inactive)", values, prefix)
+    if state == "unconfigured":
+        return _status("engine", hw, WARN, "unconfigured: waiting for the lifecycle configure transition",
+                       values, prefix)
+    return _status("engine", hw, ERROR if state == "failed" else WARN, state, values, prefix)
