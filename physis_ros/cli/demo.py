@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.signals import SignalHandlerOptions
 
-    from physis_ros.ros.monitor import TelemetryMonitor
+    from physis_ros.cli.monitor import TelemetryMonitor
 
     domain = os.environ.get("ROS_DOMAIN_ID", "0")
     print(f"physis-demo: {cfg.model} on {cfg.engine.workers} {cfg.engine.devices[0]} worker(s), plan "

@@ -2,7 +2,7 @@
 
 import math
 
-from physis_ros.ros.monitor import SEAM_EVENTS_KEPT, StreamWindow
+from physis_ros.cli.monitor import SEAM_EVENTS_KEPT, StreamWindow
 
 
 def test_seam_jumps_are_listed_chunk_by_chunk_with_where_the_robot_switched():

@@ -1,4 +1,4 @@
-"""Live per-stream aggregates from the server's ``telemetry`` topic (for the demo's table)."""
+"""Live per-stream aggregates from the server's ``telemetry`` topic: the table physis-demo prints."""
 
 from __future__ import annotations
 
