@@ -78,7 +78,7 @@ class Rejection:
     topic: str
     kind: str            # image | joint_states | actions
     stamp_ns: int
-    reason: str          # a node reason (conversions.REASONS: encoding, size, too_large, ...), unpaired; undecodable
+    reason: str          # a node reason (serving.decode.REASONS: encoding, size, too_large, ...), unpaired; undecodable
     detail: str
 
 

@@ -1,4 +1,5 @@
-"""ROS messages -> model tensors: pure functions, shared by the node and the replay checker.
+"""ROS messages -> model tensors: pure functions, shared by the node and the replay checker. The checks and
+decoders behind them take bytes and lists (:mod:`physis_ros.serving.decode`); here the messages are unpacked.
 
 Input side: :func:`image_from_msg` (Image or CompressedImage -> float32 [C, S, S]
 in [0, 1] by :func:`~physis_ros.serving.tensors.preprocess`, preprocessed to the model's size), :func:`joints_from_msg`
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import cv2
 import numpy as np
 from builtin_interfaces.msg import Duration, Time
 from sensor_msgs.msg import CompressedImage, Image, JointState
@@ -27,11 +27,9 @@ from trajectory_msgs.msg import JointTrajectory
 from physis_ros.model.spec import ModelConfig
 from physis_ros.msg import ActionChunk
 from physis_ros.serving.config import StreamConfig
-from physis_ros.serving.tensors import ENCODINGS, InputRejected, check_stamp_s, checked_rows, finite_in, preprocess
-
-# Rejection reasons (counter names on /diagnostics).
-REASONS = ("encoding", "size", "too_large", "decode", "nonfinite", "missing_joints", "malformed",
-           "future_stamp", "stale_stamp", "no_clock", "queue_full", "unpaired")
+from physis_ros.serving.decode import (check_image_size, decode_compressed, joint_positions, raw_pixels,
+                                       select_rows)
+from physis_ros.serving.tensors import InputRejected, check_stamp_s, preprocess
 
 
 # ---- time ---------------------------------------------------------------------------------------
@@ -60,126 +58,22 @@ def check_stamp(stamp: Time, now: float, max_future_s: float, max_age_s: float) 
 
 
 # ---- images -------------------------------------------------------------------------------------
-def _field_default(cls, name: str):
-    f = cls.__dataclass_fields__[name]
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-
-
 def check_image_bytes(msg: Image | CompressedImage, max_bytes: int) -> None:
-    """InputRejected("too_large") if the message carries more than ``max_bytes`` of image data: the
-    first check on a camera message (cheap: the length only), so that an oversized frame is reported
-    as such even when its transport took long enough to make it stale too. A CompressedImage's decoded
-    size is checked by :func:`compressed_pixels`, from its header."""
-    n = len(msg.data)
-    if n > max_bytes:
-        what = ("compressed image" if isinstance(msg, CompressedImage)
-                else f"{msg.width}x{msg.height} {msg.encoding} image")
-        raise InputRejected("too_large", f"{what} of {n} bytes exceeds image.max_bytes {max_bytes}")
+    """InputRejected("too_large") if the message carries more than ``max_bytes`` of image data (the length
+    only); a CompressedImage's decoded size is checked by :func:`compressed_pixels`, from its header."""
+    what = ("compressed image" if isinstance(msg, CompressedImage)
+            else f"{msg.width}x{msg.height} {msg.encoding} image")
+    check_image_size(len(msg.data), max_bytes, what)
 
 
 def image_pixels(msg: Image, max_bytes: int | None = None) -> np.ndarray:
-    """A raw Image as uint8 [h, w, channels] (channels as encoded), a view of the message's buffer (no
-    copy); checks the encoding, the byte cap (``too_large``, before anything else is done) and sizes."""
-    enc = msg.encoding.lower()
-    if enc not in ENCODINGS:
-        raise InputRejected("encoding", f"unsupported encoding '{msg.encoding}' "
-                                        f"(supported: {', '.join(ENCODINGS)})")
-    if max_bytes is not None:
-        check_image_bytes(msg, max_bytes)
-    n = len(msg.data)
-    ch = ENCODINGS[enc][0]
-    h, w, step = int(msg.height), int(msg.width), int(msg.step)
-    if h == 0 or w == 0:
-        raise InputRejected("size", f"empty image {w}x{h}")
-    if step < w * ch:
-        raise InputRejected("size", f"step {step} < width {w} x {ch} bytes per pixel ({msg.encoding})")
-    if n != step * h:
-        raise InputRejected("size", f"data has {n} bytes, step x height = {step} x {h} = {step * h}")
-    data = np.frombuffer(msg.data, dtype=np.uint8)
-    return data.reshape(h, step)[:, : w * ch].reshape(h, w, ch)
-
-
-def compressed_decoder_available() -> str | None:
-    """None if CompressedImage can be decoded here (OpenCV is a requirement), else what is missing."""
-    return None
-
-
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-# JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic): they carry the size.
-_JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
-
-
-def compressed_header(data) -> tuple[str, int, int, int]:
-    """(format, width, height, channels after decoding: 1 gray, 3 colour) from a png or jpeg header,
-    without decoding (and without copying the data); InputRejected("decode") for anything else or an
-    unreadable header."""
-    mv = memoryview(data).cast("B")
-    n = len(mv)
-
-    def at(i: int, k: int) -> bytes:
-        return bytes(mv[i:i + k])
-
-    if at(0, 8) == _PNG_SIGNATURE:
-        if n < 33 or at(12, 4) != b"IHDR":
-            raise InputRejected("decode", "png without an IHDR header")
-        w, h = int.from_bytes(at(16, 4), "big"), int.from_bytes(at(20, 4), "big")
-        color_type = mv[25]
-        return "png", w, h, 1 if color_type in (0, 4) else 3        # 0/4: gray (+alpha)
-    if at(0, 2) == b"\xff\xd8":
-        i = 2                                        # walk the segments (EXIF/ICC ones can be long)
-        while i + 4 <= n:
-            if mv[i] != 0xFF:
-                break
-            marker = mv[i + 1]
-            if marker == 0xFF:                       # fill byte
-                i += 1
-                continue
-            if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
-                i += 2
-                continue
-            if marker in (0xD9, 0xDA):               # end of image / start of scan before any frame header
-                break
-            length = int.from_bytes(at(i + 2, 2), "big")
-            if marker in _JPEG_SOF:
-                if length < 8 or i + 10 > n:
-                    break
-                h, w = int.from_bytes(at(i + 5, 2), "big"), int.from_bytes(at(i + 7, 2), "big")
-                return "jpeg", w, h, 1 if mv[i + 9] == 1 else 3
-            if length < 2:
-                break
-            i += 2 + length
-        raise InputRejected("decode", "jpeg without a readable frame header")
-    raise InputRejected("decode", f"not a jpeg or png image (first bytes {at(0, 8).hex() or 'none'})")
+    """A raw Image as uint8 [h, w, channels], a view of the message's buffer (:func:`raw_pixels`)."""
+    return raw_pixels(msg.data, msg.encoding, msg.height, msg.width, msg.step, max_bytes)
 
 
 def compressed_pixels(msg: CompressedImage, max_bytes: int | None = None) -> tuple[np.ndarray, str]:
-    """A jpeg/png CompressedImage as (uint8 [h, w, 3] BGR, "bgr8") or ([h, w, 1], "mono8"), decoded by
-    OpenCV (alpha dropped, 16 bit reduced to 8, EXIF orientation ignored). The message size and the
-    decoded size the header announces are checked against ``max_bytes`` before decoding."""
-    data = msg.data
-    n = len(data)
-    if max_bytes is not None:
-        check_image_bytes(msg, max_bytes)
-    fmt, w, h, ch = compressed_header(data)
-    if w == 0 or h == 0:
-        raise InputRejected("decode", f"{fmt} header says {w}x{h}")
-    if max_bytes is not None and w * h * ch > max_bytes:
-        raise InputRejected("too_large", f"{fmt} image {w}x{h} decodes to {w * h * ch} bytes, over "
-                                         f"image.max_bytes {max_bytes}")
-    flags = (cv2.IMREAD_GRAYSCALE if ch == 1 else cv2.IMREAD_COLOR) | cv2.IMREAD_IGNORE_ORIENTATION
-    level = cv2.utils.logging.getLogLevel()
-    cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_ERROR)  # our rejection says it, throttled
-    try:
-        arr = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), flags)
-    except cv2.error as exc:
-        raise InputRejected("decode", f"cannot decode {fmt} image: {str(exc).strip()[:200]}") from None
-    finally:
-        cv2.utils.logging.setLogLevel(level)
-    if arr is None:
-        raise InputRejected("decode", f"cannot decode {fmt} image ({n} bytes; corrupt or truncated)")
-    if arr.shape[:2] != (h, w):
-        raise InputRejected("decode", f"{fmt} header says {w}x{h}, decoded {arr.shape[1]}x{arr.shape[0]}")
-    return (arr[:, :, None], "mono8") if arr.ndim == 2 else (arr, "bgr8")
+    """A jpeg/png CompressedImage decoded (:func:`decode_compressed`)."""
+    return decode_compressed(msg.data, max_bytes)
 
 
 def image_from_msg(msg: Image | CompressedImage, stream: StreamConfig, model: ModelConfig) -> np.ndarray:
@@ -196,51 +90,17 @@ def image_from_msg(msg: Image | CompressedImage, stream: StreamConfig, model: Mo
 
 
 # ---- joints -------------------------------------------------------------------------------------
-def _names(names: list[str], limit: int = 12) -> str:
-    shown = ", ".join(names[:limit]) or "none"
-    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(StreamConfig)}
 
 
 def joints_from_msg(msg: JointState, joint_names: list[str], max_joints: int | None = None,
                     max_abs: float | None = None, dtype: str = "float32") -> np.ndarray:
-    """Positions of ``joint_names`` (in that order) from a JointState with any order and extra joints.
-
-    A message listing more than ``max_joints`` names or positions is refused (``too_large``) before it
-    is looked at. Positions are checked in the model's precision (``dtype``; float32 by default) and
-    rejected as ``nonfinite`` if it cannot represent them (float32: |x| > 3.4e38, float16: |x| > 65504:
-    inf after the cast) or if |x| exceeds
-    ``max_abs``: a finite float32 as large as 1e25 still overflows the model's float32 arithmetic (its
-    squares and norms) into NaN chunks, and poisons the stream's KV cache for the chunks after. The
-    default bound, 1e9, is far beyond any joint in radians or metres (float32 resolves only 64 units
-    there). Defaults of both caps: the StreamConfig defaults.
-    """
-    cap = _field_default(StreamConfig, "max_joints") if max_joints is None else max_joints
-    limit = _field_default(StreamConfig, "max_abs_position") if max_abs is None else max_abs
-    n_names, n_pos = len(msg.name), len(msg.position)
-    if max(n_names, n_pos) > cap:
-        raise InputRejected("too_large", f"joint state with {n_names} names and {n_pos} positions exceeds "
-                                         f"max_joints {cap}")
-    names = list(msg.name)
-    if n_names != n_pos:
-        raise InputRejected("malformed", f"{n_names} names but {n_pos} positions")
-    index = {}
-    for i, n in enumerate(names):
-        if n in index:
-            raise InputRejected("malformed", f"joint '{n}' appears twice")
-        index[n] = i
-    missing = [n for n in joint_names if n not in index]
-    if missing:
-        raise InputRejected("missing_joints", f"missing joint(s) {', '.join(missing)} (got {_names(names)})")
-    pos = np.asarray(msg.position, dtype=np.float64)
-    picked = pos[[index[n] for n in joint_names]]
-    with np.errstate(over="ignore", invalid="ignore"):
-        out = picked.astype(np.float32)
-    ok = finite_in(out, dtype) & (np.abs(picked) <= limit)     # NaN compares False too
-    if not ok.all():
-        bad = [f"{n}={v!r}" for n, v, good in zip(joint_names, picked.tolist(), ok.tolist()) if not good]
-        raise InputRejected("nonfinite", f"position(s) not finite in {dtype} (the model's precision) or beyond "
-                                         f"max_abs_position {limit:g}: {', '.join(bad)}")
-    return out
+    """Positions of ``joint_names`` (in that order) from a JointState with any order and extra joints
+    (:func:`joint_positions`); the caps default to the StreamConfig defaults (``max_joints``,
+    ``max_abs_position``: 1e9, far beyond any joint in radians or metres)."""
+    return joint_positions(msg.name, msg.position, joint_names,
+                           _DEFAULTS["max_joints"] if max_joints is None else max_joints,
+                           _DEFAULTS["max_abs_position"] if max_abs is None else max_abs, dtype)
 
 
 def actions_from_chunk(msg: ActionChunk, joint_names: list[str], horizon: int,
@@ -253,7 +113,7 @@ def actions_from_chunk(msg: ActionChunk, joint_names: list[str], horizon: int,
     if len(names) != dof or actions.size != rows * dof:
         raise InputRejected("malformed", f"ActionChunk of {rows}x{dof} with {len(names)} joint names and "
                                          f"{actions.size} values")
-    return _select(actions.reshape(rows, dof), names, joint_names, horizon, "ActionChunk", max_abs, dtype)
+    return select_rows(actions.reshape(rows, dof), names, joint_names, horizon, "ActionChunk", max_abs, dtype)
 
 
 def actions_from_trajectory(msg: JointTrajectory, joint_names: list[str], horizon: int,
@@ -263,20 +123,7 @@ def actions_from_trajectory(msg: JointTrajectory, joint_names: list[str], horizo
     if any(len(p.positions) != len(names) for p in msg.points):
         raise InputRejected("malformed", f"JointTrajectory points must each hold {len(names)} positions")
     rows = np.array([list(p.positions) for p in msg.points], dtype=np.float64).reshape(len(msg.points), len(names))
-    return _select(rows, names, joint_names, horizon, "JointTrajectory", max_abs, dtype)
-
-
-def _select(rows: np.ndarray, names: list[str], joint_names: list[str], horizon: int, what: str,
-            max_abs: float, dtype: str = "float32") -> np.ndarray:
-    index = {n: i for i, n in enumerate(names)}
-    if len(index) != len(names):
-        raise InputRejected("malformed", f"{what} lists a joint twice")
-    missing = [n for n in joint_names if n not in index]
-    if missing:
-        raise InputRejected("missing_joints", f"{what} lacks joint(s) {', '.join(missing)} (got {_names(names)})")
-    if len(rows) < horizon:
-        raise InputRejected("size", f"{what} has {len(rows)} steps; the world model imagines {horizon}")
-    return checked_rows(rows[:horizon, [index[n] for n in joint_names]], what, max_abs, dtype)
+    return select_rows(rows, names, joint_names, horizon, "JointTrajectory", max_abs, dtype)
 
 
 def observation_from_msgs(image_msg: Image | CompressedImage, joint_msg: JointState, stream: StreamConfig,

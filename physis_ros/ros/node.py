@@ -28,12 +28,10 @@ from rclpy.parameter import Parameter
 
 from physis_ros.heap import HeapTrimmer
 from physis_ros.msg import ChunkTelemetry
-from physis_ros.ros import conversions as conv
 from physis_ros.ros import diagnostics, qos, rosout
 from physis_ros.serving.capacity import Rejected
 from physis_ros.serving.config import ServeConfig
 from physis_ros.serving.fit import model_label
-from physis_ros.config import ConfigError
 from physis_ros.serving.engine_thread import EngineThread
 from physis_ros.serving.catalog import check_config_models
 from physis_ros.serving.server import Server, ServerEvent
@@ -63,10 +61,6 @@ class PhysisServer(LifecycleNode):
         self._rosout = rosout.attach(self.get_logger())  # engine and worker log lines -> /rosout
         self.params = ServeParameters(self, file_mapping, overrides, trajectory_topic)
         self.model = check_config_models(self.config)   # the default model; the config's streams fit theirs
-        for name, s in self.config.streams.items():
-            if s.compressed and conv.compressed_decoder_available():
-                raise ConfigError(f"streams.{name}.compressed",
-                                  f"CompressedImage input needs {conv.compressed_decoder_available()}")
         if self.config.use_sim_time:
             self.set_parameters([Parameter("use_sim_time", Parameter.Type.BOOL, True)])
         self.params.declare()

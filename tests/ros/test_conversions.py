@@ -17,6 +17,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from physis_ros.model.spec import load_model_config
 from physis_ros.ros import conversions as conv
 from physis_ros.serving.config import serve_config
+from physis_ros.serving.decode import REASONS, compressed_header
 
 JOINTS = [f"joint{i}" for i in range(1, 8)]
 MODEL = load_model_config("tiny-wam")
@@ -101,7 +102,6 @@ def test_bad_images_rejected(make, reason):
 def test_compressed_png_matches_raw_and_corrupt_is_rejected():
     # a png from another encoder than the decoder's (Pillow is optional: only matplotlib brings it)
     PILImage = pytest.importorskip("PIL.Image")
-    assert conv.compressed_decoder_available() is None
     buf = io.BytesIO()
     PILImage.fromarray(RGB).save(buf, format="PNG")
     msg = CompressedImage(format="png", data=buf.getvalue())
@@ -283,7 +283,7 @@ def test_image_byte_cap():
     with pytest.raises(conv.InputRejected) as err:
         conv.image_from_msg(image_msg(big, "rgb8"), s, MODEL)
     assert err.value.reason == "too_large" and "1083" in err.value.detail and "1000" in err.value.detail
-    assert "too_large" in conv.REASONS
+    assert "too_large" in REASONS
 
 
 def test_default_caps_take_4k_and_refuse_8k_cheaply():
@@ -456,12 +456,12 @@ def test_jpeg_size_found_behind_long_metadata_segments():
     jpg = bytes(_encode(px, ".jpg").data)
     app = b"\xff\xe2" + (65535).to_bytes(2, "big") + bytes(65533)        # an APP2 segment of 64 KB
     padded = jpg[:2] + app * 3 + jpg[2:]
-    assert conv.compressed_header(padded) == ("jpeg", 50, 40, 3)
-    assert conv.compressed_header(array.array("B", padded)) == ("jpeg", 50, 40, 3)   # as rclpy hands it
+    assert compressed_header(padded) == ("jpeg", 50, 40, 3)
+    assert compressed_header(array.array("B", padded)) == ("jpeg", 50, 40, 3)   # as rclpy hands it
     np.testing.assert_array_equal(conv.image_from_msg(CompressedImage(format="jpeg", data=padded), stream(), MODEL),
                                   conv.image_from_msg(CompressedImage(format="jpeg", data=jpg), stream(), MODEL))
     gray = _encode(px[:, :, 0].copy(), ".jpg").data
-    assert conv.compressed_header(gray) == ("jpeg", 50, 40, 1)
+    assert compressed_header(gray) == ("jpeg", 50, 40, 1)
 
 
 def test_corrupt_compressed_images_do_not_log(capfd):
