@@ -101,7 +101,7 @@ def _serve(argv: list[str] | None = None) -> int:
     from rclpy.signals import SignalHandlerOptions
 
     from physis_ros.serving.config import deep_merge, load_serve_mapping, serve_config
-    from physis_ros.ros.parameters import apply_trajectory_topic
+    from physis_ros.serving.config_keys import apply_trajectory_topic
 
     overrides = overrides_from_args(args)
     file_mapping = {}

@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 import typing
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, SetParametersResult
@@ -37,13 +35,9 @@ from rclpy.parameter import Parameter
 
 from physis_ros.config import ConfigError, to_mapping
 from physis_ros.serving.config import ServeConfig, StreamConfig, deep_merge, serve_config, unflatten
+from physis_ros.serving.config_keys import (ConfigLeaf, apply_trajectory_topic, config_field, is_config_key, is_runtime,
+                                            is_stream_key, leaves, stream_leaves, unset_value)
 
-# Per stream (``streams.<name>.<key>``) and node-wide keys that take effect while the node runs.
-RUNTIME_STREAM_KEYS = frozenset({"slo_interval_ms", "trajectory_start", "trajectory_start_offset_s",
-                                 "seam_blend_steps", "image.preprocess", "image.pad_value", "max_future_s",
-                                 "max_age_s"})
-RUNTIME_KEYS = frozenset({"warn_throttle_s", "diagnostics_window_s", "diagnostics_miss_rate_warn",
-                          "diagnostics_starved_s", "diagnostics_stale_intervals"})
 # Parameters rclpy declares for every node; not serve-config keys handled here.
 NODE_PARAMETERS = frozenset({"use_sim_time", "start_type_description_service"})
 NODE_PREFIXES = ("qos_overrides.",)
@@ -53,24 +47,6 @@ _ARRAY = {str: Parameter.Type.STRING_ARRAY, int: Parameter.Type.INTEGER_ARRAY,
           float: Parameter.Type.DOUBLE_ARRAY, bool: Parameter.Type.BOOL_ARRAY}
 _SCALAR = {str: Parameter.Type.STRING, int: Parameter.Type.INTEGER, float: Parameter.Type.DOUBLE,
            bool: Parameter.Type.BOOL}
-
-
-@dataclass(frozen=True)
-class Leaf:
-    name: str                     # dotted parameter name
-    type: Parameter.Type
-    meta: dict[str, Any]          # the field's bounded()/described() metadata
-    section_doc: str              # description of the enclosing section, if any
-    value: Any                    # None: unset
-    optional: bool
-
-
-def _optional(tp: Any) -> tuple[Any, bool]:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], len(args) != len(typing.get_args(tp))
-    return tp, False
 
 
 def _param_type(tp: Any, name: str) -> Parameter.Type:
@@ -83,114 +59,26 @@ def _param_type(tp: Any, name: str) -> Parameter.Type:
     raise TypeError(f"config key '{name}' has type {tp!r}, which has no ROS parameter type")
 
 
-def _walk(cls: type, obj: Any, prefix: str, section_doc: str = "") -> Iterator[Leaf]:
-    """``obj`` None: an unset optional section, whose keys are declared without values."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        tp, optional = _optional(hints[f.name])
-        optional = optional or obj is None
-        name = f"{prefix}{f.name}"
-        value = getattr(obj, f.name) if obj is not None else None
-        doc = f.metadata.get("doc", "")
-        if dataclasses.is_dataclass(tp):
-            yield from _walk(tp, value, name + ".", doc or section_doc)
-        elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
-            for key, item in (value or {}).items():
-                yield from _walk(typing.get_args(tp)[1], item, f"{name}.{key}.", section_doc)
-        else:
-            yield Leaf(name, _param_type(tp, name), dict(f.metadata), section_doc, value, optional)
-
-
-def leaves(config: ServeConfig) -> list[Leaf]:
-    """Every parameter of a serve config, in declaration order."""
-    return list(_walk(ServeConfig, config, ""))
-
-
-def stream_leaves(stream: StreamConfig, name: str) -> list[Leaf]:
-    """The parameters of one stream (``streams.<name>.*``), in declaration order."""
-    return list(_walk(StreamConfig, stream, f"streams.{name}."))
-
-
-def _field(name: str) -> tuple[Any, bool, dict[str, Any], bool] | None:
-    """(type, optional, metadata, in an optional section) of the serve-config leaf a dotted name denotes (any
-    stream name under ``streams``), or None if it is not one."""
-    cls: Any = ServeConfig
-    parts = name.split(".")
-    i = 0
-    in_optional = False
-    while i < len(parts):
-        if not dataclasses.is_dataclass(cls):
-            return None
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-        if parts[i] not in fields:
-            return None
-        f = fields[parts[i]]
-        tp, optional = _optional(typing.get_type_hints(cls)[parts[i]])
-        i += 1
-        if typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
-            if i >= len(parts):
-                return None
-            i += 1                      # the stream name
-            tp = typing.get_args(tp)[1]
-        if dataclasses.is_dataclass(tp):
-            cls, in_optional = tp, in_optional or optional
-            continue
-        return (tp, optional, dict(f.metadata), in_optional) if i == len(parts) else None
-    return None
-
-
-def is_config_key(name: str) -> bool:
-    """Whether a dotted name is a leaf of the serve-config tree (any stream name under ``streams``)."""
-    return _field(name) is not None
-
-
-def unset_value(ptype: Parameter.Type, meta: dict[str, Any]) -> Any:
-    """The parameter value that stands for an unset optional key, so that every declared parameter has a
-    value (``ros2 param get`` of an unset key printed none): empty for a string or an array, and for a
-    number the bound just outside its range (0 for ``> 0``, 0 for ``>= 1``, -1 for ``>= 0``); None for a
-    flag or an unbounded number."""
-    if ptype == Parameter.Type.STRING:
-        return ""
-    if ptype in (Parameter.Type.DOUBLE, Parameter.Type.INTEGER):
-        cast = float if ptype == Parameter.Type.DOUBLE else int
-        if meta.get("gt") is not None:
-            return cast(meta["gt"])
-        if meta.get("ge") is not None:
-            return cast(meta["ge"] - 1)
-    if ptype in _ARRAY.values():
-        return []
-    return None   # a flag, or a number without a lower bound: none (the config resolves these to a value)
+def ros_type(leaf: ConfigLeaf) -> Parameter.Type:
+    return _param_type(leaf.type, leaf.name)
 
 
 def from_parameter(name: str, value: Any) -> tuple[bool, Any]:
     """(given, value) of a parameter as the serve config takes it: an optional key's unset value is None; a
     key of an optional section given its unset value is not given (the section stays unset)."""
-    found = _field(name)
+    found = config_field(name)
     if found is None or isinstance(value, bool):
         return True, value
     tp, optional, meta, in_optional = found
     if not optional and not in_optional:
         return True, value
-    unset = unset_value(_param_type(tp, name), meta)
+    unset = unset_value(tp, meta)
     if unset is None or value != unset:
         return True, value
     return optional, None
 
 
-def is_stream_key(name: str) -> bool:
-    return name.startswith("streams.")
-
-
-def is_runtime(name: str) -> bool:
-    if name in RUNTIME_KEYS:
-        return True
-    parts = name.split(".", 2)
-    return len(parts) == 3 and parts[0] == "streams" and parts[2] in RUNTIME_STREAM_KEYS
-
-
-def descriptor(leaf: Leaf) -> ParameterDescriptor:
+def descriptor(leaf: ConfigLeaf) -> ParameterDescriptor:
     meta = leaf.meta
     doc = meta.get("doc", "")
     if leaf.section_doc:
@@ -202,14 +90,15 @@ def descriptor(leaf: Leaf) -> ParameterDescriptor:
     ge, le, gt = meta.get("ge"), meta.get("le"), meta.get("gt")
     lo = ge if ge is not None else gt
     unset = unset_value(leaf.type, meta) if leaf.optional else None
+    ptype = ros_type(leaf)
     if unset is not None and lo is not None:
         lo = min(lo, unset)
     if lo is not None or le is not None:
-        if leaf.type == Parameter.Type.DOUBLE:
+        if ptype == Parameter.Type.DOUBLE:
             d.floating_point_range = [FloatingPointRange(
                 from_value=float(lo) if lo is not None else -math.inf,
                 to_value=float(le) if le is not None else math.inf, step=0.0)]
-        elif leaf.type == Parameter.Type.INTEGER:
+        elif ptype == Parameter.Type.INTEGER:
             d.integer_range = [IntegerRange(from_value=int(lo) if lo is not None else _INT64[0],
                                             to_value=int(le) if le is not None else _INT64[1], step=1)]
     if gt is not None:
@@ -241,19 +130,6 @@ def split_overrides(overrides: dict[str, Parameter]) -> tuple[dict[str, Any], li
         else:
             foreign.append(name)
     return known, sorted(foreign)
-
-
-def apply_trajectory_topic(mapping: dict[str, Any], topic: str) -> dict[str, Any]:
-    """``--trajectory-topic`` / launch ``trajectory_topic:=``: the joint_trajectory topic of a config's
-    only stream (a config with several streams sets ``streams.<name>.topics.joint_trajectory``)."""
-    streams = mapping.get("streams")
-    if not isinstance(streams, dict) or len(streams) != 1:
-        n = len(streams) if isinstance(streams, dict) else 0
-        raise ConfigError("streams", f"--trajectory-topic (launch argument trajectory_topic) applies to a config "
-                                     f"with exactly one stream, this one has {n}; set "
-                                     f"streams.<name>.topics.joint_trajectory for each stream instead")
-    (name,) = streams
-    return deep_merge(mapping, {"streams": {name: {"topics": {"joint_trajectory": topic}}}})
 
 
 class ServeParameters:
@@ -300,7 +176,7 @@ class ServeParameters:
             self.config = dataclasses.replace(
                 self.config, streams={k: v for k, v in self.config.streams.items() if k != name})
 
-    def _declare(self, leaves: list[Leaf]) -> None:
+    def _declare(self, leaves: list[ConfigLeaf]) -> None:
         node = self.node
         for leaf in leaves:
             if leaf.name in NODE_PARAMETERS:
@@ -310,13 +186,14 @@ class ServeParameters:
             if value is None and leaf.optional:
                 value = unset_value(leaf.type, leaf.meta)   # every declared parameter has a value
             # our set callbacks take only known names: a declaration (which rclpy runs through them) is no change
+            ptype = ros_type(leaf)
             if value is None or value == []:
-                node.declare_parameter(leaf.name, leaf.type, desc, ignore_override=True)
+                node.declare_parameter(leaf.name, ptype, desc, ignore_override=True)
                 if value == []:
-                    node.set_parameters([Parameter(leaf.name, leaf.type, [])])
+                    node.set_parameters([Parameter(leaf.name, ptype, [])])
             else:
                 node.declare_parameter(leaf.name, value, desc, ignore_override=True)
-            self.types[leaf.name] = leaf.type
+            self.types[leaf.name] = ptype
 
     def attach(self, apply: Callable[[ServeConfig, ServeConfig], None],
                check: Callable[[ServeConfig], None] | None = None) -> None:

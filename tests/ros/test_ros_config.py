@@ -203,10 +203,11 @@ def test_every_runtime_number_has_a_finite_range():
 
     from rclpy.parameter import Parameter
 
-    from physis_ros.ros.parameters import descriptor, is_runtime, leaves
+    from physis_ros.ros.parameters import descriptor, ros_type
+    from physis_ros.serving.config_keys import is_runtime, leaves
 
     numbers = [leaf for leaf in leaves(serve_config(base())) if is_runtime(leaf.name)
-               and leaf.type in (Parameter.Type.DOUBLE, Parameter.Type.INTEGER)]
+               and ros_type(leaf) in (Parameter.Type.DOUBLE, Parameter.Type.INTEGER)]
     for leaf in numbers:
         d = descriptor(leaf)
         (r,) = list(d.floating_point_range) + list(d.integer_range)
@@ -217,12 +218,12 @@ def test_every_runtime_number_has_a_finite_range():
 def test_config_reference_is_current_and_the_bundled_config_is_short():
     """Issue 49 item 3: the bundled serve.yaml listed 31 keys with tuning notes; it sets what a user changes
     (at most 25 keys) and docs/config.md, generated from the config dataclasses, lists every key."""
-    from physis_ros.ros.config_reference import reference
+    from physis_ros.serving.config_reference import reference
     from physis_ros.serving.config import StreamConfig
-    from physis_ros.ros.parameters import leaves, stream_leaves
+    from physis_ros.serving.config_keys import leaves, stream_leaves
 
     doc = (repo_config_dir().parent / "docs" / "config.md").read_text()
-    assert doc == reference(), "docs/config.md is stale: python -m physis_ros.ros.config_reference > docs/config.md"
+    assert doc == reference(), "docs/config.md is stale: python -m physis_ros.serving.config_reference > docs/config.md"
     for leaf in leaves(ServeConfig()):
         assert f"| `{leaf.name}` |" in doc, leaf.name
     for leaf in stream_leaves(StreamConfig(joint_names=[]), "x"):

@@ -1,6 +1,6 @@
 """docs/config.md: every key of a serve config, from the config dataclasses themselves.
 
-    python -m physis_ros.ros.config_reference > docs/config.md
+    python -m physis_ros.serving.config_reference > docs/config.md
 
 One table per section (node-wide keys, ``engine.*``, ``admission.*``, ``streams.<name>.*``): the dotted
 key (the ROS parameter's name), its default, its range or choices, whether it changes at run time, and
@@ -14,14 +14,14 @@ import math
 import sys
 
 from physis_ros.serving.config import ServeConfig, StreamConfig
-from physis_ros.ros.parameters import Leaf, is_runtime, leaves, stream_leaves, unset_value
+from physis_ros.serving.config_keys import ConfigLeaf, is_runtime, leaves, stream_leaves, unset_value
 
 HEADER = """# Serve config reference
 
 Every key of a serve config (`config/serve.yaml`, a ROS 2 parameters file: nested keys become the dotted
 parameter names below). The bundled file sets only what a user usually changes; every other key keeps
 the default listed here. Generated from the config dataclasses by
-`python -m physis_ros.ros.config_reference > docs/config.md`; a test keeps it current.
+`python -m physis_ros.serving.config_reference > docs/config.md`; a test keeps it current.
 Changes at run time: `ros2 param set` takes effect on the running server (the others are read-only, or
 for a stream fixed while it is served). Optional keys left unset read as the value their row names.
 """
@@ -29,7 +29,7 @@ for a stream fixed while it is served). Optional keys left unset read as the val
 SECTIONS = (("Node", ""), ("Engine", "engine."), ("Admission", "admission."))
 
 
-def _value(leaf: Leaf) -> str:
+def _value(leaf: ConfigLeaf) -> str:
     value = leaf.value
     if value is None:
         unset = unset_value(leaf.type, leaf.meta)
@@ -41,7 +41,7 @@ def _value(leaf: Leaf) -> str:
     return f"{value}" if not isinstance(value, str) else (f'"{value}"' if value == "" else value)
 
 
-def _range(leaf: Leaf) -> str:
+def _range(leaf: ConfigLeaf) -> str:
     meta = leaf.meta
     if meta.get("choices"):
         return " \\| ".join(map(str, meta["choices"]))
@@ -55,12 +55,12 @@ def _range(leaf: Leaf) -> str:
     return ", ".join(parts)
 
 
-def _doc(leaf: Leaf) -> str:
+def _doc(leaf: ConfigLeaf) -> str:
     doc = leaf.meta.get("doc", "") or leaf.section_doc
     return doc.replace("|", "\\|").replace("\n", " ")
 
 
-def _table(rows: list[Leaf], strip: str = "") -> list[str]:
+def _table(rows: list[ConfigLeaf], strip: str = "") -> list[str]:
     out = ["| key | default | range | run time | meaning |", "|---|---|---|---|---|"]
     for leaf in rows:
         runtime = "yes" if is_runtime(leaf.name) else ""
