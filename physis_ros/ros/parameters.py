@@ -35,8 +35,9 @@ from rclpy.parameter import Parameter
 
 from physis_ros.config import ConfigError, to_mapping
 from physis_ros.serving.config import ServeConfig, StreamConfig, deep_merge, serve_config, unflatten
-from physis_ros.serving.config_keys import (ConfigLeaf, apply_trajectory_topic, config_field, is_config_key, is_runtime,
-                                            is_stream_key, leaves, stream_leaves, unset_value)
+from physis_ros.serving.config_keys import (ConfigLeaf, apply_trajectory_topic, check_runtime_change, config_field,
+                                            is_config_key, is_runtime, is_stream_key, leaves, stream_leaves,
+                                            unset_value)
 
 # Parameters rclpy declares for every node; not serve-config keys handled here.
 NODE_PARAMETERS = frozenset({"use_sim_time", "start_type_description_service"})
@@ -229,17 +230,11 @@ class ServeParameters:
         if not ours:
             return SetParametersResult(successful=True)
         for p in ours:
-            if not is_runtime(p.name) and is_stream_key(p.name):
-                return SetParametersResult(successful=False, reason=f"{p.name} cannot change while the stream is "
-                                                                     f"served: remove it and serve it again with "
-                                                                     f"the new value")
-            if not is_runtime(p.name):   # read_only already refuses these; declared ones never get here
-                return SetParametersResult(successful=False, reason=f"{p.name} cannot change at run time: "
-                                                                     f"restart the node with the new value")
             if p.type_ == Parameter.Type.NOT_SET:
                 return SetParametersResult(successful=False, reason=f"{p.name} cannot be unset")
         try:
             updated = self._updated(ours)
+            check_runtime_change(self.config, updated)      # read_only refuses node-wide ones before this
             if self._check is not None:
                 self._check(updated)
         except ConfigError as exc:

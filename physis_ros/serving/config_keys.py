@@ -134,6 +134,20 @@ def is_runtime(name: str) -> bool:
     return len(parts) == 3 and parts[0] == "streams" and parts[2] in RUNTIME_STREAM_KEYS
 
 
+def check_runtime_change(old: ServeConfig, new: ServeConfig) -> None:
+    """ConfigError naming the key if ``new`` changes a key of ``old`` that does not change at run time (a
+    stream's fixed keys need it served again, a node-wide one a restart); keys of streams in only one of the
+    two are not compared (a stream joining or leaving)."""
+    before = {leaf.name: leaf.value for leaf in leaves(old)}
+    for leaf in leaves(new):
+        if leaf.name not in before or leaf.value == before[leaf.name] or is_runtime(leaf.name):
+            continue
+        if is_stream_key(leaf.name):
+            raise ConfigError(leaf.name, "cannot change while the stream is served: remove it and serve it again "
+                                         "with the new value")
+        raise ConfigError(leaf.name, "cannot change at run time: restart the server with the new value")
+
+
 def apply_trajectory_topic(mapping: dict[str, Any], topic: str) -> dict[str, Any]:
     """``--trajectory-topic`` / launch ``trajectory_topic:=``: the joint_trajectory topic of a config's
     only stream (a config with several streams sets ``streams.<name>.topics.joint_trajectory``)."""

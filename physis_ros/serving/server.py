@@ -43,6 +43,7 @@ from physis_ros.serving.catalog import ModelCatalog, check_config_models
 from physis_ros.serving.config import ServeConfig, StreamConfig, check_stream_name, load_serve_config, serve_config
 from physis_ros.serving.engine_thread import EngineThread
 from physis_ros.serving.policies import server_admission
+from physis_ros.serving.config_keys import check_runtime_change
 from physis_ros.serving.fit import check_fit, check_stream_model, slo_interval_ms, stream_timeline
 from physis_ros.serving.intake import StreamInput
 from physis_ros.serving.session import Chunk, Session, Source
@@ -308,8 +309,10 @@ class Server:
 
     # ---- run-time changes ---------------------------------------------------------------------------
     def check_update(self, config: ServeConfig) -> None:
-        """ConfigError (naming the key) if ``config`` does not fit a served stream's model (its SLO within
-        its control timeline)."""
+        """ConfigError (naming the key) if ``config`` changes a key that does not change at run time
+        (:func:`~physis_ros.serving.config_keys.is_runtime`), or does not fit a served stream's model (its SLO
+        within its control timeline)."""
+        check_runtime_change(self.config, config)
         with self._lock:
             sessions = dict(self._sessions)
         for name, s in config.streams.items():

@@ -157,3 +157,22 @@ def test_the_configs_streams_are_admitted_at_start_and_a_refused_one_is_recorded
             robot.close()
     assert [(e.stream, e.kind) for e in events] == [("r0", "joined"), ("r1", "rejected"), ("r0", "ended")]
     assert events[-1].reason == "shutdown"
+
+
+def test_a_run_time_update_may_change_only_the_keys_that_change_at_run_time():
+    """The rule the ROS parameters enforce holds for the Python API too: check_update refuses a change of a
+    key that needs a restart (or, for a stream, serving it again), naming the key; a run-time key passes."""
+    import dataclasses
+
+    from physis_ros.config import ConfigError
+    with Server.from_config(config(streams={"r0": {"joint_names": JOINTS}})) as server:
+        cfg = server.config
+        r0 = cfg.streams["r0"]
+        server.check_update(dataclasses.replace(cfg, warn_throttle_s=cfg.warn_throttle_s + 1.0))
+        server.check_update(dataclasses.replace(cfg, streams={"r0": dataclasses.replace(r0, max_age_s=2.0)}))
+        with pytest.raises(ConfigError) as exc:
+            server.check_update(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, max_streams=3)))
+        assert exc.value.key == "engine.max_streams" and "restart" in str(exc.value)
+        with pytest.raises(ConfigError) as exc:
+            server.check_update(dataclasses.replace(cfg, streams={"r0": dataclasses.replace(r0, namespace="x")}))
+        assert exc.value.key == "streams.r0.namespace" and "serve it again" in str(exc.value)
