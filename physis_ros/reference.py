@@ -78,7 +78,7 @@ class ReferenceRollout:
             slot = 0 if self.clean else k - 1
             h = model.embed(cond, x, t)
             for b in range(cfg.blocks):
-                h = model.block(b, h, t, KVBatch(tables[b], [slot], write=not self.clean))
+                h = model.block(b, h, t, KVBatch(tables[b], [slot], [not self.clean]))
             x = denoise_update(model, x, model.head(h, t), ks, KVBatch(tables[-1], [slot]), [handoff])
         if self.clean:          # the clean pass: the finished chunk at t = 0 writes what later chunks read
             t0 = model.timesteps.timestep(torch.zeros(1, dtype=torch.long, device=x.device))

@@ -115,13 +115,13 @@ class KVTable:
 
 @dataclass
 class KVBatch:
-    """The slots one batched block call reads and appends to: sample i uses ``slots[i]``; ``write`` False:
-    the call reads its slots' history and leaves it as it was (the ``clean`` history rule's denoising steps,
-    which read what a clean pass wrote)."""
+    """The slots one batched block call reads and appends to: sample i uses ``slots[i]``; ``writes[i]`` False:
+    sample i reads its slot's history and leaves it as it was (the ``clean`` history rule's denoising steps,
+    which read what a clean pass wrote); None: every sample appends."""
 
     table: KVTable
     slots: list[int]
-    write: bool = True
+    writes: list[bool] | None = None
 
     def attend_inputs(self, k: torch.Tensor, v: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -156,7 +156,7 @@ class KVBatch:
         return keys, vals, mask[:, None, None, :]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        if not self.write:
-            return
         for i, slot in enumerate(self.slots):
+            if self.writes is not None and not self.writes[i]:
+                continue
             self.table.append(slot, k[i], v[i])

@@ -113,7 +113,9 @@ def denoise_update(model: ServableModel, x: torch.Tensor, v: torch.Tensor, k: to
 @torch.no_grad()
 def run_stage(model: ServableModel, b: int, steps: list[int], states: list[dict[str, torch.Tensor]],
               kv: KVBatch, handoffs: list[Handoff | None] | None = None) -> list[dict[str, torch.Tensor]]:
-    """Run block ``b`` for tasks at denoising steps ``steps`` (one per task, any mix of steps).
+    """Run block ``b`` for tasks at denoising steps ``steps`` (one per task, any mix of steps; step 0 is the
+    clean pass of a model with the ``clean`` history rule: the finished chunk at t = 0, writing the K/V later
+    chunks read, with no head).
 
     Each task's state has batch size 1; ``kv.slots[i]`` is task i's slot; ``handoffs[i]`` its
     chunk's hand-off (applied where block ``b`` is the last, the head of a step).
@@ -126,11 +128,20 @@ def run_stage(model: ServableModel, b: int, steps: list[int], states: list[dict[
     state = stack_states(states)
     k = torch.tensor(steps, dtype=torch.long, device=state["x"].device)
     t = model.timesteps.timestep(k)
+    if model.config.history == "clean":   # denoising steps read the clean K/V; only the clean pass (step 0) writes
+        kv = KVBatch(kv.table, kv.slots, [s == 0 for s in steps])
     h = model.embed(state["cond"], state["x"], t) if b == 0 else state["h"]
     h = model.block(b, h, t, kv)
-    if b == last:
-        x = denoise_update(model, state["x"], model.head(h, t), k, kv, handoffs)
-        out = {"cond": state["cond"], "x": x}
-    else:
-        out = {"cond": state["cond"], "x": state["x"], "h": h}
-    return split_state(out, len(states))
+    if b < last:
+        return split_state({"cond": state["cond"], "x": state["x"], "h": h}, len(states))
+    noisy = [i for i, s in enumerate(steps) if s > 0]     # the clean pass ends with no head: its chunk is done
+    x = state["x"]
+    if len(noisy) == len(steps):
+        x = denoise_update(model, x, model.head(h, t), k, kv, handoffs)
+    elif noisy:
+        rows = torch.tensor(noisy, device=x.device)
+        x = x.clone()
+        x[rows] = denoise_update(model, x[rows], model.head(h[rows], t[rows]), k[rows],
+                                 KVBatch(kv.table, [kv.slots[i] for i in noisy]),
+                                 [handoffs[i] for i in noisy] if handoffs else None)
+    return split_state({"cond": state["cond"], "x": x}, len(states))

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from physis_ros.runtime import protocol as p
-from physis_ros.runtime.plans import Plan
+from physis_ros.runtime.plans import check_clean, Plan
 from physis_ros.runtime.settings import EngineConfig
 from physis_ros.runtime.streams import ChunkOutput, InFlight, ServedModel, StreamState, staggered_anchor
 
@@ -57,6 +57,10 @@ class ChunkScheduler:
                              f"({model.config.steps}x{model.config.blocks})")
         if max(plan.workers_used) >= cfg.workers:
             raise ValueError(f"plan uses worker w{max(plan.workers_used)} but only {cfg.workers} exist")
+        if plan.clean != (model.config.history == "clean"):
+            raise ValueError(f"plan '{plan.name}' is {'' if plan.clean else 'not '}made for the clean history rule "
+                             f"but model '{model.config.name}' reads history by '{model.config.history}'")
+        check_clean(plan)
         held = sum(self.in_flight_limit(s.plan) for s in self.streams.values())
         if held + self.in_flight_limit(plan) > cfg.max_ready:
             raise ValueError(f"stream '{name}' would bring the chunks in flight to "

@@ -48,6 +48,7 @@ class CostProfile:
     engine_ms: float = 0.0                       # the engine's messages per chunk (observation out, chunk in)
     transport: str = "tcp"                       # what hop_ms was measured over (or modelled for)
     notes: dict[str, object] = field(default_factory=dict)
+    clean: bool = False                          # the model's history rule is clean: a row 0 of clean-pass stages
 
     @property
     def modelled(self) -> bool:
@@ -59,12 +60,14 @@ class CostProfile:
 
     @property
     def order(self) -> list[Stage]:
-        return pipeline_order(self.steps, self.blocks)
+        return pipeline_order(self.steps, self.blocks, self.clean)
 
     def forward_ms(self, stage: Stage, batch: int = 1) -> float:
         """The model's time of one forward at ``batch`` (linear between profiled sizes, extrapolated past
-        the largest with the last per-sample slope)."""
-        table = self.stage_ms[stage]
+        the largest with the last per-sample slope). A clean-pass stage ``(0, b)`` not profiled costs what the
+        block's last denoising step ``(1, b)`` costs (the same block forward; the last block's head is left
+        out in the pass and counted here, a small overestimate)."""
+        table = self.stage_ms.get(stage) or self.stage_ms[(1, stage[1])]
         if batch in table:
             return table[batch]
         sizes = sorted(table)
@@ -182,6 +185,7 @@ def profile_from_json(data: dict, cfg: ModelConfig, *, where: str = "profile") -
         engine_ms=number("engine_ms", 2 * number("hop_ms", 0.0)),
         transport=str(data.get("transport", "tcp")),
         notes=dict(data.get("notes", {})) if isinstance(data.get("notes", {}), dict) else {},
+        clean=cfg.history == "clean",
     )
 
 

@@ -6,7 +6,8 @@
   the worker keeps running the others; they are attached between two stages,
   so running streams never wait for a load and their blocks are never rebuilt.
   Blocks no stream uses any more are released.
-- KV: one slot per admitted (stream, stage), allocated when the stream starts
+- KV: one slot per admitted (stream, stage) (under the clean history rule one per (stream, block), which
+  every step reads and the clean pass writes), allocated when the stream starts
   here and freed when it stops (:meth:`StageHost.kv_bytes` is exactly that
   sum, which the scheduler's memory accounting predicts). KV never moves; a
   stream that starts again (a new epoch) gets its slots reset.
@@ -85,10 +86,15 @@ class StageHost:
         host = self.models.get(msg.model.id)
         cfg = host.config if host is not None else from_mapping(ModelConfig, msg.model.config)
         stages = set(msg.stages)
-        bad = sorted(s for s in stages if not (1 <= s[0] <= cfg.steps and 0 <= s[1] < cfg.blocks))
+        clean = cfg.history == "clean"          # a row 0 of clean-pass stages, and each block's rows together
+        bad = sorted(s for s in stages if not ((0 if clean else 1) <= s[0] <= cfg.steps and 0 <= s[1] < cfg.blocks))
         if bad:
             raise ValueError(f"stages {bad} do not exist in model '{cfg.name}' ({cfg.steps} steps x {cfg.blocks} "
-                             f"blocks)")
+                             f"blocks, {cfg.history} history)")
+        split = sorted({b for _, b in stages if clean and any((k, b) not in stages for k in range(cfg.steps + 1))})
+        if split:
+            raise ValueError(f"blocks {split} of model '{cfg.name}' have only some of their stages here; under the "
+                             f"clean history rule a block's steps read the K/V its clean pass writes here")
         routes = {r.stage for r in msg.routes}
         missing = sorted(stages - routes)
         if missing:
@@ -159,13 +165,17 @@ class StageHost:
             self.stop_stream(msg.stream)  # a different placement (never happens to a running stream)
             old = None
         if old is None:
-            slots = {k: next(self._slot_ids) for k in sorted({k for k, _ in stages})}
-            for k, b in stages:
-                host.tables[b].add(slots[k])
+            if host.config.history == "clean":    # one history slot per block, which every step reads
+                shared = next(self._slot_ids)
+                slots = {k: shared for k in sorted({k for k, _ in stages})}
+            else:                                 # one per (step, block): what that step of earlier chunks wrote
+                slots = {k: next(self._slot_ids) for k in sorted({k for k, _ in stages})}
+            for slot, b in {(slots[k], b) for k, b in stages}:
+                host.tables[b].add(slot)
         else:
             slots = old.slots
-            for k, b in stages:
-                host.tables[b].reset(slots[k])
+            for slot, b in {(slots[k], b) for k, b in stages}:
+                host.tables[b].reset(slot)
         self.placements[msg.stream] = Placement(msg.model.id, stages, {r.stage: r.address for r in msg.routes},
                                                 msg.epoch, slots, {r.stage: r.worker for r in msg.routes})
         return sorted(slots.values())
@@ -176,8 +186,8 @@ class StageHost:
         if placement is None:
             return
         host = self.models[placement.model]
-        for k, b in placement.stages:
-            host.tables[b].remove(placement.slots[k])
+        for slot, b in {(placement.slots[k], b) for k, b in placement.stages}:
+            host.tables[b].remove(slot)
         unused = [b for b, t in host.tables.items() if t.slots == 0]
         for b in unused:
             del host.tables[b]

@@ -73,6 +73,8 @@ def worker_time(profile: CostProfile, stages: list[Stage], batching: str, max_ba
 def predict(plan: Plan, profile: CostProfile, batching: str = "off", max_batch: int = 4,
             host_cpus: int | None = None) -> Prediction:
     """``host_cpus``: cores that CPU workers share with the engine (None: workers have their own)."""
+    if plan.clean:      # one chunk in flight: a worker never has two tasks of a block to batch
+        batching = "off"
     # Co-located CPU workers run slower than the profile's one busy process (CostProfile.corun_slowdown).
     cpu = profile.device == "cpu"
     slowdown = profile.corun_slowdown if len(plan.workers_used) > 1 and cpu else 1.0
@@ -85,9 +87,11 @@ def predict(plan: Plan, profile: CostProfile, batching: str = "off", max_batch: 
 
 
 def _block_grouped(steps: int, blocks: int, workers: int, profile: CostProfile, batching: str,
-                   max_batch: int) -> Plan:
-    """Contiguous block ranges (all steps of a block on one worker), balanced at batched cost."""
-    per_block = [worker_time(profile, [(k, b) for k in range(steps, 0, -1)], batching, max_batch)[0]
+                   max_batch: int, clean: bool = False) -> Plan:
+    """Contiguous block ranges (all steps of a block on one worker, its clean pass too), balanced at batched
+    cost."""
+    low = -1 if clean else 0
+    per_block = [worker_time(profile, [(k, b) for k in range(steps, low, -1)], batching, max_batch)[0]
                  for b in range(blocks)]
     sizes = linear_partition(per_block, workers)
     owner, b = {}, 0
@@ -95,11 +99,15 @@ def _block_grouped(steps: int, blocks: int, workers: int, profile: CostProfile, 
         for _ in range(size):
             owner[b] = w
             b += 1
-    return Plan("block", steps, blocks, {(k, bb): owner[bb] for k, bb in pipeline_order(steps, blocks)})
+    return Plan("block", steps, blocks, {(k, bb): owner[bb] for k, bb in pipeline_order(steps, blocks, clean)},
+                clean)
 
 
 def candidates(steps: int, blocks: int, workers: int, profile: CostProfile, batching: str, max_batch: int
                ) -> list[Plan]:
+    if profile.clean:   # a block's stages stay together: sequential or blocks split over workers
+        out = [_block_grouped(steps, blocks, workers, profile, "off", max_batch, clean=True)]
+        return out + [make_plan("sequential", steps, blocks, 1, clean=True)] if workers == 1 else out
     order = pipeline_order(steps, blocks)
     single = [profile.forward_ms(s, 1) for s in order]
     out = [Plan("stage", steps, blocks, segment_assignment(order, linear_partition(single, workers))),
@@ -150,7 +158,11 @@ def resolve_plan(model: ModelConfig, config: EngineConfig, profile: CostProfile 
         except (OSError, ValueError) as exc:
             raise ConfigError("engine.profile", f"cannot read {config.profile}: {exc}") from None
     if config.plan != "auto":
-        return ResolvedPlan(make_plan(config.plan, model.steps, model.blocks, config.workers), profile)
+        try:
+            plan = make_plan(config.plan, model.steps, model.blocks, config.workers, clean=model.history == "clean")
+        except ValueError as exc:
+            raise ConfigError("engine.plan", str(exc)) from None
+        return ResolvedPlan(plan, profile)
     if profile is None:
         log.info("plan 'auto' without a profile: measuring %s on %s", model.name, config.device_of(0))
         profile = measure_profile(model, config.device_of(0))

@@ -15,21 +15,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-Stage = tuple[int, int]  # (step k in K..1, block b in 0..L-1)
+Stage = tuple[int, int]  # (step k in K..1, or 0: the clean pass; block b in 0..L-1)
 PLAN_NAMES = ("sequential", "step", "block", "stage")
 
 
-def next_stage(stage: Stage, steps: int, blocks: int) -> Stage | None:
-    """The stage a chunk visits after ``stage``; None after the last one, ``(1, L-1)``."""
+def next_stage(stage: Stage, steps: int, blocks: int, clean: bool = False) -> Stage | None:
+    """The stage a chunk visits after ``stage``; None after the last one: ``(1, L-1)``, or with ``clean`` (the
+    clean history rule: a pass at t = 0 over the finished chunk writes the K/V later chunks read) ``(0, L-1)``."""
     k, b = stage
     if b + 1 < blocks:
         return (k, b + 1)
-    return (k - 1, 0) if k > 1 else None
+    return (k - 1, 0) if k > 1 or (k == 1 and clean) else None
 
 
-def pipeline_order(steps: int, blocks: int) -> list[Stage]:
-    """All stages in the order one chunk visits them."""
-    return [(k, b) for k in range(steps, 0, -1) for b in range(blocks)]
+def pipeline_order(steps: int, blocks: int, clean: bool = False) -> list[Stage]:
+    """All stages in the order one chunk visits them (with ``clean``, the clean pass's row 0 last)."""
+    return [(k, b) for k in range(steps, -1 if clean else 0, -1) for b in range(blocks)]
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,11 @@ class Plan:
     steps: int
     blocks: int
     assignment: dict[Stage, int]  # stage -> worker index
+    clean: bool = False           # the clean history rule: a row 0 of clean-pass stages, one chunk in flight
 
     @property
     def order(self) -> list[Stage]:
-        return pipeline_order(self.steps, self.blocks)
+        return pipeline_order(self.steps, self.blocks, self.clean)
 
     @property
     def workers_used(self) -> list[int]:
@@ -51,7 +53,7 @@ class Plan:
         return [s for s in self.order if self.assignment[s] == worker]
 
     def next_stage(self, stage: Stage) -> Stage | None:
-        return next_stage(stage, self.steps, self.blocks)
+        return next_stage(stage, self.steps, self.blocks, self.clean)
 
     @property
     def first_stage(self) -> Stage:
@@ -86,7 +88,10 @@ class Plan:
     def in_flight(self, batching: bool, max_batch: int) -> int:
         """Chunks one stream needs in flight to keep every worker busy: one each, or, with batching,
         as many as the steps a worker hosts of one block (those chunks then move through its blocks
-        in lockstep), plus one so the first worker never waits for the engine's round trip."""
+        in lockstep), plus one so the first worker never waits for the engine's round trip. Under the clean
+        history rule one: chunk c reads what chunk c-1's clean pass writes, and that pass comes last."""
+        if self.clean:
+            return 1
         if not batching:
             return len(self.workers_used) + 1
         total = 0
@@ -146,14 +151,32 @@ def segment_assignment(order: list[Stage], sizes: list[int]) -> dict[Stage, int]
     return out
 
 
+def check_clean(plan: Plan) -> None:
+    """ValueError unless every stage of a block runs on one worker under the clean rule: its steps read the K/V
+    its clean pass writes, which stays where it is written."""
+    if not plan.clean:
+        return
+    for b in range(plan.blocks):
+        owners = {plan.assignment[(k, b)] for k in range(plan.steps + 1)}
+        if len(owners) > 1:
+            raise ValueError(f"plan '{plan.name}' puts block {b} on workers {sorted(owners)}; under the clean history "
+                             f"rule every step of a block reads the K/V its clean pass writes, so a block's "
+                             f"stages stay on one worker (use a sequential or block plan)")
+
+
 def make_plan(name: str, steps: int, blocks: int, workers: int,
-              stage_costs: dict[Stage, float] | None = None) -> Plan:
-    """Build a named plan for ``workers`` workers (a plan may leave workers unused)."""
+              stage_costs: dict[Stage, float] | None = None, clean: bool = False) -> Plan:
+    """Build a named plan for ``workers`` workers (a plan may leave workers unused); ``clean``: the model reads
+    history by the clean rule (a row 0 of clean-pass stages; a block's stages on one worker)."""
     if name not in PLAN_NAMES:
         raise ValueError(f"unknown plan '{name}'; choose one of: {', '.join(PLAN_NAMES)}")
     if workers < 1:
         raise ValueError("a plan needs at least one worker")
-    order = pipeline_order(steps, blocks)
+    if clean and name in ("step", "stage"):
+        raise ValueError(f"the '{name}' plan splits a block's steps over workers; under the clean history rule "
+                         f"every step of a block reads the K/V its clean pass writes where it runs: use the "
+                         f"sequential or block plan")
+    order = pipeline_order(steps, blocks, clean)
     if name == "sequential":
         assignment = {s: 0 for s in order}
     elif name == "step":
@@ -177,4 +200,4 @@ def make_plan(name: str, steps: int, blocks: int, workers: int,
     else:
         costs = [1.0 if stage_costs is None else stage_costs[s] for s in order]
         assignment = segment_assignment(order, linear_partition(costs, workers))
-    return Plan(name, steps, blocks, assignment)
+    return Plan(name, steps, blocks, assignment, clean)

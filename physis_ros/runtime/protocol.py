@@ -42,7 +42,7 @@ Req = Annotated[int, Meta(ge=0, le=2**62)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 Clock = Annotated[float, Meta(ge=-1e12, le=1e12)]       # seconds on a process clock (perf_counter)
 Ms = Annotated[float, Meta(ge=0.0, le=1e9)]
-Step = Annotated[int, Meta(ge=1, le=65535)]
+Step = Annotated[int, Meta(ge=0, le=65535)]       # a denoising step; 0: the clean pass (clean history rule)
 Block = Annotated[int, Meta(ge=0, le=65535)]
 Stage = tuple[Step, Block]
 DType = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8"]

@@ -108,7 +108,7 @@ def raw_task(**changes) -> bytes:
     ([raw_task(kind="exec")], "$.kind"),
     ([raw_task(kind="output")], "$.kind"),        # a valid kind, but not one a data socket takes
     ([raw_task(stage=[1])], "$.stage"),
-    ([raw_task(stage=[0, 0])], "$.stage[0]"),     # steps count from 1
+    ([raw_task(stage=[-1, 0])], "$.stage[0]"),    # steps count from 1 (0: the clean pass)
     ([raw_task(chunk="3")], "$.chunk"),
     ([raw_task(chunk=-1)], "$.chunk"),
     ([raw_task(seed="5")], "$.seed"),             # wrong types of the fields that once crashed a worker

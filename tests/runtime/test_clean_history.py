@@ -1,0 +1,72 @@
+"""The clean history rule served by the engine and real workers (issue 54): a row 0 of clean-pass stages
+after each chunk's last step writes the K/V every later chunk reads; one chunk in flight per stream; a
+block's stages on one worker. Bit for bit the sequential reference (physis_ros/reference.py, itself held to
+the full recompute in tests/model/test_history.py)."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from physis_ros.config import ConfigError
+from physis_ros.model import build_model, load_model_config
+from physis_ros.observations import SyntheticScene
+from physis_ros.reference import reference_rollout
+from physis_ros.runtime.offline import run_chunks
+from physis_ros.runtime.planner import choose_plan, predict, resolve_plan
+from physis_ros.runtime.plans import make_plan, pipeline_order
+from physis_ros.runtime.profiler import measure_profile
+from physis_ros.runtime.settings import EngineConfig
+
+pytestmark = pytest.mark.slow   # starts worker processes: not in `make test-fast`
+
+STREAMS = ["robot0", "robot1"]
+
+
+def clean_model(name: str = "tiny-wam"):
+    return replace(load_model_config(name), history="clean")
+
+
+@pytest.mark.parametrize("name, plan, workers", [("tiny-wam", "sequential", 1), ("tiny-wam", "block", 2),
+                                                 ("tiny-acwm", "block", 3)])
+def test_served_bit_for_bit_as_the_reference(name, plan, workers):
+    cfg = clean_model(name)
+    chunks = 2 * cfg.window + 1
+    scene = SyntheticScene(cfg.observation_shapes)
+    out = run_chunks(cfg, EngineConfig(plan=plan, workers=workers, heartbeat_timeout_s=20.0), STREAMS, chunks,
+                     scene.observation)
+    ref = {(r.stream, r.index): r.output.numpy()
+           for r in reference_rollout(build_model(cfg), scene.observation, STREAMS, chunks)}
+    same = {(r.stream, r.index): r.output.numpy() for r in reference_rollout(
+        build_model(replace(cfg, history="same_step")), scene.observation, STREAMS, chunks)}
+    for s in STREAMS:
+        assert [o.chunk for o in out[s]] == list(range(chunks))
+        for o in out[s]:
+            assert np.array_equal(o.output, ref[(s, o.chunk)]), (s, o.chunk)
+            assert o.chunk == 0 or not np.array_equal(o.output, same[(s, o.chunk)])   # the rule was served
+            assert len(o.record.stage_ms) == (cfg.steps + 1) * cfg.blocks          # the clean pass ran too
+
+
+def test_plans_that_split_a_block_are_refused_naming_the_plan():
+    cfg = clean_model()
+    for plan in ("step", "stage"):
+        with pytest.raises(ConfigError) as exc:
+            resolve_plan(cfg, EngineConfig(plan=plan, workers=2))
+        assert exc.value.key == "engine.plan" and "clean history rule" in str(exc.value)
+
+
+def test_the_planner_predicts_one_chunk_in_flight_over_every_stage_and_the_clean_row():
+    """Chunk c cannot start before chunk c-1's clean pass wrote what it reads: the interval is a whole chunk's
+    stages, the clean row included ((steps + 1) x blocks forwards), whatever the plan."""
+    cfg = clean_model()
+    profile = measure_profile(cfg, "cpu")
+    assert profile.clean and len(profile.order) == (cfg.steps + 1) * cfg.blocks == len(pipeline_order(
+        cfg.steps, cfg.blocks, True))
+    one = predict(make_plan("sequential", cfg.steps, cfg.blocks, 1, clean=True), profile)
+    assert one.plan.in_flight(False, 4) == 1
+    assert one.interval_ms == pytest.approx(sum(profile.time_ms(s) for s in profile.order) + profile.engine_ms,
+                                            rel=0.05)
+    best = choose_plan(cfg.steps, cfg.blocks, 2, profile)
+    assert best.plan.clean and best.plan.name == "block"
+    same = predict(make_plan("sequential", cfg.steps, cfg.blocks, 1), replace(profile, clean=False))
+    assert one.interval_ms > same.interval_ms     # the clean row costs a step's worth more
