@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 from pathlib import Path
 
@@ -49,7 +49,9 @@ from physis_ros.observations import SyntheticScene
 from physis_ros.reference import reference_rollout
 from physis_ros.runtime.engine import Engine, Observation, ServedModel
 from physis_ros.heap import rss_mb
+from physis_ros.runtime.planner import predict
 from physis_ros.runtime.plans import PLAN_NAMES, make_plan
+from physis_ros.runtime.profiler import measure_profile
 from physis_ros.runtime.settings import LAUNCHERS, RayConfig
 from physis_ros.telemetry import percentile, summarize
 
@@ -60,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-wam")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--plans", default="sequential,step,block,stage")
+    p.add_argument("--history", choices=("same_step", "clean"),
+                   help="serve the model under this history rule instead of its own (docs/history.md)")
     p.add_argument("--chunks", type=int, default=200)
     p.add_argument("--skip", type=int, default=0, help="fill-phase chunks to exclude (0: 10 + 2 x segments)")
     p.add_argument("--repeats", type=int, default=3,
@@ -165,12 +169,22 @@ def parallel_limit(model: str, chunks: int, device: str) -> dict:
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     config = load_model_config(args.model)
+    if args.history:
+        config = replace(config, history=args.history)
     scene = SyntheticScene(config.observation_shapes)
     plans = [p.strip() for p in args.plans.split(",") if p.strip()]
     unknown = [p for p in plans if p not in PLAN_NAMES]
     if unknown:
         print(f"error: unknown plan(s) {unknown}; choose from {', '.join(PLAN_NAMES)}", file=sys.stderr)
         return 2
+    for name in plans:
+        try:
+            make_plan(name, config.steps, config.blocks, args.workers, clean=config.history == "clean")
+        except ValueError as exc:
+            print(f"error: --plans {name}: {exc}", file=sys.stderr)
+            return 2
+    # The planner's prediction of each plan's interval, from a profile measured here first (physis-profile's).
+    args.profile = measure_profile(config, args.device)
     reference = None
     if args.verify:
         model = build_model(config, device=args.device)
@@ -178,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
     if "ray" in args.launcher and args.socket != "tcp":
         print("error: --launcher ray needs --socket tcp (workers on other hosts)", file=sys.stderr)
         return 2
-    result = {"model": config.name, "workers": args.workers, "chunks": args.chunks, "device": args.device,
+    result = {"model": config.name, "history": config.history, "workers": args.workers, "chunks": args.chunks,
+              "device": args.device,
               "socket": args.socket, "transports": args.transport, "spin_us": args.spin_us,
               "launchers": args.launcher, "plans": {}}
     args.curve = None
@@ -248,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, result)
     if args.plot:
         plot(series, result, args.plot)
-    print(json.dumps({n: {k: e[k] for k in ("interval_ms_p50", "chunks_per_s", "efficiency")}
+    print(json.dumps({n: {k: e[k] for k in ("interval_ms_p50", "predicted_interval_ms", "chunks_per_s", "efficiency")}
                       for n, e in result["plans"].items()}, indent=1))
     differ = {n: e["max_abs_diff_vs_reference"] for n, e in result["plans"].items()
               if e["max_abs_diff_vs_reference"] not in (None, 0.0)}
@@ -314,7 +329,8 @@ def compare(args: argparse.Namespace, plans: list[str], runs: dict[str, list[dic
 
 def run_plan(name: str, config, args: argparse.Namespace, scene: SyntheticScene, reference,
              variant: Variant = Variant("local", "zmq", 0)) -> tuple[dict, list]:
-    plan = make_plan(name, config.steps, config.blocks, args.workers)
+    plan = make_plan(name, config.steps, config.blocks, args.workers, clean=config.history == "clean")
+    predicted = predict(plan, args.profile, host_cpus=os.cpu_count() if variant.launcher == "local" else None)
     launcher = variant.launcher
     curve = {"curve_keys": args.curve[0], "bind_host": args.curve[1]} if launcher == "local" and args.curve else {}
     engine_cfg = EngineConfig(workers=args.workers, plan=name, devices=[args.device], transport=args.socket,
@@ -331,6 +347,8 @@ def run_plan(name: str, config, args: argparse.Namespace, scene: SyntheticScene,
         "plan": plan.describe(),
         "hops_per_chunk": plan.hops(),
         "interval_ms_p50": stats["interval_ms_p50"],
+        "predicted_interval_ms": predicted.interval_ms,
+        "in_flight": plan.in_flight(False, 1),
         "interval_ms_p99": stats["interval_ms_p99"],
         "latency_ms_p50": stats["latency_ms_p50"],
         "latency_ms_p99": stats["latency_ms_p99"],
