@@ -127,10 +127,12 @@ def memory_fields(cfg: ModelConfig) -> dict[str, int]:
 
 def stream_memory_bytes(cfg: ModelConfig) -> dict[str, int]:
     """What one stream of ``cfg`` needs in the workers' memory together, at least, from the model's shape
-    alone (no profile, no build): the weights of every block, a KV slot for every stage (step x block)
+    alone (no profile, no build): the weights of every block, a KV slot for every stage (step x block; one per
+    block under the clean history rule)
     and two hidden-state buffers (what placement charges its ranks, summed)."""
     m = memory_fields(cfg)
-    return {"weights": cfg.blocks * m["block_weight_bytes"], "kv": cfg.steps * cfg.blocks * m["kv_bytes"],
+    slots = 1 if cfg.history == "clean" else cfg.steps      # per block: the clean pass's one, or one per step
+    return {"weights": cfg.blocks * m["block_weight_bytes"], "kv": slots * cfg.blocks * m["kv_bytes"],
             "buffers": 2 * m["hidden_bytes"]}
 
 

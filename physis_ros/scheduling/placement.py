@@ -191,7 +191,7 @@ class JointScheduler(Scheduler):
             mem_left = (c.mem_cap[busy] - mem_after[busy]) / c.mem_cap[busy]
             out += [(int(d), q_full) for d in busy[np.lexsort((busy, mem_left, shared, time_left))]]
         lds = self.config.lds
-        if lds.split and room_for_more and q_full - p > 1:
+        if lds.split and room_for_more and q_full - p > 1 and not seq.profile.clean:
             free_ms = (c.util_cap - c.util) * slo - seq.profile.hop_ms
             ends = seq.cum_arr.searchsorted(seq.cum[p] + free_ms + EPS, side="right") - 1
             ends = np.minimum(ends, q_full)
@@ -409,7 +409,8 @@ class JointScheduler(Scheduler):
             devices = [d for d, _, _ in pieces]
             method = "best-fit" if disc == 0 else "lds"
         else:
-            devices = self._equal_fallback(req) if self.config.equal_fallback else None
+            fallback = self.config.equal_fallback and not seq.profile.clean   # clean: one rank, never split
+            devices = self._equal_fallback(req) if fallback else None
             if devices is None:
                 reason, detail = self._diagnose(seq)
                 return self._reject(req, reason, detail, t0, nodes)

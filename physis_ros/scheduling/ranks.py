@@ -85,7 +85,8 @@ def make_rank(profile: CostProfile, index: int, stages: list[Stage]) -> VirtualR
     return VirtualRank(
         model=profile.model, index=index, stages=tuple(stages),
         compute_ms=sum(profile.time_ms(s) for s in stages), hop_ms=profile.hop_ms,
-        kv_bytes=len(stages) * profile.kv_bytes, buffer_bytes=2 * profile.hidden_bytes,
+        kv_bytes=(len(blocks) if profile.clean else len(stages)) * profile.kv_bytes,   # clean: a slot per block
+        buffer_bytes=2 * profile.hidden_bytes,
         blocks=frozenset(blocks), block_list=tuple(blocks), block_counts=tuple(counts[b] for b in blocks),
         block_index=np.array(blocks, dtype=np.intp), count_array=np.array([counts[b] for b in blocks], dtype=np.int64),
         work_array=np.array([sum(profile.time_ms(s) for s in stages if s[1] == b) for b in blocks]),
@@ -97,8 +98,24 @@ def rank_budget_ms(slo_ms: float, headroom: float) -> float:
 
 
 def check_reachable(profile: CostProfile, slo_ms: float, headroom: float, device_bytes: float) -> None:
-    """Raise :class:`Unplaceable` when one stage alone breaks the SLO budget or the device memory."""
+    """Raise :class:`Unplaceable` when one stage alone breaks the SLO budget or the device memory; for a model
+    with the clean history rule, the whole chunk (its stages run one after another, one chunk in flight, all on
+    one device: it is one rank)."""
     budget = rank_budget_ms(slo_ms, headroom)
+    if profile.clean:
+        whole = make_rank(profile, 0, profile.order)
+        if whole.work_ms > budget + EPS:
+            raise Unplaceable("slo-unreachable",
+                              f"a chunk of {profile.model} takes {whole.work_ms:.3f} ms (its {len(profile.order)} "
+                              f"stages, the clean pass included, one after another: the clean history rule keeps "
+                              f"one chunk in flight) > SLO {slo_ms:g} ms x (1 - headroom {headroom:g}) = "
+                              f"{budget:.3f} ms, even alone")
+        need = whole.alone_bytes(profile)
+        if need > device_bytes:
+            raise Unplaceable("memory-unreachable",
+                              f"a chunk of {profile.model} (clean history rule: all its stages on one device) "
+                              f"needs {need / 1e9:.2f} GB > {device_bytes / 1e9:.2f} GB usable on one device")
+        return
     for s in profile.order:
         ms = profile.time_ms(s) + profile.hop_ms
         if ms > budget + EPS:
@@ -113,8 +130,11 @@ def check_reachable(profile: CostProfile, slo_ms: float, headroom: float, device
 
 
 def pack_ranks(profile: CostProfile, slo_ms: float, headroom: float, device_bytes: float) -> list[VirtualRank]:
-    """Fewest contiguous ranks, each within the SLO budget and one empty device's memory."""
+    """Fewest contiguous ranks, each within the SLO budget and one empty device's memory (clean history rule:
+    one rank of every stage)."""
     check_reachable(profile, slo_ms, headroom, device_bytes)
+    if profile.clean:
+        return [make_rank(profile, 0, profile.order)]
     budget = rank_budget_ms(slo_ms, headroom)
     ranks: list[VirtualRank] = []
     current: list[Stage] = []
@@ -199,6 +219,8 @@ class StageSeq:
         return self._ranks[key]
 
     def full_end(self, p: int) -> int:
+        if self.profile.clean:      # one rank of every stage (checked to fit when the sequence was made)
+            return self.n
         if p not in self._full_end:
             prof = self.profile
             blocks = {self.order[p][1]}

@@ -112,10 +112,10 @@ class Rejected(Exception):
         return self.reason
 
 
-def plan_of(placed: PlacedStream, steps: int, blocks: int) -> Plan:
+def plan_of(placed: PlacedStream, steps: int, blocks: int, clean: bool = False) -> Plan:
     """The runtime plan of a placed stream: each stage on the worker (device) of its rank."""
     assignment = {s: d for r, d in zip(placed.ranks, placed.devices) for s in r.stages}
-    return Plan("joint", steps, blocks, assignment)
+    return Plan("joint", steps, blocks, assignment, clean)
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ class ServerAdmission:
     def _book(self, model: ServedModel, placed: PlacedStream) -> Admitted:
         """A stream placed: its plan, kept as admitted (a new placement on the host)."""
         cfg = model.config
-        admitted = Admitted(placed.stream, model, plan_of(placed, cfg.steps, cfg.blocks), placed)
+        admitted = Admitted(placed.stream, model, plan_of(placed, cfg.steps, cfg.blocks, cfg.history == "clean"), placed)
         self.admitted[placed.stream] = admitted
         self.version += 1
         return admitted

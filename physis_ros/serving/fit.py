@@ -18,10 +18,6 @@ def check_stream_model(key: str, stream: StreamConfig, model: ModelConfig) -> No
     """A stream must fit its model: every observation the model takes has a topic that feeds it (camera,
     joint states, actions to imagine), and the joint names cover its state and action columns.
     ``key``: the stream's dotted config key, for the error."""
-    if model.history != "same_step":
-        raise ConfigError(f"{key}.model", f"model '{model.name}' reads history by the '{model.history}' rule, "
-                                          f"which physis-rollout and the references compute but the stage pipeline "
-                                          f"does not serve yet; serve a same_step model")
     unsupported = sorted(set(model.observation_shapes) - set(OBSERVATION_TOPICS))
     if unsupported:
         raise ConfigError(f"{key}.model", f"model '{model.name}' needs observations {unsupported} that no ROS "

@@ -91,13 +91,3 @@ def test_an_unknown_rule_is_refused_naming_the_field(tmp_path):
         load_model_config(path)
     assert exc.value.key == "history" and "same_step" in str(exc.value) and "clean" in str(exc.value)
 
-
-def test_the_server_refuses_a_rule_its_pipeline_does_not_serve():
-    from physis_ros.config import from_mapping
-    from physis_ros.serving.config import StreamConfig
-    from physis_ros.serving.fit import check_stream_model
-    stream = from_mapping(StreamConfig, {"joint_names": [f"j{i}" for i in range(7)]})
-    check_stream_model("streams.r0", stream, load_model_config("tiny-wam"))
-    with pytest.raises(ConfigError) as exc:
-        check_stream_model("streams.r0", stream, replace(load_model_config("tiny-wam"), history="clean"))
-    assert exc.value.key == "streams.r0.model" and "'clean' rule" in str(exc.value)

@@ -70,3 +70,37 @@ def test_the_planner_predicts_one_chunk_in_flight_over_every_stage_and_the_clean
     assert best.plan.clean and best.plan.name == "block"
     same = predict(make_plan("sequential", cfg.steps, cfg.blocks, 1), replace(profile, clean=False))
     assert one.interval_ms > same.interval_ms     # the clean row costs a step's worth more
+
+
+def test_a_clean_model_is_admitted_on_one_worker_and_served_through_the_server_api(tmp_path):
+    """Admission places a clean model's chunk as one rank on one worker (its stages run one after another),
+    sizes its K/V one slot per block, and the Server API serves it bit for bit as the reference."""
+    import time
+
+    import yaml
+
+    from physis_ros.model.spec import presets_dir
+    from physis_ros.reference import ReferenceRollout
+    from physis_ros.serving import Server
+    from physis_ros.serving.tensors import preprocess
+
+    data = yaml.safe_load((presets_dir() / "tiny-wam.yaml").read_text())
+    path = tmp_path / "tiny-wam-clean.yaml"
+    path.write_text(yaml.safe_dump({**data, "name": "tiny-wam-clean", "history": "clean"}))
+    rng = np.random.default_rng(3)
+    frames = [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(5)]
+    states = [rng.uniform(-1, 1, 7) for _ in range(5)]
+    config = {"model": str(path), "deterministic": True, "engine": {"workers": 2}}
+    with Server.from_config(config) as server:
+        session = server.join("r0", joint_names=[f"j{i}" for i in range(7)])
+        placed = server.streams()["r0"]
+        t0 = time.time()
+        for c in range(5):
+            session.observe(images={"camera": frames[c]}, state=states[c], stamp_s=t0 + 0.01 * c)
+        chunks = [session.next_chunk(timeout_s=60.0) for _ in range(5)]
+        seed = server.config.engine.seed
+    assert len(placed["workers"]) == 1, placed
+    ref = ReferenceRollout(build_model(str(path)), seed=seed)
+    for c, chunk in enumerate(chunks):
+        obs = {"image": preprocess(frames[c], "rgb8", 32, 3, "center_crop"), "state": states[c].astype(np.float32)}
+        assert chunk.index == c and np.array_equal(chunk.actions, ref.step("r0", obs).output.numpy()), c

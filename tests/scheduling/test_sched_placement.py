@@ -248,3 +248,21 @@ def test_the_simplest_best_fit_baseline_places_nothing_and_says_where_it_would()
     assert (sched.cluster.util == before).all()
     assert sched.admit(req).admitted and sched.admit(StreamRequest("b", "m", 100.0)).admitted
     assert sched.simplest_best_fit(StreamRequest("c", "m", 50.0)) is None    # 0.8 + 0.8 of 0.9: no time left
+
+
+def test_a_clean_history_stream_is_one_rank_on_one_device_never_split():
+    """Under the clean rule a chunk's stages run one after another (one chunk in flight): the whole chunk,
+    clean row included, is one rank; a device with a gap too small for it is not filled with a piece; an SLO
+    below the chunk's work is refused naming the rule; K/V counts one slot per block."""
+    prof = dataclasses.replace(make_profile(steps=2, blocks=2, stage_ms=1.0, kv_gb=1.0), clean=True)
+    cluster = Cluster([make_device(), make_device()], 0.0, {"m": prof})
+    sched = JointScheduler(cluster, make_config(split=True))
+    (rank,) = sched.ranks_for("m", 10.0)
+    assert len(rank.stages) == 6 and rank.compute_ms == 6.0 and rank.kv_bytes == 2 * GB   # 3 rows x 2 blocks
+    first = sched.admit(StreamRequest("a", "m", 10.0))          # 6 of 10 ms on one device
+    second = sched.admit(StreamRequest("b", "m", 10.0))         # does not fit beside it: the other device whole
+    assert first.admitted and second.admitted and {first.placed.devices[0], second.placed.devices[0]} == {0, 1}
+    third = sched.admit(StreamRequest("c", "m", 10.0))          # 4 ms left on each: no piece of it fits anywhere
+    assert not third.admitted and third.reason == "time-capacity"
+    tight = sched.admit(StreamRequest("d", "m", 5.0))
+    assert not tight.admitted and tight.reason == "slo-unreachable" and "one chunk in flight" in tight.detail
