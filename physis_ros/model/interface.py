@@ -55,7 +55,7 @@ class ServableModel(nn.Module, ABC):
     def __init__(self, config: ModelConfig, hosted_blocks: Iterable[int] | None = None):
         super().__init__()
         self.config = config
-        self.timesteps = FlowMatchingTimesteps(config.steps, config.timestep_shift)
+        self.timesteps = FlowMatchingTimesteps(config.steps, config.timestep_shift, config.sigmas)
         blocks = range(config.blocks) if hosted_blocks is None else hosted_blocks
         self.hosted_blocks = frozenset(int(b) for b in blocks)
         bad = sorted(b for b in self.hosted_blocks if not 0 <= b < config.blocks)

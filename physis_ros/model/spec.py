@@ -125,7 +125,12 @@ class ModelConfig:
     ffn: int = field(default=0, metadata=bounded(ge=0))  # 0 means 4 * hidden
     window: int = field(default=2, metadata=bounded(ge=1))
     sink: bool = False
-    timestep_shift: float = field(default=1.0, metadata=bounded(gt=0.0))
+    timestep_shift: float = field(default=1.0, metadata=bounded(
+        gt=0.0, doc="shift of the uniform noise-level grid, t' = s t / (1 + (s - 1) t) as in SD3 / Wan (1: uniform)"))
+    sigmas: list[float] | None = field(default=None, metadata=bounded(
+        doc="the noise levels of the denoising steps, from the first (noisiest, at most 1) down to the last, one "
+            "per step, strictly decreasing and above 0 (the Euler steps then end at 0); unset: the shifted "
+            "uniform grid"))
     history: str = field(default="same_step", metadata=bounded(
         choices=tuple(HISTORY_RULES), doc="how a chunk reads earlier chunks' K/V (docs/history.md): same_step "
                                           "(at its own denoising step) or clean (what a pass at t = 0 over "
@@ -139,6 +144,14 @@ class ModelConfig:
     def validate(self) -> None:
         if self.hidden % self.heads:
             raise ConfigError("heads", f"{self.heads} must divide hidden {self.hidden}")
+        if self.sigmas is not None:
+            grid = [float(x) for x in self.sigmas]
+            if len(grid) != self.steps:
+                raise ConfigError("sigmas", f"{len(grid)} noise levels for {self.steps} steps: give one per step")
+            if not all(0.0 < x <= 1.0 for x in grid) or any(a <= b for a, b in zip(grid, grid[1:])):
+                raise ConfigError("sigmas", f"{grid} must decrease strictly, within (0, 1]")
+            if self.timestep_shift != 1.0:
+                raise ConfigError("timestep_shift", "a model with explicit sigmas takes no shift: shift the list")
         check_family(self.kind)
         if self.kind in ("wam", "acwm") and getattr(self, self.kind) is None:
             raise ConfigError(self.kind, f"kind '{self.kind}' needs a '{self.kind}:' section")

@@ -91,3 +91,35 @@ def test_an_unknown_rule_is_refused_naming_the_field(tmp_path):
         load_model_config(path)
     assert exc.value.key == "history" and "same_step" in str(exc.value) and "clean" in str(exc.value)
 
+
+
+def test_a_schedule_is_data_an_explicit_grid_or_shift_and_steps():
+    """issue 54 item 3: ``sigmas`` lists each step's noise level; the shifted uniform grid written out as a list
+    is the same model bit for bit, another grid (WaveServe-like: shift 5, ending near 0.024) another one."""
+    from physis_ros.model.timesteps import FlowMatchingTimesteps
+
+    base = replace(load_model_config("tiny-wam"), blocks=2, timestep_shift=3.0)
+    written = [float(x) for x in reversed(FlowMatchingTimesteps(base.steps, 3.0).t[1:].tolist())]
+    listed = replace(base, timestep_shift=1.0, sigmas=written)
+    wave = replace(base, timestep_shift=1.0, sigmas=[1.0, 0.8, 0.35, 0.024])
+    outs = {}
+    for name, cfg in (("shift", base), ("listed", listed), ("wave", wave)):
+        scene = SyntheticScene(cfg.observation_shapes)
+        ref = ReferenceRollout(build_model(cfg), seed=1)
+        outs[name] = [ref.step("r0", scene.observation("r0", c)).output for c in range(3)]
+    assert build_model(wave).timesteps.t.tolist() == pytest.approx([0.0, 0.024, 0.35, 0.8, 1.0])
+    assert all(torch.equal(a, b) for a, b in zip(outs["shift"], outs["listed"]))
+    assert all((a - b).abs().max() > 1e-4 for a, b in zip(outs["shift"], outs["wave"]))
+
+
+@pytest.mark.parametrize("sigmas, key, words", [([1.0, 0.5], "sigmas", "2 noise levels for 4 steps"),
+                                                ([1.0, 0.5, 0.6, 0.1], "sigmas", "must decrease strictly"),
+                                                ([1.5, 0.5, 0.3, 0.1], "sigmas", "within (0, 1]"),
+                                                ([1.0, 0.5, 0.3, 0.0], "sigmas", "within (0, 1]")])
+def test_a_bad_grid_is_refused_naming_the_field(tmp_path, sigmas, key, words):
+    text = (load_model_config.__globals__["presets_dir"]() / "tiny-wam.yaml").read_text()
+    path = tmp_path / "m.yaml"
+    path.write_text(text + f"sigmas: {sigmas}\n")
+    with pytest.raises(ConfigError) as exc:
+        load_model_config(path)
+    assert exc.value.key == key and words in str(exc.value)

@@ -104,3 +104,17 @@ def test_a_clean_model_is_admitted_on_one_worker_and_served_through_the_server_a
     for c, chunk in enumerate(chunks):
         obs = {"image": preprocess(frames[c], "rgb8", 32, 3, "center_crop"), "state": states[c].astype(np.float32)}
         assert chunk.index == c and np.array_equal(chunk.actions, ref.step("r0", obs).output.numpy()), c
+
+
+def test_an_explicit_noise_grid_reaches_the_workers():
+    """A model's sigmas travel with its config to every worker: two workers on a block plan, same_step, equal
+    to the reference bit for bit (and not to the default grid)."""
+    cfg = replace(load_model_config("tiny-wam"), sigmas=[1.0, 0.8, 0.35, 0.024])
+    scene = SyntheticScene(cfg.observation_shapes)
+    out = run_chunks(cfg, EngineConfig(plan="block", workers=2, heartbeat_timeout_s=20.0), STREAMS[:1], 3,
+                     scene.observation)
+    ref = [r.output.numpy() for r in reference_rollout(build_model(cfg), scene.observation, STREAMS[:1], 3)]
+    plain = [r.output.numpy() for r in reference_rollout(build_model(replace(cfg, sigmas=None)), scene.observation,
+                                                         STREAMS[:1], 3)]
+    assert all(np.array_equal(o.output, ref[o.chunk]) for o in out["robot0"])
+    assert not np.array_equal(out["robot0"][1].output, plain[1])
