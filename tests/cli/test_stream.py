@@ -274,12 +274,13 @@ def test_an_add_to_a_server_that_never_decides_ends_with_a_clear_error(live):
         mute = ActionServer(live.probe.node, ServeStream, f"/{NODE}_mute/serve_stream", never,
                             cancel_callback=cancel)
     try:
-        add = live.cli("--timeout", "3", "add", "--name", "mute", "--namespace", f"{TAG}_mute", "--joints",
+        # 8 s: under the full suite's load the probe's executor has taken over 3 s to accept the goal
+        add = live.cli("--timeout", "8", "add", "--name", "mute", "--namespace", f"{TAG}_mute", "--joints",
                        ",".join(JOINTS), server=f"/{NODE}_mute")
         code, stdout, stderr = add.wait(timeout=60.0)
         assert code == 2 and stdout == [], (stdout, stderr)
         assert len(stderr) == 1 and stderr[0].startswith("physis-stream: error: "), stderr
-        assert "did not decide within 3 s" in stderr[0], stderr
+        assert "did not decide within 8 s" in stderr[0], stderr
         live.probe.wait(lambda: len(cancels) == 1, 10.0, "the goal to be withdrawn")
     finally:
         with live.probe._spinning:
