@@ -40,7 +40,7 @@ class ReferenceRollout:
     def __init__(self, model: ServableModel, seed: int = 0):
         self.model = model
         self.seed = seed
-        self.clean = model.config.history == "clean"
+        self.clean = model.config.clean_pass
         self._tables: dict[str, list[KVTable]] = {}
         self._next_chunk: dict[str, int] = {}
 

@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for name in plans:
         try:
-            make_plan(name, config.steps, config.blocks, args.workers, clean=config.history == "clean")
+            make_plan(name, config.steps, config.blocks, args.workers, clean=config.clean_pass)
         except ValueError as exc:
             print(f"error: --plans {name}: {exc}", file=sys.stderr)
             return 2
@@ -329,7 +329,7 @@ def compare(args: argparse.Namespace, plans: list[str], runs: dict[str, list[dic
 
 def run_plan(name: str, config, args: argparse.Namespace, scene: SyntheticScene, reference,
              variant: Variant = Variant("local", "zmq", 0)) -> tuple[dict, list]:
-    plan = make_plan(name, config.steps, config.blocks, args.workers, clean=config.history == "clean")
+    plan = make_plan(name, config.steps, config.blocks, args.workers, clean=config.clean_pass)
     predicted = predict(plan, args.profile, host_cpus=os.cpu_count() if variant.launcher == "local" else None)
     launcher = variant.launcher
     curve = {"curve_keys": args.curve[0], "bind_host": args.curve[1]} if launcher == "local" and args.curve else {}

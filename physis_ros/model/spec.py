@@ -187,6 +187,12 @@ class ModelConfig:
         return self.observation_shapes["actions"][0]
 
     @property
+    def clean_pass(self) -> bool:
+        """The clean history rule: after a chunk's last step a pass at t = 0 writes the K/V later chunks read
+        (a row 0 of stages, one K/V slot per block)."""
+        return self.history == "clean"
+
+    @property
     def ffn_dim(self) -> int:
         return self.ffn or 4 * self.hidden
 

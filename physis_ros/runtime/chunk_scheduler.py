@@ -57,7 +57,7 @@ class ChunkScheduler:
                              f"({model.config.steps}x{model.config.blocks})")
         if max(plan.workers_used) >= cfg.workers:
             raise ValueError(f"plan uses worker w{max(plan.workers_used)} but only {cfg.workers} exist")
-        if plan.clean != (model.config.history == "clean"):
+        if plan.clean != model.config.clean_pass:
             raise ValueError(f"plan '{plan.name}' is {'' if plan.clean else 'not '}made for the clean history rule "
                              f"but model '{model.config.name}' reads history by '{model.config.history}'")
         check_clean(plan)

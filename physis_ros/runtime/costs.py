@@ -131,7 +131,7 @@ def stream_memory_bytes(cfg: ModelConfig) -> dict[str, int]:
     block under the clean history rule)
     and two hidden-state buffers (what placement charges its ranks, summed)."""
     m = memory_fields(cfg)
-    slots = 1 if cfg.history == "clean" else cfg.steps      # per block: the clean pass's one, or one per step
+    slots = 1 if cfg.clean_pass else cfg.steps      # per block: the clean pass's one, or one per step
     return {"weights": cfg.blocks * m["block_weight_bytes"], "kv": slots * cfg.blocks * m["kv_bytes"],
             "buffers": 2 * m["hidden_bytes"]}
 
@@ -187,7 +187,7 @@ def profile_from_json(data: dict, cfg: ModelConfig, *, where: str = "profile") -
         engine_ms=number("engine_ms", 2 * number("hop_ms", 0.0)),
         transport=str(data.get("transport", "tcp")),
         notes=dict(data.get("notes", {})) if isinstance(data.get("notes", {}), dict) else {},
-        clean=cfg.history == "clean",
+        clean=cfg.clean_pass,
     )
 
 

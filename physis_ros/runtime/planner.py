@@ -159,7 +159,7 @@ def resolve_plan(model: ModelConfig, config: EngineConfig, profile: CostProfile 
             raise ConfigError("engine.profile", f"cannot read {config.profile}: {exc}") from None
     if config.plan != "auto":
         try:
-            plan = make_plan(config.plan, model.steps, model.blocks, config.workers, clean=model.history == "clean")
+            plan = make_plan(config.plan, model.steps, model.blocks, config.workers, clean=model.clean_pass)
         except ValueError as exc:
             raise ConfigError("engine.plan", str(exc)) from None
         return ResolvedPlan(plan, profile)

@@ -60,7 +60,7 @@ class StageBench:
             cond = model.encode(model.observation_tensors(scene.observation("profile", 0)))
             h = model.embed(cond, base["x"], model.timesteps.timestep(torch.tensor([config.steps], device=model.device)))
         self.first, self.step0, self.mid = base, {"cond": cond, "x": base["x"]}, {"cond": cond, "x": base["x"], "h": h}
-        self.order = pipeline_order(config.steps, config.blocks, config.history == "clean")
+        self.order = pipeline_order(config.steps, config.blocks, config.clean_pass)
 
     def run(self, stage: Stage, n: int) -> float:
         """One forward of ``stage`` at batch n; wall ms. Appends roll each slot's window, so the cache stays
@@ -108,7 +108,7 @@ def measure_profile(config: ModelConfig, device: str = "cpu", batch_sizes: tuple
     return CostProfile(config.name, device, f"measured:{socket.gethostname()}", config.steps, config.blocks,
                        stage_ms, hop_ms, **{**memory_fields(config), "hidden_bytes": hidden_bytes},
                        overhead_ms_per_call=measure_worker_overhead(config, device), corun_slowdown=slowdown,
-                       engine_ms=engine_ms, transport="tcp", clean=config.history == "clean")
+                       engine_ms=engine_ms, transport="tcp", clean=config.clean_pass)
 
 
 def pipeline_pass_ms(config: ModelConfig, seconds: float, start_at: float = 0.0, wait_ms: float = 0.0) -> float:
@@ -200,7 +200,7 @@ def measure_worker_overhead(config: ModelConfig, device: str = "cpu", chunks: in
     sink_addr = f"tcp://127.0.0.1:{sink.bind_to_random_port('tcp://127.0.0.1')}"
     try:
         worker.cmd_load(p.Load(req=0, threads=torch.get_num_threads()))
-        order = pipeline_order(config.steps, config.blocks, config.history == "clean")
+        order = pipeline_order(config.steps, config.blocks, config.clean_pass)
         worker.start_stream_now(p.StartStream(
             req=0, stream="profile", epoch=0, model=p.ModelRef(id=config.name, config=to_mapping(config)),
             stages=order, routes=[p.Route(s, sink_addr) for s in order]))

@@ -354,7 +354,7 @@ class TaskRunner:
                 ran.append((task.stage, timer))
                 if last or timer.wall_end > deadline:
                     break
-                nxt = next_stage(task.stage, steps, blocks, host.config.history == "clean")
+                nxt = next_stage(task.stage, steps, blocks, host.config.clean_pass)
                 if timer.wall_end >= look:   # (a look costs as much as the rest of the step between two stages)
                     if self.has_task():
                         break
@@ -378,7 +378,7 @@ class TaskRunner:
     @staticmethod
     def _leaves_after(stage: Stage, placement: Placement, config: ModelConfig) -> bool:
         """Whether a chunk leaves this worker after ``stage`` (for the next stage's worker, or the engine)."""
-        nxt = next_stage(stage, config.steps, config.blocks, config.history == "clean")
+        nxt = next_stage(stage, config.steps, config.blocks, config.clean_pass)
         return nxt is None or nxt not in placement.stages
 
     def _wake_next(self, task: p.Task, placement: Placement) -> None:
@@ -431,7 +431,7 @@ class TaskRunner:
         if placement is None or placement.epoch != task.epoch:  # stopped or reset while this task ran
             return
         cfg = self.host.models[placement.model].config
-        nxt = next_stage(task.stage, cfg.steps, cfg.blocks, cfg.history == "clean")
+        nxt = next_stage(task.stage, cfg.steps, cfg.blocks, cfg.clean_pass)
         if nxt is not None and nxt in placement.stages:
             task.stage, job.received = nxt, now
             self.ready.append(job)

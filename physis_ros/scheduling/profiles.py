@@ -48,7 +48,7 @@ def roofline_profile(cfg: ModelConfig, dev: DeviceSpec,
                      batches: Iterable[int] = DEFAULT_BATCHES) -> CostProfile:
     """Modelled per-stage times of ``cfg`` on ``dev`` (every stage is one block forward)."""
     table = {n: roofline_ms(cfg, dev, n) for n in batches}
-    order = pipeline_order(cfg.steps, cfg.blocks, cfg.history == "clean")
+    order = pipeline_order(cfg.steps, cfg.blocks, cfg.clean_pass)
     flops = cfg.spec.block_flops
     bound = "compute" if flops / (dev.peak_tflops * dev.efficiency) > block_bytes(cfg, 1) / (
         dev.mem_bw_gbps * dev.bw_efficiency) * 1e3 else "memory"
@@ -60,7 +60,7 @@ def roofline_profile(cfg: ModelConfig, dev: DeviceSpec,
                "efficiency": dev.efficiency, "bw_efficiency": dev.bw_efficiency,
                "launch_overhead_us": dev.launch_overhead_us,
                "prologue_epilogue": "embed/head not modelled (small next to a block)"},
-        clean=cfg.history == "clean",
+        clean=cfg.clean_pass,
     )
 
 

@@ -237,7 +237,7 @@ class ServerAdmission:
     def _book(self, model: ServedModel, placed: PlacedStream) -> Admitted:
         """A stream placed: its plan, kept as admitted (a new placement on the host)."""
         cfg = model.config
-        admitted = Admitted(placed.stream, model, plan_of(placed, cfg.steps, cfg.blocks, cfg.history == "clean"), placed)
+        admitted = Admitted(placed.stream, model, plan_of(placed, cfg.steps, cfg.blocks, cfg.clean_pass), placed)
         self.admitted[placed.stream] = admitted
         self.version += 1
         return admitted
