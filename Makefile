@@ -10,7 +10,7 @@
 #
 # Every step is guarded by a stamp, so `make setup` with nothing changed is a
 # no-op:
-#   .venv/.stamps/requirements   <- requirements.txt
+#   .venv/.stamps/requirements   <- requirements.txt requirements-nodeps.txt
 #   physis_ros/msg/.built        <- msg/*.msg srv/*.srv action/*.action CMakeLists.txt package.xml tools/build_msgs.sh
 #   .venv/.stamps/editable       <- setup.py
 # The msg stamp lives inside the generated (git-ignored) physis_ros/msg/, so
@@ -38,7 +38,7 @@ DEMO_ARGS   ?= --duration 20
 
 setup: $(REQ_STAMP) $(MSG_STAMP) $(EDITABLE_STAMP)
 
-$(REQ_STAMP): requirements.txt
+$(REQ_STAMP): requirements.txt requirements-nodeps.txt
 	@test -x $(VPY) || { \
 	  echo ">> creating $(VENV) with $(PYTHON)"; \
 	  $(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
@@ -46,6 +46,8 @@ $(REQ_STAMP): requirements.txt
 	  $(PYTHON) -m venv $(VENV); }
 	@echo ">> installing requirements.txt into $(VENV)"
 	$(VPY) -m pip install --disable-pip-version-check -q -r requirements.txt
+	@echo ">> installing requirements-nodeps.txt (without their declared dependencies)"
+	$(VPY) -m pip install --disable-pip-version-check -q --no-deps -r requirements-nodeps.txt
 	@mkdir -p $(STAMPS) && touch $@
 
 $(MSG_STAMP): $(REQ_STAMP) $(MSG_FILES) CMakeLists.txt package.xml tools/build_msgs.sh

@@ -27,7 +27,7 @@ LAYERS = {
     "msg": 4.5, "action": 4.5, "srv": 4.5,        # the ROS interfaces (generated)
     "console": 4.8,                               # what every console command shares
     "launcher": 4.8,                              # child processes (server, synthetic robot) for demo, bench, tests
-    "ros": 5, "train": 5,                         # front ends
+    "ros": 5, "train": 5, "openpi": 5,            # front ends
     "bags": 6, "bench": 6,
     "cli": 7,
 }

@@ -24,6 +24,7 @@ from typing import Any
 
 from physis_ros.config import ConfigError, bounded, described, from_mapping, load_yaml, repo_config_dir
 from physis_ros.runtime.settings import EngineConfig
+from physis_ros.serving.openpi_config import OpenpiConfig
 from physis_ros.serving.policies import resolve_policy
 
 PREPROCESS_MODES = ("resize", "center_crop", "pad")
@@ -292,6 +293,7 @@ class ServeConfig:
         "the default model: preset (config/models/), model YAML or checkpoint (.safetensors)"))
     engine: EngineConfig = field(default_factory=EngineConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    openpi: OpenpiConfig = field(default_factory=OpenpiConfig)
     # Each chunk consumes the next complete observation in arrival order instead of the latest one.
     deterministic: bool = field(default=False, metadata=described(
         "chunk c consumes the c-th complete observation (bag replay checks) instead of the latest one"))

@@ -82,6 +82,11 @@ class SessionHealth:
             self.recovering = None
 
 
+def _kind(images: Any, state: Any) -> str:
+    """The input counter an observation's rejection is counted under."""
+    return "images" if images is not None else ("joints" if state is not None else "actions")
+
+
 class Session:
     """A stream admitted by the server (see the module's docstring). ``name``, ``config`` (its
     StreamConfig), ``model`` (its ModelConfig), ``workers`` and ``slo_interval_ms`` say what it is."""
@@ -133,11 +138,10 @@ class Session:
             if not isinstance(stamp, (int, float)) or not math.isfinite(stamp):
                 raise InputRejected("malformed", f"stamp_s: {stamp!r}; give time.time() seconds")
             check_stamp_s(float(stamp), now, self.config.max_future_s, self.config.max_age_s)
-            parts = self._tensors(images, state, actions)
         except InputRejected as exc:
-            kind = "images" if images is not None else ("joints" if state is not None else "actions")
-            self.input.reject(exc.reason, kind)
+            self.input.reject(exc.reason, _kind(images, state))
             raise
+        parts = self.tensors(images, state, actions)
         ns = int(round(float(stamp) * 1e9))
         for name, data in parts.items():
             sample = Sample(data, float(stamp), ns)
@@ -145,6 +149,18 @@ class Session:
                 self.input.put_image(sample)
             else:
                 self.input.put(name, sample)
+
+    def tensors(self, images: Mapping[str, np.ndarray] | None = None, state: Any = None,
+                actions: Any = None) -> dict[str, np.ndarray]:
+        """One observation's parts (as :meth:`observe` takes them) as the model's input tensors, checked and
+        resampled: what :meth:`observe` queues, and what a front end with a ``source`` hands the engine.
+        A bad part raises :class:`~physis_ros.serving.tensors.InputRejected` naming the field, and is
+        counted."""
+        try:
+            return self._tensors(images, state, actions)
+        except InputRejected as exc:
+            self.input.reject(exc.reason, _kind(images, state))
+            raise
 
     def _tensors(self, images, state, actions) -> dict[str, np.ndarray]:
         shapes, s, dtype = self.model.observation_shapes, self.config, self.model.dtype
