@@ -84,6 +84,8 @@ def test_readme_blocks_run_as_written(index, tmp_path):
         # robot2 was admitted and served; robot3 refused for the control timeline, the line says what to change
         assert '"outcome": "cancelled"' in proc.stdout, where
         assert "timeline:" in proc.stdout + proc.stderr and "refused, as expected" in proc.stdout, where
+    if "--openpi" in body:   # the real openpi client got the chunk of its observation
+        assert "(16, 7)" in proc.stdout.splitlines(), where
     if "physis-bag check" in body:
         assert (tmp_path / "out" / "check" / "report" / "summary.md").is_file(), where
 

@@ -1,6 +1,7 @@
 """``physis-serve``: run the ``physis_server`` ROS 2 node (the action server) until Ctrl-C.
 
-    physis-serve --config config/serve.yaml [--duration S] [--deterministic] [--ros-args ...]
+    physis-serve --config config/serve.yaml [--duration S] [--deterministic] [--openpi PORT] [--ros-args ...]
+    physis-serve --no-ros --openpi PORT [--config config/serve.yaml]     (openpi clients only, no ROS)
 
 Without ``--config`` the configuration comes from ROS parameters (what
 ``ros2 launch physis_ros serve.launch.py`` passes). The node is a lifecycle node: with
@@ -53,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="BOOL", help="configure and activate the lifecycle node at start (default: true)")
     p.add_argument("--no-autostart", dest="autostart", action="store_false",
                    help="start unconfigured and wait for lifecycle transitions (configure, activate, ...)")
+    p.add_argument("--openpi", type=port_arg, default=None, metavar="PORT",
+                   help="also serve openpi clients (openpi_client.WebsocketClientPolicy) on this port, sharing the "
+                        "workers and admission (0: any free port; sets openpi.port; docs/openpi.md)")
+    p.add_argument("--no-ros", action="store_true",
+                   help="serve only openpi clients, without ROS in the process (needs --openpi or openpi.port; the "
+                        "config's streams, which read ROS topics, are left out)")
     p.add_argument("--trajectory-topic", default="",
                    help="joint_trajectory topic of a single-stream config, e.g. /arm_controller/joint_trajectory "
                         "(empty: keep; several streams: set streams.<name>.topics.joint_trajectory)")
@@ -83,7 +90,19 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
         out["deterministic"] = True
     if args.use_sim_time:
         out["use_sim_time"] = True
+    if args.openpi is not None:
+        out["openpi"] = {"port": args.openpi}
     return out
+
+
+def port_arg(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0 to 65535; 0: any free one)")
+    return port
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(split_ros_args("physis-serve", argv))   # bad flags: before the heavy imports
+    if args.no_ros:
+        from physis_ros.cli.serve_openpi import serve_without_ros
+
+        return serve_without_ros(args, overrides_from_args(args))
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.signals import SignalHandlerOptions

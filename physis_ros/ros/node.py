@@ -26,6 +26,7 @@ from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
 
+from physis_ros.config import ConfigError
 from physis_ros.heap import HeapTrimmer
 from physis_ros.msg import ChunkTelemetry
 from physis_ros.ros import diagnostics, qos, rosout
@@ -75,6 +76,7 @@ class PhysisServer(LifecycleNode):
         self.armed = False
         self.finalized = False
         self.server: Server | None = None   # the serving application, from configure to cleanup
+        self.openpi = None                   # its openpi front end (physis_ros.openpi), when openpi.port is set
         self.engine_started: float | None = None   # time.monotonic() of configure
         self.serving_since: float | None = None
         self.hostname = socket.gethostname()
@@ -132,6 +134,11 @@ class PhysisServer(LifecycleNode):
         self.serving_since = None
         self.configured = list(c.streams)
         self.server.launch()
+        if c.openpi.port is not None:   # openpi clients beside the robots on topics: the same workers and admission
+            from physis_ros.openpi import OpenpiFrontEnd
+
+            self.openpi = OpenpiFrontEnd(self.server, log=logging.getLogger("physis.openpi"))
+            self.openpi.start()
         self.executor.create_task(self._admit_config_streams())
 
     async def _admit_config_streams(self) -> None:
@@ -160,6 +167,9 @@ class PhysisServer(LifecycleNode):
         for name in list(self.streams):
             self.actions.end(name, "shutdown", "the server is stopping")
         self.hub.forget_all()
+        if self.openpi is not None:
+            self.openpi.close()
+            self.openpi = None
         done = self.server.close(timeout) if self.server is not None else True
         self.server = None
         self.state = "stopped"
@@ -180,7 +190,12 @@ class PhysisServer(LifecycleNode):
 
     # ---- lifecycle (executor thread) ----------------------------------------------------------------
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self.start_engine()   # returns at once; /diagnostics says "starting" until the workers serve
+        try:
+            self.start_engine()   # returns at once; /diagnostics says "starting" until the workers serve
+        except (ConfigError, OSError) as exc:   # the openpi front end could not listen: nothing half-started
+            self.get_logger().error(f"configure failed: {exc}")
+            self.stop_engine()
+            return TransitionCallbackReturn.FAILURE
         self.lifecycle = "inactive"
         return SUCCESS
 

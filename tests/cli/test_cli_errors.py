@@ -106,6 +106,9 @@ class Case:
         return self.cmd.split()[0]
 
 
+OPEN_OPENPI_CONFIG = yaml.safe_dump({"openpi": {"host": "0.0.0.0", "api_key_env": "PHYSIS_TEST_UNSET_KEY"}})
+
+
 def case(cmd, content=None, code=2, words=(), suffix="", **extra):
     words = (words,) if isinstance(words, str) else tuple(words)
     return pytest.param(Case(cmd, content, suffix, code, words, extra), id=cmd.replace("{", "").replace("}", ""))
@@ -206,6 +209,10 @@ CASES = [
          ".yaml", **{"profile.json": "{not json"}),
     case("physis-serve --config {input} --duration 1", BAD_KEYS_CONFIG, 2, ["curve_keys", "physis-keys"],
          ".yaml", **{"keys": CORRUPT_KEYS}),
+    case("physis-serve --no-ros --duration 1", None, 2, ["openpi.port", "--openpi PORT"]),
+    case("physis-serve --openpi 70000 --duration 1", None, 2, ["--openpi", "TCP port"]),
+    case("physis-serve --no-ros --openpi 0 --config {input} --duration 1", OPEN_OPENPI_CONFIG, 2,
+         ["openpi.api_key_env", "PHYSIS_TEST_UNSET_KEY", "not loopback"], ".yaml"),
     # ---- physis-demo
     case("physis-demo --config {input}", "", 2, ["empty"], ".yaml"),
     case("physis-demo --rate 0", None, 2, ["--rate", "> 0"]),
