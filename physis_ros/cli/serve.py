@@ -114,7 +114,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(split_ros_args("physis-serve", argv))   # bad flags: before the heavy imports
+    if "--no-ros" in argv:   # no ROS in the process: not even rclpy's argument parsing
+        if "--ros-args" in argv:
+            print("physis-serve: error: --no-ros takes no --ros-args; drop one of them", file=sys.stderr)
+            return 2
+        own = argv
+    else:
+        own = split_ros_args("physis-serve", argv)
+    args = build_parser().parse_args(own)   # bad flags: before the heavy imports
     if args.no_ros:
         from physis_ros.cli.serve_openpi import serve_without_ros
 

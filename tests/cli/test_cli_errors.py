@@ -211,6 +211,7 @@ CASES = [
          ".yaml", **{"keys": CORRUPT_KEYS}),
     case("physis-serve --no-ros --duration 1", None, 2, ["openpi.port", "--openpi PORT"]),
     case("physis-serve --openpi 70000 --duration 1", None, 2, ["--openpi", "TCP port"]),
+    case("physis-serve --no-ros --openpi 0 --ros-args -p a:=1", None, 2, ["--no-ros", "--ros-args"]),
     case("physis-serve --no-ros --openpi 0 --config {input} --duration 1", OPEN_OPENPI_CONFIG, 2,
          ["openpi.api_key_env", "PHYSIS_TEST_UNSET_KEY", "not loopback"], ".yaml"),
     # ---- physis-demo

@@ -63,6 +63,8 @@ def test_no_ros_serves_openpi_clients_alone_and_reports_them(tmp_path):
     try:
         policy, reply = infer_until_served(f"ws://127.0.0.1:{port}/?name=arm")
         assert reply["actions"].shape == (16, 7) and np.isfinite(reply["actions"]).all()
+        maps = Path(f"/proc/{child.pid}/maps").read_text()
+        assert "rclpy" not in maps and "librcl" not in maps   # no ROS in the process
         for k in range(1, 3):
             assert policy.infer(OBS)["server_timing"]["chunk"] == k
         policy._ws.close()
