@@ -118,6 +118,7 @@ class Connection:
         with self.lock:
             self.waiting = (stamp, future)
             self.pending = (tensors, stamp)
+        session.announce()
         timeout = self.front.config.infer_timeout_s
         try:
             chunk = await asyncio.wait_for(future, timeout)

@@ -54,6 +54,9 @@ __all__ = ["ChunkOutput", "Engine", "EngineError", "EngineHealth", "Observation"
 BURST = 64  # output messages handled per turn before yielding to the monitor, feeders and control plane
 # EngineConfig.cpu_host: after a worker's Wake the output loop polls without sleeping at most this long
 OUTPUT_SPIN_S = 0.003
+# A feeder with no observation for its stream's next chunk looks again this often, or at once when its front
+# end says one is ready (Engine.observed).
+OBSERVE_POLL_S = 0.005
 
 
 @dataclass
@@ -66,6 +69,8 @@ class StreamIO:
     keep_outputs: bool = False
     outputs: list[ChunkOutput] = field(default_factory=list)
     credit: asyncio.Event = field(default_factory=asyncio.Event)   # set when a chunk in flight less may free one
+    observed: asyncio.Event = field(default_factory=asyncio.Event)  # set when the front end has an observation
+    waiting: bool = False               # the feeder waits for an observation (observed is worth setting)
     done: asyncio.Event = field(default_factory=asyncio.Event)     # the stream is over (ChunkScheduler.done)
     feeder: asyncio.Task | None = None
     first_addr: str = ""                # the data address of the stream's first stage's worker
@@ -353,16 +358,42 @@ class Engine:
                     delay = sched.release_at(s, time.monotonic()) - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-            obs = io.observe(s.next_chunk)
-            while obs is None:  # no observation yet (a camera not publishing): poll, do not spin
-                await asyncio.sleep(0.005)
-                obs = io.observe(s.next_chunk)
+            obs = await self._observation(s, io)
             r = sched.release(s, time.monotonic(), self.clock(), obs.stamp, obs.tag)
             order = time.perf_counter()
             task = p.Task(stream=s.name, chunk=r.chunk, stage=s.plan.first_stage, epoch=r.epoch, seed=self.config.seed,
                           order=order, deadline=order + r.slack_s, sent=order, handoff=r.handoff)
             await self._push[io.first_addr].send_multipart(wire.encode(task, observation_payload(obs.data)),
                                                            copy=False)
+
+    async def _observation(self, s: StreamState, io: StreamIO) -> Observation:
+        """The observation for the stream's next chunk: now, or once its front end has one (it says so through
+        :meth:`observed`; else the next poll finds it: a camera not publishing is polled, never spun on)."""
+        obs = io.observe(s.next_chunk)
+        while obs is None:
+            io.observed.clear()
+            io.waiting = True
+            obs = io.observe(s.next_chunk)   # (it may have come between the look above and the flag)
+            if obs is not None:
+                break
+            try:
+                await asyncio.wait_for(io.observed.wait(), OBSERVE_POLL_S)
+            except TimeoutError:
+                pass
+            obs = io.observe(s.next_chunk)
+        io.waiting = False
+        return obs
+
+    def observed(self, name: str) -> None:
+        """Stream ``name``'s front end has an observation for it: a feeder waiting for one takes it now."""
+        io = self.io.get(name)
+        if io is not None:
+            io.observed.set()
+
+    def waiting_for_observation(self, name: str) -> bool:
+        """Whether stream ``name``'s feeder waits for an observation (read from any thread)."""
+        io = self.io.get(name)
+        return io is not None and io.waiting
 
     def _waker(self, s: StreamState, io: StreamIO) -> Callable[[], Awaitable[None]] | None:
         """Sends a Wake to the stream's first worker ahead of its next release (None: wake-ups are off)."""

@@ -95,6 +95,17 @@ class EngineThread:
                 await engine.remove_stream(name)
         return self.submit(remove)
 
+    def observed(self, stream: str) -> None:
+        """An observation for ``stream`` is ready: if its feeder waits for one, it takes it now instead of at
+        its next poll (nothing is sent to the loop otherwise)."""
+        engine, loop = self.engine, self._loop
+        if engine is None or loop is None or not engine.waiting_for_observation(stream):
+            return
+        try:
+            loop.call_soon_threadsafe(engine.observed, stream)
+        except RuntimeError:
+            pass   # the loop is closed: the stream is gone
+
     def set_slo(self, stream: str, slo_interval_ms: float | None) -> None:
         """Change a stream's SLO interval at run time (deadline-miss flags, task deadlines, its bound)."""
         async def update(engine: Engine) -> None:

@@ -241,7 +241,8 @@ class Server:
             session = Session(name, stream, served, origin, admitted.workers, slo,
                               StreamInput(cfg.deterministic, cfg.deterministic_queue, cfg.pair_timeout_s,
                                           stream.max_age_s, self.clock, paired),
-                              self.clock, on_chunk, cfg.stats_window, source, timeline)
+                              self.clock, on_chunk, cfg.stats_window, source, timeline,
+                              wake=lambda: engine.observed(name))
             future = engine.add_stream(name, session.take, session.deliver, model=served, plan=admitted.plan,
                                        slo_interval_ms=slo, release_interval_ms=pace if paced else None,
                                        timeline=timeline,

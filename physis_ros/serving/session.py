@@ -94,7 +94,8 @@ class Session:
     def __init__(self, name: str, config: StreamConfig, served: ServedModel, origin: str, workers: list[str],
                  slo_interval_ms: float, input: StreamInput, clock: Callable[[], float],
                  on_chunk: Callable[[Chunk], None] | None = None, stats_window: int = 200,
-                 source: Source | None = None, timeline: ControlTimeline | None = None):
+                 source: Source | None = None, timeline: ControlTimeline | None = None,
+                 wake: Callable[[], None] | None = None):
         self.name = name
         self.config = config
         self.served = served
@@ -106,6 +107,7 @@ class Session:
         self.clock = clock
         self.on_chunk = on_chunk
         self.source = source
+        self._wake = wake   # tells the engine an observation is ready (EngineThread.observed)
         # where its chunks land on the robot's clock, and the chunk the robot executes (the engine places
         # each released chunk on it, the front end each published one)
         self.timeline = timeline
@@ -149,6 +151,14 @@ class Session:
                 self.input.put_image(sample)
             else:
                 self.input.put(name, sample)
+        self.announce()
+
+    def announce(self) -> None:
+        """An observation is ready (:meth:`observe` says so itself; a front end with a ``source`` says so once
+        it has one): if the engine waits for one for this stream, it takes it now rather than at its next
+        look."""
+        if self._wake is not None:
+            self._wake()
 
     def tensors(self, images: Mapping[str, np.ndarray] | None = None, state: Any = None,
                 actions: Any = None) -> dict[str, np.ndarray]:
