@@ -1,7 +1,7 @@
 """``physis-bench SUBCOMMAND``: benchmarks that write JSON (and plots).
 
     physis-bench pipeline | timeshare | soak | streams | ros | admission | handoff | hop | goals | churn
-                 | admission-accuracy  [options]
+                 | admission-accuracy | openpi  [options]
     (physis-bench SUB --help)
 
 Each subcommand lives in ``physis_ros.bench.<name>`` and provides
@@ -41,6 +41,8 @@ SUBCOMMANDS = {
     "hop": "hidden-state hop time per transport (zmq tcp/ipc, gloo; nccl on CUDA) vs memcpy, 64K-64M",
     "goals": "a burst of ServeStream goals at once: every goal answered (admitted, or refused with a reason)",
     "churn": "robots join and leave over and over: the RSS of the server and of each worker after N cycles",
+    "openpi": "openpi clients (the real openpi-client) on our front end vs openpi-server's sequential "
+              "WebsocketPolicyServer: closed-loop throughput and round trip, paced clients within the SLO",
     "admission-accuracy": "robots added with admission off until one misses the SLO (feasible), then through "
                           "Server.join with admission on: admitted / feasible, admitted meeting the SLO",
 }
@@ -58,7 +60,7 @@ BOUNDS = {
     "profile_repeats": (1, False), "robots": (1, False), "execution_horizon": (1, False), "burst": (1, False), "max_pending_goals": (1, False), "cancels": (1, False),
     "cycles": (1, False), "heartbeat_timeout": (0, True), "baseline": (1, False), "tolerance": (0, False), "sample": (1, False),
     "reply_timeout": (0, True), "settle_s": (0, False), "window_s": (0, True), "measure_s": (0, True),
-    "max_robots": (1, False),
+    "max_robots": (1, False), "closed_rate_hz": (0, True), "peer_threads": (0, False),
 }
 
 

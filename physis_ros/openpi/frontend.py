@@ -71,6 +71,7 @@ class Connection:
     def __init__(self, front: OpenpiFrontEnd, name: str, loop: asyncio.AbstractEventLoop):
         self.front, self.name, self.loop = front, name, loop
         self.session: Session | None = None
+        self.ws: ServerConnection | None = None
         self.lock = threading.Lock()
         self.pending: tuple[dict[str, np.ndarray], float] | None = None   # (tensors, stamp) not taken yet
         self.waiting: tuple[float, asyncio.Future] | None = None          # (stamp, its reply's future)
@@ -285,6 +286,7 @@ class OpenpiFrontEnd:
             self.counts["refused"] += 1
             await ws.close(1013 if exc.reason in RETRY_LATER else 1008, close_reason(f"{exc.reason}: {exc.detail}"))
             return
+        conn.ws = ws
         self.connections[name] = conn
         self.counts["connections"] += 1
         try:
@@ -340,12 +342,17 @@ class OpenpiFrontEnd:
         return out
 
     def _on_server_event(self, event: ServerEvent) -> None:
-        """A reset loses the chunk a client waits for: tell it now instead of at its timeout."""
+        """A reset loses the chunk a client waits for: tell it now instead of at its timeout. A stream the
+        server ended (its engine failed, it is stopping) closes its connection (1011), saying why."""
         conn = self.connections.get(event.stream)
-        if conn is None or event.kind != "reset" or self._loop is None:
+        if conn is None or self._loop is None:
             return
-        self._loop.call_soon_threadsafe(conn.fail, f"reset ({event.reason}): the chunk of this observation was "
-                                                   f"lost ({event.detail}); send the observation again")
+        if event.kind == "reset":
+            self._loop.call_soon_threadsafe(conn.fail, f"reset ({event.reason}): the chunk of this observation "
+                                                       f"was lost ({event.detail}); send the observation again")
+        elif event.kind == "ended" and event.reason != "left" and conn.ws is not None:
+            reason = close_reason(f"ended ({event.reason}): {event.detail}")
+            asyncio.run_coroutine_threadsafe(conn.ws.close(1011, reason), self._loop)
 
     def stats(self) -> dict[str, Any]:
         """Connections open, and counts: connections, refused, unauthorized, over_limit, infers, malformed,

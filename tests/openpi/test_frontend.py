@@ -294,3 +294,42 @@ def test_the_api_key_is_required_off_loopback(server, monkeypatch):
         check_reply(policy.infer(observation()), 0)
         close(policy)
         assert open_front.counts["unauthorized"] == 2
+
+
+def test_cadence_timeline_holds_a_client_to_its_booking(server, front):
+    """``cadence=timeline``: each observation waits for the stream's booked release; replies still come, one
+    chunk per observation, in order."""
+    policy = WebsocketClientPolicy(url(front, "name=paced&cadence=timeline"))
+    try:
+        replies = [policy.infer(observation(k)) for k in range(3)]
+    finally:
+        close(policy)
+    for k, reply in enumerate(replies):
+        check_reply(reply, k)
+
+
+def test_a_killed_worker_answers_the_waiting_client_and_the_stream_carries_on_in_a_new_epoch(server, front):
+    """Last in this module: it kills a worker (the engine restarts it)."""
+    import os
+    import signal
+
+    policy = WebsocketClientPolicy(url(front, "name=victim2"))
+    try:
+        check_reply(policy.infer(observation(0)), 0)
+        worker = policy.get_server_metadata()["workers"][0]
+        os.kill(server.stats()["workers"][worker]["pid"], signal.SIGKILL)
+        answers, deadline = [], time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                reply = policy.infer(observation(1))
+            except RuntimeError as exc:   # the chunk lost to the reset, said at once (or at the infer timeout)
+                assert "reset" in str(exc) or "timeout" in str(exc), exc
+                answers.append("error")
+                continue
+            answers.append(reply["server_timing"]["epoch"])
+            if reply["server_timing"]["epoch"] >= 1:
+                break
+        assert answers and answers[-1] == 1, answers
+        assert np.isfinite(reply["actions"]).all()
+    finally:
+        close(policy)
