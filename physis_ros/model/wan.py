@@ -1,0 +1,240 @@
+"""Wan trunks from diffusers directories, cut into stages over diffusers' own modules.
+
+A directory is what ``WanTransformer3DModel.save_pretrained`` writes (``config.json`` and
+``diffusion_pytorch_model.safetensors``, or its ``.safetensors.index.json`` and shards), or a pipeline
+directory holding it in ``transformer/``. :func:`load_wan` reads it as a trunk without blocks (the patch
+embedding, the time and text embedders, RoPE, the output norm and projection) and builds only the blocks
+asked for, each a diffusers ``WanTransformerBlock`` loaded from the tensors ``blocks.{b}.*`` alone.
+
+:class:`WanStages` is the stage path over those modules: ``encode`` (prompt embeddings -> text tokens,
+once per chunk), ``embed`` (noisy latent ``[B, C, F, H, W]`` at timesteps ``t`` -> hidden tokens and the
+step's modulation), ``block`` (one diffusers block), ``head`` (velocity in the latent layout). Chained
+by :func:`sample`, the sampler the docs state::
+
+    x = noise
+    for k in 0..K-1:
+        v = model(x, timestep = 1000 * sigmas[k], prompt embeddings)
+        x = x + (sigmas[k + 1] - sigmas[k]) * v
+    output = x
+
+it equals the same loop over ``WanTransformer3DModel.forward`` exactly in fp32 (tests/model/test_wan.py).
+History K/V across chunks (the stage path's attention processor) builds on this.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONFIG = "config.json"
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+INDEX = "diffusion_pytorch_model.safetensors.index.json"
+CLASS = "WanTransformer3DModel"
+
+
+class WanLoadError(ValueError):
+    """A directory that is not a Wan transformer we can read; the message names the file (and tensor)."""
+
+
+def transformer_dir(path: str | Path) -> Path:
+    """The directory holding the transformer's ``config.json``: ``path``, or its ``transformer/``."""
+    root = Path(path)
+    for candidate in (root, root / "transformer"):
+        if (candidate / CONFIG).is_file():
+            return candidate
+    raise WanLoadError(f"{root}: no {CONFIG} (nor transformer/{CONFIG}); give a directory written by "
+                       f"WanTransformer3DModel.save_pretrained, or a pipeline directory holding one")
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    path = directory / CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise WanLoadError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(config, dict) or config.get("_class_name") != CLASS:
+        got = config.get("_class_name") if isinstance(config, dict) else type(config).__name__
+        raise WanLoadError(f"{path}: _class_name is {got!r}; a {CLASS} is needed")
+    return config
+
+
+def weight_map(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it (one file, or an index and its shards)."""
+    from safetensors import safe_open
+
+    index = directory / INDEX
+    if index.is_file():
+        try:
+            entries = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise WanLoadError(f"{index}: not a safetensors index ({exc})") from None
+        return {name: directory / file for name, file in entries.items()}
+    single = directory / WEIGHTS
+    if not single.is_file():
+        raise WanLoadError(f"{directory}: neither {WEIGHTS} nor {INDEX}")
+    try:
+        with safe_open(single, "pt") as f:
+            return {name: single for name in f.keys()}
+    except Exception as exc:   # safetensors' own errors (truncated, not safetensors)
+        raise WanLoadError(f"{single}: not a readable safetensors file ({exc})") from None
+
+
+def read_tensors(files: dict[str, Path], names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Only the tensors ``names``, each from its file."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    out = {}
+    for path, wanted in by_file.items():
+        try:
+            with safe_open(path, "pt") as f:
+                for name in wanted:
+                    out[name] = f.get_tensor(name)
+        except Exception as exc:   # noqa: BLE001 (a missing shard, a truncated file)
+            raise WanLoadError(f"{path}: cannot read {wanted[0]} ({exc})") from None
+    return out
+
+
+def _load(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """``tensors`` into ``module``: every parameter present and of its shape, nothing left over."""
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise WanLoadError(f"{where}: tensor {missing[0]} is missing ({len(missing)} missing)")
+    for name, value in tensors.items():
+        if name not in expected:
+            raise WanLoadError(f"{where}: tensor {name} is not part of the model")
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise WanLoadError(f"{where}: tensor {name} has shape {tuple(value.shape)}, the config needs "
+                               f"{tuple(expected[name].shape)}")
+    module.load_state_dict(tensors, strict=True)
+
+
+@dataclass
+class WanTrunk:
+    """A Wan transformer as loaded: its diffusers config, the trunk without blocks, and the blocks built."""
+
+    config: dict[str, Any]
+    trunk: torch.nn.Module                    # WanTransformer3DModel with no blocks
+    blocks: dict[int, torch.nn.Module]        # block index -> WanTransformerBlock
+    files: dict[str, Path]                    # tensor name -> file (to build more blocks)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_layers"])
+
+    def build_block(self, b: int) -> torch.nn.Module:
+        """Block ``b`` as diffusers builds it, loaded from its tensors alone."""
+        from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+        if not 0 <= b < self.num_layers:
+            raise ValueError(f"block {b} does not exist; the model has blocks 0..{self.num_layers - 1}")
+        c = self.config
+        block = WanTransformerBlock(c["num_attention_heads"] * c["attention_head_dim"], c["ffn_dim"],
+                                    c["num_attention_heads"], c.get("qk_norm", "rms_norm_across_heads"),
+                                    c.get("cross_attn_norm", True), c.get("eps", 1e-6), c.get("added_kv_proj_dim"))
+        prefix = f"blocks.{b}."
+        names = [n for n in self.files if n.startswith(prefix)]
+        tensors = read_tensors(self.files, names)
+        _load(block, {n[len(prefix):]: v for n, v in tensors.items()}, f"block {b}")
+        return block.eval().requires_grad_(False)
+
+
+def load_wan(path: str | Path, blocks: Iterable[int] | None = None) -> WanTrunk:
+    """The Wan transformer of directory ``path`` with only ``blocks`` built (None: all). WanLoadError names
+    the file (and tensor) of a directory we cannot read."""
+    from diffusers import WanTransformer3DModel
+
+    directory = transformer_dir(path)
+    config = read_config(directory)
+    files = weight_map(directory)
+    init = {k: v for k, v in config.items() if not k.startswith("_")}
+    try:
+        trunk = WanTransformer3DModel.from_config({**init, "num_layers": 0})
+    except Exception as exc:   # noqa: BLE001 (diffusers' own checks of the config)
+        raise WanLoadError(f"{directory / CONFIG}: not a config diffusers can build ({exc})") from None
+    names = [n for n in files if not n.startswith("blocks.")]
+    _load(trunk, read_tensors(files, names), f"{directory}: the trunk")
+    loaded = WanTrunk(config, trunk.eval().requires_grad_(False), {}, files)
+    for b in range(loaded.num_layers) if blocks is None else sorted(set(blocks)):
+        loaded.blocks[b] = loaded.build_block(b)
+    return loaded
+
+
+@dataclass
+class StepEmbedding:
+    """What every block of one denoising step reads beside the hidden tokens."""
+
+    temb: torch.Tensor              # [B, D], the head's modulation
+    timestep_proj: torch.Tensor     # [B, 6, D], each block's modulation
+    rotary: tuple[torch.Tensor, torch.Tensor]   # RoPE cos, sin [1, T, 1, head_dim]
+    grid: tuple[int, int, int]      # latent frames, height, width after patching
+
+
+class WanStages:
+    """The stage path over a :class:`WanTrunk`'s diffusers modules (see the module's docstring)."""
+
+    def __init__(self, wan: WanTrunk):
+        self.wan = wan
+        self.trunk = wan.trunk
+
+    def encode(self, prompt_embeds: torch.Tensor) -> torch.Tensor:
+        """Prompt embeddings ``[B, L, text_dim]`` -> text tokens ``[B, L, D]`` (once per chunk)."""
+        return self.trunk.condition_embedder.text_embedder(prompt_embeds)
+
+    def embed(self, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, StepEmbedding]:
+        """Noisy latent ``[B, C, F, H, W]`` at timesteps ``t`` ``[B]`` (0..1000) -> hidden ``[B, T, D]``."""
+        trunk = self.trunk
+        ce = trunk.condition_embedder
+        p_t, p_h, p_w = trunk.config.patch_size
+        _, _, frames, height, width = x.shape
+        rotary = trunk.rope(x)
+        h = trunk.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()
+        proj = ce.timesteps_proj(t)
+        dtype = next(iter(ce.time_embedder.parameters())).dtype
+        temb = ce.time_embedder(proj.to(dtype) if proj.dtype != dtype else proj).type_as(h)
+        timestep_proj = ce.time_proj(ce.act_fn(temb)).unflatten(1, (6, -1))
+        return h, StepEmbedding(temb, timestep_proj, rotary, (frames // p_t, height // p_h, width // p_w))
+
+    def block(self, b: int, h: torch.Tensor, text: torch.Tensor, step: StepEmbedding) -> torch.Tensor:
+        """Block ``b`` (diffusers' own module) on hidden ``[B, T, D]``."""
+        return self.wan.blocks[b](h, text, step.timestep_proj, step.rotary)
+
+    def head(self, h: torch.Tensor, step: StepEmbedding) -> torch.Tensor:
+        """Hidden ``[B, T, D]`` -> velocity ``[B, C, F, H, W]``."""
+        trunk = self.trunk
+        shift, scale = (trunk.scale_shift_table + step.temb.unsqueeze(1)).chunk(2, dim=1)
+        h = (trunk.norm_out(h.float()) * (1 + scale) + shift).type_as(h)
+        h = trunk.proj_out(h)
+        p_t, p_h, p_w = trunk.config.patch_size
+        f, hh, ww = step.grid
+        h = h.reshape(h.shape[0], f, hh, ww, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return h.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """One denoising step's model call through every block, in order."""
+        h, step = self.embed(x, t)
+        for b in range(self.wan.num_layers):
+            h = self.block(b, h, text, step)
+        return self.head(h, step)
+
+
+def sample(velocity, noise: torch.Tensor, sigmas: torch.Tensor | list[float], context: torch.Tensor) -> torch.Tensor:
+    """The documented sampler (the module's docstring): ``velocity(x, timesteps [B], context)`` for each of
+    the K steps of ``sigmas`` (K + 1 values, decreasing); returns the chunk's output latent."""
+    sigmas = [float(s) for s in sigmas]
+    if len(sigmas) < 2 or any(not math.isfinite(s) for s in sigmas):
+        raise ValueError(f"sigmas: give K + 1 >= 2 finite values, got {sigmas}")
+    x = noise
+    for k in range(len(sigmas) - 1):
+        t = torch.full((x.shape[0],), 1000.0 * sigmas[k], dtype=torch.float32, device=x.device)
+        x = x + (sigmas[k + 1] - sigmas[k]) * velocity(x, t, context)
+    return x
