@@ -296,6 +296,28 @@ def test_the_api_key_is_required_off_loopback(server, monkeypatch):
         assert open_front.counts["unauthorized"] == 2
 
 
+def test_a_world_model_imagines_the_actions_it_is_sent_and_answers_frames(server, front):
+    """tiny-acwm over openpi: the actions to imagine under ``actions``, the reply ``frames`` in the model's
+    output shape, the metadata saying so; without the actions, an error naming the key."""
+    # its chunk imagines 8 actions, executed for 4 at 20 Hz: a 200 ms interval
+    policy = WebsocketClientPolicy(f"ws://127.0.0.1:{front.port}/?name=world&model=tiny-acwm&control_rate_hz=20")
+    try:
+        meta = policy.get_server_metadata()
+        assert meta["produces"] == "frames" and meta["frames_shape"] == [2, 4, 8, 8]
+        assert meta["inputs"]["actions"] == [8, 7]
+        obs = {**observation(5), "actions": np.zeros((8, 7), np.float32)}
+        reply = policy.infer(obs)
+        assert "actions" not in reply and reply["frames"].shape == (2, 4, 8, 8)
+        assert reply["frames"].dtype == np.float32 and np.isfinite(reply["frames"]).all()
+        with pytest.raises(RuntimeError, match="actions: missing; the model takes actions to imagine"):
+            policy.infer(observation(5))
+        with pytest.raises(RuntimeError, match=r"actions: shape \(3, 7\)"):
+            policy.infer({**obs, "actions": np.zeros((3, 7))})
+        assert policy.infer(obs)["server_timing"]["chunk"] == 1
+    finally:
+        close(policy)
+
+
 def test_cadence_timeline_holds_a_client_to_its_booking(server, front):
     """``cadence=timeline``: each observation waits for the stream's booked release; replies still come, one
     chunk per observation, in order."""
