@@ -173,3 +173,22 @@ def test_no_module_reads_another_objects_private_state():
             if (rel, ast.unparse(node)) not in LIBRARY_PRIVATE:
                 found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
     assert not found, "private state read from outside its object: " + "; ".join(found)
+
+
+def test_modules_sharing_a_name_are_one_concept_and_say_so():
+    """Two modules of one file name in different subpackages are the same concept at two layers (a command and
+    what it runs, a benchmark and what it measures), and one of them names the other in its first line; a
+    name shared by two concepts (three admission.py, three streams.py) is not allowed."""
+    by_name = defaultdict(list)
+    for module, path in modules().items():
+        if path.name != "__init__.py" and part(module) not in GENERATED:
+            by_name[path.name].append(path)
+    for name, paths in by_name.items():
+        if len(paths) < 2:
+            continue
+        rels = [str(p.relative_to(PACKAGE)) for p in paths]
+        first = {rel: p.read_text().lstrip('"').splitlines()[0] for rel, p in zip(rels, paths)}
+        named = any(other in first[rel] or other.replace(f"{PACKAGE.name}/", "") in first[rel]
+                    for rel in rels for other in rels if other != rel)
+        assert named, \
+            f"{name} is shared by {rels}: rename one, or say in its first line which module it is the same concept as"

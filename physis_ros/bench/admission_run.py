@@ -1,5 +1,5 @@
 """One run of the admission benchmark: one server (one batching mode) and the join / reject / second model /
-leave / join sequence of ServeStream goals, measured phase by phase (see physis_ros.bench.admission)."""
+leave / join sequence of ServeStream goals, measured phase by phase (see physis_ros.bench.admission_goals)."""
 
 from __future__ import annotations
 

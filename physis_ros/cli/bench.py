@@ -4,7 +4,7 @@
                  | admission-accuracy | openpi  [options]
     (physis-bench SUB --help)
 
-Each subcommand lives in ``physis_ros.bench.<name>`` and provides
+Each subcommand lives in ``physis_ros.bench.<name>`` (or the module ``MODULES`` names) and provides
 ``add_arguments(parser)`` and ``run(args) -> int``. Flags they share are checked
 here before anything starts: counts and durations in range, ``--model`` (preset or
 model YAML), ``--profile`` (physis-profile JSON), ``--config`` (serve YAML),
@@ -46,6 +46,10 @@ SUBCOMMANDS = {
     "admission-accuracy": "robots added with admission off until one misses the SLO (feasible), then through "
                           "Server.join with admission on: admitted / feasible, admitted meeting the SLO",
 }
+
+# subcommand -> its module in physis_ros.bench where the two names differ (a module is not named like another
+# layer's module of another concept: scheduling/admission.py, runtime/streams.py)
+MODULES = {"admission": "admission_goals", "streams": "streams_live"}
 
 # flag (argparse dest) -> (lowest value, whether the bound is excluded)
 BOUNDS = {
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     module = None
     for name, help_text in SUBCOMMANDS.items():
         if name == chosen:
-            module = importlib.import_module(f"physis_ros.bench.{name.replace('-', '_')}")
+            module = importlib.import_module(f"physis_ros.bench.{MODULES.get(name, name.replace('-', '_'))}")
         p = sub.add_parser(name, help=help_text, description=module.__doc__ if name == chosen else help_text,
                            epilog="Exit status" + __doc__.split("Exit status")[1])
         if name == chosen:

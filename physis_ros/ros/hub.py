@@ -4,7 +4,7 @@ Every stream comes in the same way, from the serve config at start-up or from a 
 ROS adds to a request is checked here first (the stream's name, namespace and topics: a stream publishes
 only on topics of its own), then the server admits it (:meth:`physis_ros.serving.server.Server.admit`, on
 a loader thread: a first profile takes a second or two) and its ROS side is made
-(:class:`~physis_ros.ros.streams.RosStream`). A stream that cannot come in is refused with a named reason
+(:class:`~physis_ros.ros.stream_topics.RosStream`). A stream that cannot come in is refused with a named reason
 and nothing running changes. Leaving frees its capacity; the other streams never move.
 """
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from physis_ros.config import ConfigError
 from physis_ros.ros import diagnostics
-from physis_ros.ros.streams import RosStream
+from physis_ros.ros.stream_topics import RosStream
 from physis_ros.ros.ticker import Ticker
 from physis_ros.serving.capacity import Rejected
 from physis_ros.serving.config import (StreamConfig, check_stream_name, resolve_topic, stream_namespace,

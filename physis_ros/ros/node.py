@@ -3,7 +3,7 @@
 Robots are streams. Those in the serve config are admitted at start-up, more join (and leave)
 through the ``~/serve_stream`` action (:mod:`physis_ros.ros.serve_action`); every one is admitted
 by the joint scheduler over the server's workers (:mod:`physis_ros.ros.hub`), and each has its own
-model, placement and ROS side (:class:`~physis_ros.ros.streams.RosStream`). Server-wide the node
+model, placement and ROS side (:class:`~physis_ros.ros.stream_topics.RosStream`). Server-wide the node
 publishes ``telemetry`` (one ChunkTelemetry per chunk) and ``/diagnostics`` (gathered in
 :mod:`physis_ros.ros.diagnostics`). It is a lifecycle node: the outputs are published only while it is
 active; every config key is a declared parameter (:mod:`physis_ros.ros.parameters`).
@@ -39,7 +39,7 @@ from physis_ros.serving.server import Server, ServerEvent
 from physis_ros.ros.hub import StreamHub
 from physis_ros.ros.parameters import ServeParameters
 from physis_ros.ros.serve_action import ServeStreamServer
-from physis_ros.ros.streams import RosStream
+from physis_ros.ros.stream_topics import RosStream
 
 NODE_NAME = "physis_server"
 SUCCESS = TransitionCallbackReturn.SUCCESS

@@ -151,7 +151,7 @@ def diag_values(array_msg, what: str) -> dict[str, str] | None:
 def admitted_stream(node, name: str, cfg):
     """Stream ``name``'s ROS side as the node makes it once the server admitted it on w0, with no engine: its
     session registered with a server that is not started."""
-    from physis_ros.ros.streams import RosStream
+    from physis_ros.ros.stream_topics import RosStream
     from physis_ros.runtime.streams import ServedModel
     from physis_ros.serving.fit import slo_interval_ms, stream_timeline
     from physis_ros.serving.intake import StreamInput

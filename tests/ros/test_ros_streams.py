@@ -1,4 +1,4 @@
-"""One robot's ROS side (physis_ros.ros.streams) as a controller sees it: a chunk that takes over where it
+"""One robot's ROS side (physis_ros.ros.stream_topics) as a controller sees it: a chunk that takes over where it
 disagrees with the chunk the robot runs reaches the JointTrajectory eased from it, and the telemetry says so.
 
 The real node and real rclpy topics; no engine: the test hands the stream its chunks as the engine would."""
