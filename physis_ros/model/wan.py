@@ -18,7 +18,7 @@ by :func:`sample`, the sampler the docs state::
     output = x
 
 it equals the same loop over ``WanTransformer3DModel.forward`` exactly in fp32 (tests/model/test_wan.py).
-History K/V across chunks (the stage path's attention processor) builds on this.
+History K/V across chunks: :mod:`physis_ros.model.wan_history`.
 """
 
 from __future__ import annotations
