@@ -10,6 +10,8 @@ reference and a server, can be compared exactly.
 ``--history`` serves the model under another history rule than its own (docs/history.md); ``--tensors``
 writes each chunk's output (``output.<stream>.<c>``) and initial noise (``noise.<stream>.<c>``), float32;
 ``--recompute`` computes every chunk by full recompute (no K/V cache) instead of the cached reference.
+``--model DIR`` (a diffusers Wan transformer directory) takes ``--prompt-embeds`` and the latent size
+(cli/rollout_wan.py).
 
 Exit status: 0 success; 2 usage or input error (bad flag or value, unknown preset,
 unreadable/empty/binary/invalid model YAML, unusable --device, unwritable --json);
@@ -24,6 +26,9 @@ import sys
 import time
 from dataclasses import replace
 
+from pathlib import Path
+
+from physis_ros.cli.rollout_wan import add_arguments as add_wan_arguments, run as run_wan
 from physis_ros.console import (ArgumentParser, check_writable, cli_main, device_arg, fail, model_arg, nonneg_int,
                                    positive_int, set_threads, write_json)
 
@@ -54,7 +59,8 @@ def rollout(model, source, streams: list[str], chunks: int, seed: int, recompute
 @cli_main("physis-rollout")
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="physis-rollout", description=__doc__)
-    parser.add_argument("--model", type=model_arg, default="tiny-wam", help="preset name or model YAML path")
+    parser.add_argument("--model", type=model_arg, default="tiny-wam",
+                        help="preset name, model YAML path, or a diffusers Wan transformer directory")
     parser.add_argument("--chunks", type=positive_int, default=16)
     parser.add_argument("--streams", type=positive_int, default=1, help="number of streams (robots), round robin")
     parser.add_argument("--seed", type=nonneg_int, default=0)
@@ -67,9 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensors", help="write each chunk's output and initial noise here (.safetensors)")
     parser.add_argument("--recompute", action="store_true",
                         help="compute every chunk by full recompute of its history (no K/V cache; slow)")
+    add_wan_arguments(parser)
     args = parser.parse_args(argv)
     check_writable(args.json)
     check_writable(args.tensors, "--tensors")
+    if Path(args.model).is_dir():   # a diffusers Wan directory (cli/rollout_wan.py)
+        return run_wan(args)
     import numpy as np
 
     from physis_ros.config import ConfigError
