@@ -282,6 +282,25 @@ def set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+class StopSignals:
+    """SIGINT and SIGTERM stop a serving command: :attr:`stop` is set and :attr:`why` names the signal (a
+    command sets ``why`` itself when it stops for another reason)."""
+
+    def __init__(self) -> None:
+        import signal
+        import threading
+
+        self.stop = threading.Event()
+        self.why = "stopped"
+
+        def on_signal(signum, _frame) -> None:
+            self.why = signal.Signals(signum).name
+            self.stop.set()
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+
+
 def write_json(path: str | Path, data: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import threading
 import time
 
-from physis_ros.console import (ArgumentParser, check_yaml_file, model_arg, nonneg_float, nonneg_int,
+from physis_ros.console import (ArgumentParser, StopSignals, check_yaml_file, model_arg, nonneg_float, nonneg_int,
                                    positive_float, preflight_serve, run_main, set_threads, split_ros_args)
 from physis_ros import heap
 from physis_ros.config import ConfigError
@@ -149,15 +147,8 @@ def _serve(argv: list[str] | None = None) -> int:
         return 2
     set_threads(1)
 
-    stop = threading.Event()
-    reason = {"why": "stopped"}
-
-    def on_signal(signum, _frame):
-        reason["why"] = signal.Signals(signum).name
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    signals = StopSignals()
+    stop = signals.stop
 
     rclpy.init(args=["physis-serve", *argv], signal_handler_options=SignalHandlerOptions.NO)
     from rclpy.lifecycle import TransitionCallbackReturn
@@ -190,7 +181,7 @@ def _serve(argv: list[str] | None = None) -> int:
         while not stop.is_set():
             executor.spin_once(timeout_sec=0.05)
             if node.finalized:
-                reason["why"] = "lifecycle shutdown"
+                signals.why = "lifecycle shutdown"
                 break
             engine = node.engine
             if engine is None:   # unconfigured (cleaned up): nothing to watch
@@ -218,7 +209,7 @@ def _serve(argv: list[str] | None = None) -> int:
                             print(f"physis-serve: error: config stream {n} did not start ({v})", file=sys.stderr)
                         print("physis-serve: error: none of the config's streams started; fix them (or start with "
                               "no streams: robots join through ~/serve_stream)", file=sys.stderr)
-                        reason["why"] = "no config stream started"
+                        signals.why = "no config stream started"
                         code = 1
                         break
                 elif time.monotonic() - node.engine_started > args.start_timeout:
@@ -226,9 +217,9 @@ def _serve(argv: list[str] | None = None) -> int:
                     code = 1
                     break
             elif args.duration and time.monotonic() - serving_since >= args.duration:
-                reason["why"] = f"--duration {args.duration:g} s"
+                signals.why = f"--duration {args.duration:g} s"
                 break
-        log.info(f"stopping ({reason['why']})")
+        log.info(f"stopping ({signals.why})")
     finally:
         if node is not None:
             if not node.close():

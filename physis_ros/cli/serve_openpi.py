@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import threading
 import time
 
 from physis_ros.config import ConfigError
-from physis_ros.console import check_yaml_file, preflight_serve, set_threads
+from physis_ros.console import StopSignals, check_yaml_file, preflight_serve, set_threads
 
 
 def serve_without_ros(args: argparse.Namespace, overrides: dict) -> int:
@@ -40,15 +38,7 @@ def serve_without_ros(args: argparse.Namespace, overrides: dict) -> int:
         print(f"physis-serve: note: --no-ros leaves out the config's streams ({', '.join(streams)}): they read "
               f"ROS topics", file=sys.stderr)
     set_threads(1)
-    stop = threading.Event()
-    why = {"reason": "stopped"}
-
-    def on_signal(signum, _frame):
-        why["reason"] = signal.Signals(signum).name
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    signals = StopSignals()
     server = Server(cfg)
     try:
         front = OpenpiFrontEnd(server)   # the API key checked before any worker starts
@@ -71,15 +61,15 @@ def serve_without_ros(args: argparse.Namespace, overrides: dict) -> int:
         print(f"physis-serve: serving openpi clients on ws://{cfg.openpi.host}:{port} (model {server.model.name}, "
               f"{cfg.engine.workers} workers; Ctrl-C stops)", file=sys.stderr, flush=True)
         started = time.monotonic()
-        while not stop.wait(0.1):
+        while not signals.stop.wait(0.1):
             if server.state == "failed":
                 print(f"physis-serve: error: engine failed: {server.failure}", file=sys.stderr)
                 code = 1
                 break
             if args.duration and time.monotonic() - started >= args.duration:
-                why["reason"] = f"--duration {args.duration:g} s"
+                signals.why = f"--duration {args.duration:g} s"
                 break
-        print(f"physis-serve: stopping ({why['reason']})", file=sys.stderr)
+        print(f"physis-serve: stopping ({signals.why})", file=sys.stderr)
     finally:
         front.close()
         if not server.close():

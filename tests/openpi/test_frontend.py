@@ -28,6 +28,7 @@ from physis_ros.config import ConfigError
 from physis_ros.openpi import OpenpiFrontEnd
 from physis_ros.serving import Server
 from physis_ros.serving.openpi_config import OpenpiConfig
+from waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -58,14 +59,6 @@ def observation(seed: int = 0, size=(224, 224)) -> dict:
     return {"observation/image": rng.integers(0, 256, (*size, 3), dtype=np.uint8),
             "observation/wrist_image": rng.integers(0, 256, (64, 64, 3), dtype=np.uint8),
             "observation/state": rng.normal(size=7).astype(np.float32), "prompt": "stack the blocks"}
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def check_reply(reply: dict, chunk: int) -> None:

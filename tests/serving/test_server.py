@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from physis_ros.serving import REASONS, Rejected, Server
+from waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -27,14 +28,6 @@ JOINTS = [f"j{i}" for i in range(7)]
 
 def config(**extra) -> dict:
     return {"model": "tiny-wam", "engine": {"workers": 1}, "admission": {"profiles": PROFILES}, **extra}
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 class Robot:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from physis_ros.serving import Rejected, Server
+from waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -24,13 +25,6 @@ JOINTS = [f"j{i}" for i in range(7)]
 
 def config(**engine) -> dict:
     return {"model": "tiny-wam", "engine": {"workers": 1, **engine}, "admission": {"profiles": PROFILES}}
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
