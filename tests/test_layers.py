@@ -148,9 +148,10 @@ def test_the_serving_core_imports_no_ros():
 
 # Private attributes read on objects that are not ours: library objects (torch.distributed's Gloo options,
 # which have no public setter for devices and timeout; openpi-client's WebsocketClientPolicy, which has no
-# close of its own).
+# close of its own; diffusers' list of the modules a model keeps in fp32, which it reads the same way).
 LIBRARY_PRIVATE = {("runtime/hops.py", "opts._devices"), ("runtime/hops.py", "opts._timeout"),
-                   ("runtime/hops.py", "dist.ProcessGroupGloo._Options"), ("bench/openpi.py", "policy._ws")}
+                   ("runtime/hops.py", "dist.ProcessGroupGloo._Options"), ("bench/openpi.py", "policy._ws"),
+                   ("model/wan.py", "WanTransformer3DModel._keep_in_fp32_modules")}
 GENERATED = ("msg", "srv", "action")   # rosidl's generated message code
 
 

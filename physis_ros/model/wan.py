@@ -118,6 +118,25 @@ def _load(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str)
     module.load_state_dict(tensors, strict=True)
 
 
+def keep_fp32() -> tuple[str, ...]:
+    """The module names whose parameters diffusers keeps in fp32 whatever the model's dtype (the time
+    embedder, the norms, the scale-shift tables)."""
+    from diffusers import WanTransformer3DModel
+
+    return tuple(WanTransformer3DModel._keep_in_fp32_modules or ())
+
+
+def cast(module: torch.nn.Module, dtype: torch.dtype, prefix: str = "") -> torch.nn.Module:
+    """``module``'s floating parameters to ``dtype``, those diffusers keeps in fp32 (a name part in
+    :func:`keep_fp32`, the full name ``prefix + name``) to fp32: what ``from_pretrained(torch_dtype=)`` does."""
+    kept = keep_fp32()
+    for name, param in module.named_parameters():
+        if param.is_floating_point():
+            keep = any(part in kept for part in (prefix + name).split("."))
+            param.data = param.data.to(torch.float32 if keep else dtype)
+    return module
+
+
 @dataclass
 class WanTrunk:
     """A Wan transformer as loaded: its diffusers config, the trunk without blocks, and the blocks built."""
@@ -126,6 +145,7 @@ class WanTrunk:
     trunk: torch.nn.Module                    # WanTransformer3DModel with no blocks
     blocks: dict[int, torch.nn.Module]        # block index -> WanTransformerBlock
     files: dict[str, Path]                    # tensor name -> file (to build more blocks)
+    dtype: torch.dtype = torch.float32        # of the weights (fp32 where diffusers keeps fp32)
 
     @property
     def num_layers(self) -> int:
@@ -145,12 +165,13 @@ class WanTrunk:
         names = [n for n in self.files if n.startswith(prefix)]
         tensors = read_tensors(self.files, names)
         _load(block, {n[len(prefix):]: v for n, v in tensors.items()}, f"block {b}")
-        return block.eval().requires_grad_(False)
+        return cast(block, self.dtype, prefix).eval().requires_grad_(False)
 
 
-def load_wan(path: str | Path, blocks: Iterable[int] | None = None) -> WanTrunk:
-    """The Wan transformer of directory ``path`` with only ``blocks`` built (None: all). WanLoadError names
-    the file (and tensor) of a directory we cannot read."""
+def load_wan(path: str | Path, blocks: Iterable[int] | None = None, dtype: torch.dtype = torch.float32) -> WanTrunk:
+    """The Wan transformer of directory ``path`` with only ``blocks`` built (None: all), its weights in
+    ``dtype`` (fp32 where diffusers keeps fp32). WanLoadError names the file (and tensor) of a directory we
+    cannot read."""
     from diffusers import WanTransformer3DModel
 
     directory = transformer_dir(path)
@@ -163,7 +184,7 @@ def load_wan(path: str | Path, blocks: Iterable[int] | None = None) -> WanTrunk:
         raise WanLoadError(f"{directory / CONFIG}: not a config diffusers can build ({exc})") from None
     names = [n for n in files if not n.startswith("blocks.")]
     _load(trunk, read_tensors(files, names), f"{directory}: the trunk")
-    loaded = WanTrunk(config, trunk.eval().requires_grad_(False), {}, files)
+    loaded = WanTrunk(config, cast(trunk, dtype).eval().requires_grad_(False), {}, files, dtype)
     for b in range(loaded.num_layers) if blocks is None else sorted(set(blocks)):
         loaded.blocks[b] = loaded.build_block(b)
     return loaded

@@ -152,3 +152,38 @@ def test_positions_past_the_rope_table_are_refused(saved):
     noises = [torch.zeros((1, 4, 16, 4, 4))] * 3      # 3 chunks of 16 frames: positions up to 47 > 32
     with pytest.raises(ValueError, match="past the trunk's RoPE table .*rope_max_seq_len"):
         rollout(stages, noises, SIGMAS, stages.encode(torch.zeros((1, 2, 16))), "same_step", 2)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 0.05), (torch.float16, 0.01)])
+def test_half_precision_keeps_diffusers_fp32_modules_and_equals_its_forward(saved, dtype, tolerance):
+    """Weights in bf16 / fp16 where diffusers' own ``from_pretrained(torch_dtype=)`` puts them there and fp32
+    where it keeps fp32 (time embedder, norms, scale-shift tables), parameter by parameter; the stage path
+    then equals that model's forward exactly, and stays within ``tolerance`` (relative to the output's
+    largest value) of fp32."""
+    model, path = saved
+    theirs = WanTransformer3DModel.from_pretrained(path, torch_dtype=dtype).eval()
+    wan = load_wan(path, dtype=dtype)
+    ours = {n: p.dtype for n, p in wan.trunk.named_parameters()}
+    ours.update({f"blocks.{b}.{n}": p.dtype for b, blk in wan.blocks.items() for n, p in blk.named_parameters()})
+    assert ours == {n: p.dtype for n, p in theirs.named_parameters()}
+    assert set(ours.values()) == {torch.float32, dtype}
+    noise, prompt = inputs()
+    got = staged(wan, noise.to(dtype), prompt.to(dtype))
+    assert got.dtype == dtype
+    assert torch.equal(got, reference(theirs, noise.to(dtype), prompt.to(dtype)))
+    full = reference(model, noise, prompt)
+    assert (got.float() - full).abs().max() / full.abs().max() < tolerance
+
+
+def test_a_missing_shard_or_a_broken_index_is_refused_naming_the_file(saved, tmp_path):
+    model, _ = saved
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    index = tmp_path / "sharded" / "diffusion_pytorch_model.safetensors.index.json"
+    shards = sorted((tmp_path / "sharded").glob("*-of-*.safetensors"))
+    assert len(shards) > 2
+    shards[-1].unlink()
+    with pytest.raises(WanLoadError, match=f"{shards[-1].name}: cannot read"):
+        load_wan(tmp_path / "sharded")
+    index.write_text("{not json")
+    with pytest.raises(WanLoadError, match="index.json: not a safetensors index"):
+        load_wan(tmp_path / "sharded")
