@@ -141,7 +141,7 @@ def join_request(query: str, config: OpenpiConfig, default_name: str) -> tuple[s
     ``slo_ms`` and any serve-config stream key (``joint_names=a,b``: lists comma-separated; ``image.preprocess=
     pad``: dotted into its section); unset ones from ``openpi:``'s defaults. ValueError names a bad key."""
     fields: dict[str, Any] = {"model": config.model, "control_rate_hz": config.control_rate_hz,
-                              "cadence": "free", "handoff": "none"}
+                              "cadence": "request", "handoff": "none"}
     if config.slo_ms is not None:
         fields["slo_ms"] = config.slo_ms
     name = default_name

@@ -192,12 +192,14 @@ class ServerAdmission:
                                      f"{need['buffers'] / GB:.2f} GB); {held}")
 
     def admit(self, stream: str, model: ServedModel, pace_ms: float, slo_ms: float | None = None,
-              paced: bool = True) -> Admitted:
+              paced: bool = True, latency_bound: bool = False) -> Admitted:
         """Place ``stream``, released every ``pace_ms`` (its booked interval), or raise :class:`Rejected`
         naming why; nothing running moves. With ``slo_ms`` (its published-interval SLO) its chunks'
         latency may vary by ``slo_ms - pace_ms``, and no placement may make that or any other budgeted
         stream's worst-case jitter exceed its budget. ``paced``: the engine releases it every ``pace_ms``
-        at the phase admission picks (``placed.phase_ms``); else whenever it can (booked at ``pace_ms``)."""
+        at the phase admission picks (``placed.phase_ms``); else whenever it can (booked at ``pace_ms``).
+        ``latency_bound``: ``slo_ms`` bounds each chunk's latency instead (a client waiting for the chunk of
+        its observation): it may vary by ``slo_ms`` less the chunk's own work (its profile's ``chunk_ms``)."""
         if stream in self.admitted:
             raise Rejected("name-in-use", f"stream '{stream}' is already served")
         if model.profile is None:
@@ -207,7 +209,8 @@ class ServerAdmission:
             self.cluster.profiles[model.id] = dataclasses.replace(model.profile, model=model.id)
         # A worker measured busier than its profiles say takes that much less booking (Best-Fit sees it).
         factors = self._load_into_cluster()
-        budget = None if slo_ms is None or not self.bound_jitter else max(0.0, slo_ms - pace_ms)
+        own = model.profile.chunk_ms() if latency_bound else pace_ms
+        budget = None if slo_ms is None or not self.bound_jitter else max(0.0, slo_ms - own)
         request = StreamRequest(stream, model.id, pace_ms, jitter_budget_ms=budget, paced=paced)
         if not self.enforce:
             return self._admit_unchecked(request, model)

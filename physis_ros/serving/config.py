@@ -147,9 +147,11 @@ class StreamConfig:
     telemetry: bool = field(default=False, metadata=described(
         "also publish this stream's ChunkTelemetry on <namespace>/telemetry (topics.telemetry), to plot one robot"))
     cadence: str = field(default="timeline", metadata=bounded(
-        choices=("timeline", "free"), doc="timeline: one chunk per execution horizon, released on the control "
-                                          "timeline with the freshest observation; free: as fast as the pipeline "
-                                          "allows (benchmarks)"))
+        choices=("timeline", "free", "request"),
+        doc="timeline: one chunk per execution horizon, released on the control timeline with the freshest "
+            "observation; free: as fast as the pipeline allows (benchmarks); request: one chunk per observation a "
+            "client sends, at once (openpi clients), its SLO a bound on each chunk's latency: admission books a "
+            "chunk per SLO interval and lets its latency vary by the SLO less the chunk's own work"))
     handoff: str = field(default="soft", metadata=bounded(
         choices=("none", "hard", "soft"), doc="world-action models: how a chunk continues the one the robot executes "
                                               "while it is computed: hard keeps its first d actions exactly, soft also "

@@ -234,7 +234,8 @@ class Server:
             pace = release_pace_ms(slo, self.config.admission.pace_margin, stream.control_rate_hz, paced)
             with self._lock:
                 self._check_room()
-                admitted = self.admission.admit(name, served, pace, slo, paced=paced)
+                admitted = self.admission.admit(name, served, pace, slo, paced=paced,
+                                                latency_bound=stream.cadence == "request")
             cfg = self.config
             paired = [k for k in served.config.observation_shapes if k != "image"]
             timeline = stream_timeline(stream, served.config, cfg.deterministic, slo, cfg.admission.pace_margin)

@@ -68,10 +68,10 @@ def test_the_uri_query_becomes_join_keywords_with_the_sections_defaults():
                                 "&control_rate_hz=25&handoff=hard", CFG, "openpi_0")
     assert name == "r0"
     assert fields == {"model": "tiny-wam", "slo_ms": 150, "joint_names": ["a", "b", "c"],
-                      "image": {"preprocess": "pad"}, "control_rate_hz": 25, "handoff": "hard", "cadence": "free"}
+                      "image": {"preprocess": "pad"}, "control_rate_hz": 25, "handoff": "hard", "cadence": "request"}
     name, fields = join_request("", OpenpiConfig(model="tiny-acwm", slo_ms=90.0, control_rate_hz=10.0), "openpi_7")
     assert name == "openpi_7" and fields == {"model": "tiny-acwm", "slo_ms": 90.0, "control_rate_hz": 10.0,
-                                             "cadence": "free", "handoff": "none", "joint_names": None}
+                                             "cadence": "request", "handoff": "none", "joint_names": None}
 
 
 @pytest.mark.parametrize("query, says", [

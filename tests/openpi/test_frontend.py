@@ -5,8 +5,8 @@ nothing, and the API key enforced off loopback.
 
 Capacity the tests are sure of: ``engine.max_streams`` 4 (a fifth client is refused whatever the machine's
 speed). SLOs: 400 ms per client at a 20 Hz control rate (a chunk of 16 steps executed for 8, its control
-timeline's interval): admission holds four such clients on the two workers, jitter bound included (at
-150 ms and 50 Hz it holds two); tiny-wam's chunk takes about 20 ms of one core here."""
+timeline's interval): admission holds four such clients on the two workers, jitter bound included;
+tiny-wam's chunk takes about 20 ms of one core here."""
 
 from __future__ import annotations
 

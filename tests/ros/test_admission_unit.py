@@ -1038,3 +1038,18 @@ def test_an_slo_longer_than_the_control_timeline_is_refused_as_timeline():
         with pytest.raises(Rejected) as exc:
             check_fit("r2", cfg, tiny)
         assert exc.value.reason == reason, exc.value
+
+
+def test_a_latency_bound_stream_may_vary_by_its_slo_less_its_own_work():
+    """A request stream (cadence request: an openpi client waiting for each chunk) books one chunk per pace
+    like any other, but its SLO bounds each chunk's latency: its jitter budget is the SLO less the chunk's own
+    work, not the SLO less the pace; a stream of the same SLO and pace whose SLO is an interval gets the
+    pace's margin only."""
+    model = served(wam_profile())                       # 16 ms of work a chunk (plus per-call overhead)
+    adm = ServerAdmission(2, make_device(), make_config(0.0))
+    interval = adm.admit("interval", model, 128.0, 160.0, paced=False)
+    request = adm.admit("request", model, 128.0, 160.0, paced=False, latency_bound=True)
+    chunk = model.profile.chunk_ms()
+    assert interval.placed.jitter_budget_ms == pytest.approx(160.0 - 128.0)
+    assert request.placed.jitter_budget_ms == pytest.approx(160.0 - chunk)
+    assert request.placed.jitter_budget_ms > interval.placed.jitter_budget_ms
