@@ -271,6 +271,29 @@ def test_malformed_frames_and_bad_observations_are_answered_while_another_sessio
     assert sum(server.ended["bad"]["rejected"].values()) == 7, server.ended["bad"]   # counted in its stream too
 
 
+def test_a_client_flooding_observations_is_answered_in_order_and_another_loses_nothing(server, front):
+    """30 observations sent back to back without reading a reply (the protocol's one request at a time,
+    broken): each is answered, in order, one chunk each; a well-behaved client beside it is served."""
+    from openpi_client import msgpack_numpy
+
+    good = WebsocketClientPolicy(url(front, "name=calm"))
+    try:
+        with connect(url(front, "name=flood"), max_size=None) as ws:
+            ws.recv()
+            packed = [msgpack_numpy.packb(observation(k, size=(64, 64))) for k in range(30)]
+            for frame in packed:
+                ws.send(frame)
+            for k in range(3):
+                check_reply(good.infer(observation(100 + k)), k)
+            replies = [msgpack_numpy.unpackb(ws.recv(timeout=60)) for _ in range(30)]
+        assert [r["server_timing"]["chunk"] for r in replies] == list(range(30))
+        for k, reply in enumerate(replies):
+            check_reply(reply, k)
+        check_reply(good.infer(observation(103)), 3)
+    finally:
+        close(good)
+
+
 def test_the_api_key_is_required_off_loopback(server, monkeypatch):
     config = OpenpiConfig(host="0.0.0.0", api_key_env="PHYSIS_TEST_OPENPI_KEY")
     monkeypatch.delenv("PHYSIS_TEST_OPENPI_KEY", raising=False)
