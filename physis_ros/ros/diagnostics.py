@@ -95,6 +95,7 @@ def statuses(node: PhysisServer) -> list[health.Status]:
             miss_rate_warn=cfg.diagnostics_miss_rate_warn, starved_s=cfg.diagnostics_starved_s,
             stale_intervals=cfg.diagnostics_stale_intervals,
             since_s=None if since is None else min(since, mono - st.admitted_mono), prefix=node.diag_prefix))
+    streams += _other_front_ends(node, snap, worker_hw, since)
     for name in node.departed:   # once each, then gone
         streams.append(health.removed_stream_status(name, prefix=node.diag_prefix, hardware_id=node.hostname))
     node.departed.clear()
@@ -105,3 +106,32 @@ def statuses(node: PhysisServer) -> list[health.Status]:
                                                       node.state, prefix=node.diag_prefix,
                                                       hardware_id=node.hostname))
     return [engine, *streams, *out]
+
+
+def _other_front_ends(node: PhysisServer, snap: dict, worker_hw: dict[str, str], since: float | None
+                      ) -> list[health.Status]:
+    """The server's streams that are not the node's (an openpi client's connection), from their sessions."""
+    server, cfg = node.server, node.config
+    if server is None:
+        return []
+    out = []
+    for name in server.streams():
+        if name in node.streams:
+            continue
+        try:
+            session = server.session(name)
+        except KeyError:
+            continue   # it left meanwhile
+        stats = session.figures(node.now(), cfg.diagnostics_window_s, snap["resets"].get(name, {}))
+        inputs = stats.pop("inputs")
+        inputs.update(failed=stats["failed"], recovering=stats["recovering"], failures=stats["failures"],
+                      lost_chunks=stats["lost_chunks"], unpublished=stats["undelivered"], resets=stats["resets"])
+        hw = health.stream_hardware_id(node.hostname, [worker_hw[w] for w in snap["streams"].get(name, [])
+                                                     if w in worker_hw])
+        out.append(health.stream_status(
+            name, stats, inputs, slo_interval_ms=session.slo_interval_ms, new_rejects=0, engine_state=node.state,
+            idle_s=None, armed=True, hardware_id=hw, miss_rate_warn=cfg.diagnostics_miss_rate_warn,
+            starved_s=cfg.diagnostics_starved_s, stale_intervals=cfg.diagnostics_stale_intervals,
+            since_s=None if since is None else min(since, time.monotonic() - session.admitted_mono),
+            prefix=node.diag_prefix, requests=session.config.cadence == "request"))
+    return out

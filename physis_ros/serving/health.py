@@ -64,12 +64,14 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
                   new_rejects: int, engine_state: str, idle_s: float | None, armed: bool = True,
                   hardware_id: str = "", miss_rate_warn: float = 0.05, starved_s: float = 2.0,
                   since_s: float | None = None, stale_intervals: float = 1.0,
-                  prefix: str = PREFIX) -> Status:
+                  prefix: str = PREFIX, requests: bool = False) -> Status:
     """``stats``: :func:`~physis_ros.telemetry.window_stats` (plus the node's handover/publish times); ``inputs``:
     StreamInput.snapshot() plus the node's counters; ``new_rejects``: inputs rejected since the last
     report; ``idle_s``: seconds the stream has waited for an observation for its next chunk (None:
     not waiting); ``since_s``: seconds since the engine began serving it; ``stale_intervals``: WARN when the
-    median age of the observations its chunks used exceeds this many SLO intervals."""
+    median age of the observations its chunks used exceeds this many SLO intervals. ``requests``: a stream
+    of cadence request (a client waiting for the chunk of each observation it sends): it computes only when
+    asked, so a silence is the client's, not a stall, and its SLO bounds each chunk's latency."""
     rate = float(stats.get("chunks_per_s", 0.0))
     p50 = float(stats.get("interval_ms_p50", math.nan))
     p99 = float(stats.get("interval_ms_p99", math.nan))
@@ -137,6 +139,15 @@ def stream_status(name: str, stats: dict[str, Any], inputs: dict[str, Any], *, s
         level, msg = ERROR, f"stream failed: {inputs['failed']}"
     elif inputs.get("recovering"):
         level, msg = ERROR, f"recovering: {inputs['recovering']}; re-admitted, waiting for its first chunk"
+    elif requests:
+        lat = values["latency_ms_p99"]
+        if slo_interval_ms and not math.isnan(lat) and lat > slo_interval_ms:
+            level, msg = WARN, f"latency p99 {lat:.1f} ms over SLO {slo_interval_ms:.1f} ms (requests)"
+        elif new_rejects:
+            level, msg = WARN, f"{new_rejects} observation(s) rejected since last report"
+        else:
+            level, msg = OK, (f"{rate:.1f} chunks/s on request, latency p50 {values['latency_ms_p50']:.1f} / p99 "
+                              f"{lat:.1f} ms{slo}")
     elif idle_s is not None and idle_s > starved_s:
         level, msg = ERROR, (f"starved: no fresh observation for {idle_s:.1f} s (camera or joint_states silent "
                              f"or stale)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -25,10 +26,11 @@ PROFILES = str(ROOT / "config" / "profiles")
 OBS = {"observation/image": np.zeros((96, 128, 3), np.uint8), "observation/state": np.zeros(7, np.float32)}
 
 
-def start(tmp: Path, config: dict, *flags: str) -> tuple[Child, int]:
+def start(tmp: Path, config: dict, *flags: str, domain_id: int | None = None) -> tuple[Child, int]:
     path = tmp / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "ROS_DOMAIN_ID": str(domain("spare")), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "ROS_DOMAIN_ID": str(domain("spare") if domain_id is None else domain_id),
+           "PYTHONUNBUFFERED": "1"}
     child = Child("physis-serve", serve_command(path, "--openpi", "0", *flags), env=env, log=tmp / "serve.log")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -78,20 +80,35 @@ def test_no_ros_serves_openpi_clients_alone_and_reports_them(tmp_path):
     assert out["exit"] == 0 and out["streams"]["arm"]["chunks"] == 3 and out["openpi"]["counts"]["infers"] == 3
 
 
-def test_beside_the_ros_node_openpi_clients_share_its_admission(tmp_path):
+def test_beside_the_ros_node_openpi_clients_share_its_admission_and_its_diagnostics(tmp_path):
     """One config robot (ROS topics) and engine.max_streams 2: one openpi client is served, a second is
-    refused for capacity, and the robot still counts."""
+    refused for capacity, and the client is a stream on /diagnostics (OK while it is idle between requests:
+    a request stream computes only when asked)."""
+    from diagnostic_msgs.msg import DiagnosticArray
+    from rclpy.qos import QoSProfile
+
+    sys.path.insert(0, str(ROOT / "tests" / "ros"))
+    from rosprobe import DOMAIN, NODE_ARGS, Probe
+
     config = {"/**": {"ros__parameters": {
         "model": "tiny-wam", "engine": {"workers": 1, "max_streams": 2}, "admission": {"profiles": PROFILES},
-        "telemetry_topic": "/openpi_test_telemetry",
+        "telemetry_topic": "/openpi_test_telemetry", "diagnostics_period_s": 0.5, "diagnostics_starved_s": 1.0,
         "streams": {"robot0": {"namespace": "openpi_test_robot0", "joint_names": [f"j{i}" for i in range(7)]}}}}}
-    child, port = start(tmp_path, config, "--duration", "60")
+    probe = Probe("physis_openpi_probe")
+    probe.subscribe("diagnostics", DiagnosticArray, "/diagnostics", QoSProfile(depth=50))
+    child, port = start(tmp_path, config, "--duration", "60", *NODE_ARGS, domain_id=DOMAIN)
     try:
         policy, reply = infer_until_served(f"ws://127.0.0.1:{port}/?name=arm")
         assert reply["actions"].shape == (16, 7)
         with pytest.raises(ConnectionClosedError, match="capacity.*engine.max_streams=2"):
             WebsocketClientPolicy(f"ws://127.0.0.1:{port}/?name=second")
+        time.sleep(2.0)    # idle past diagnostics_starved_s
+        probe.wait(lambda: probe.status("arm").get("chunks_total") == "1", 20, "the openpi stream on /diagnostics")
+        arm = probe.status("arm")
+        assert arm["_level"] == 0 and "on request" in arm["_message"], arm
         policy._ws.close()
     finally:
         code = child.stop()
+        probe.close()
     assert code == 0, child.tail()
+    assert "Traceback" not in child.tail(400)
