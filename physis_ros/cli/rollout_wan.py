@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         fail("--streams: a Wan directory's rollout is one stream (robot0)")
     history = args.history or "same_step"
     try:
-        wan = load_wan(args.model)
+        wan = load_wan(args.model, blocks=() if args.recompute else None)   # --recompute: diffusers' own model
     except WanLoadError as exc:
         fail(str(exc))
     c = wan.config

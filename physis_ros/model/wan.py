@@ -200,6 +200,26 @@ class StepEmbedding:
     grid: tuple[int, int, int]      # latent frames, height, width after patching
 
 
+def rope_at(rope, x: torch.Tensor, frame_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' ``WanRotaryPosEmbed`` for latent ``x`` [B, C, F, H, W] whose first frame is at position
+    ``frame_offset`` (the module itself starts at 0)."""
+    _, _, frames, height, width = x.shape
+    p_t, p_h, p_w = rope.patch_size
+    ppf, pph, ppw = frames // p_t, height // p_h, width // p_w
+    if frame_offset + ppf > rope.max_seq_len:
+        raise ValueError(f"frames {frame_offset}..{frame_offset + ppf - 1} lie past the trunk's RoPE table "
+                         f"({rope.max_seq_len} positions, rope_max_seq_len): shorten the rollout or the window")
+    sizes = [rope.t_dim, rope.h_dim, rope.w_dim]
+    out = []
+    for table in (rope.freqs_cos, rope.freqs_sin):
+        f, h, w = table.split(sizes, dim=1)
+        parts = [f[frame_offset:frame_offset + ppf].view(ppf, 1, 1, -1).expand(ppf, pph, ppw, -1),
+                 h[:pph].view(1, pph, 1, -1).expand(ppf, pph, ppw, -1),
+                 w[:ppw].view(1, 1, ppw, -1).expand(ppf, pph, ppw, -1)]
+        out.append(torch.cat(parts, dim=-1).reshape(1, ppf * pph * ppw, 1, -1))
+    return out[0], out[1]
+
+
 class WanStages:
     """The stage path over a :class:`WanTrunk`'s diffusers modules (see the module's docstring)."""
 
@@ -211,13 +231,14 @@ class WanStages:
         """Prompt embeddings ``[B, L, text_dim]`` -> text tokens ``[B, L, D]`` (once per chunk)."""
         return self.trunk.condition_embedder.text_embedder(prompt_embeds)
 
-    def embed(self, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, StepEmbedding]:
-        """Noisy latent ``[B, C, F, H, W]`` at timesteps ``t`` ``[B]`` (0..1000) -> hidden ``[B, T, D]``."""
+    def embed(self, x: torch.Tensor, t: torch.Tensor, frame_offset: int = 0) -> tuple[torch.Tensor, StepEmbedding]:
+        """Noisy latent ``[B, C, F, H, W]`` at timesteps ``t`` ``[B]`` (0..1000), its first frame at RoPE
+        position ``frame_offset`` -> hidden ``[B, T, D]``."""
         trunk = self.trunk
         ce = trunk.condition_embedder
         p_t, p_h, p_w = trunk.config.patch_size
         _, _, frames, height, width = x.shape
-        rotary = trunk.rope(x)
+        rotary = trunk.rope(x) if frame_offset == 0 else rope_at(trunk.rope, x, frame_offset)
         h = trunk.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()
         proj = ce.timesteps_proj(t)
         dtype = next(iter(ce.time_embedder.parameters())).dtype

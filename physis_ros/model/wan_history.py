@@ -3,7 +3,8 @@ checked against.
 
 A chunk is ``F`` latent frames; chunk ``c``'s frames sit at absolute RoPE positions ``c*F .. c*F + F - 1``
 (positions past the trunk's ``rope_max_seq_len`` frames are refused). Each block's self-attention
-(:class:`HistoryAttention`, diffusers' own projections, norms and RoPE arithmetic) reads the K/V earlier
+(:class:`HistoryAttention`, diffusers' own projections, norms and RoPE arithmetic; positions from
+:func:`physis_ros.model.wan.rope_at`) reads the K/V earlier
 chunks wrote (after RoPE) and hands on the K/V of its own tokens:
 
 - ``same_step``: chunk ``c`` at step ``k`` reads the step-``k`` K/V of chunks ``c-window .. c-1``;
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from physis_ros.model.wan import StepEmbedding, WanStages, sample
+from physis_ros.model.wan import WanStages, sample
 
 RULES = ("same_step", "clean")
 
@@ -62,26 +63,6 @@ class HistoryAttention:
         return attn.to_out[1](attn.to_out[0](out))
 
 
-def rope_at(rope, x: torch.Tensor, frame_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """diffusers' ``WanRotaryPosEmbed`` for latent ``x`` [B, C, F, H, W] whose first frame is at position
-    ``frame_offset`` (the module itself starts at 0)."""
-    _, _, frames, height, width = x.shape
-    p_t, p_h, p_w = rope.patch_size
-    ppf, pph, ppw = frames // p_t, height // p_h, width // p_w
-    if frame_offset + ppf > rope.max_seq_len:
-        raise ValueError(f"frames {frame_offset}..{frame_offset + ppf - 1} lie past the trunk's RoPE table "
-                         f"({rope.max_seq_len} positions, rope_max_seq_len): shorten the rollout or the window")
-    sizes = [rope.t_dim, rope.h_dim, rope.w_dim]
-    out = []
-    for table in (rope.freqs_cos, rope.freqs_sin):
-        f, h, w = table.split(sizes, dim=1)
-        parts = [f[frame_offset:frame_offset + ppf].view(ppf, 1, 1, -1).expand(ppf, pph, ppw, -1),
-                 h[:pph].view(1, pph, 1, -1).expand(ppf, pph, ppw, -1),
-                 w[:ppw].view(1, 1, ppw, -1).expand(ppf, pph, ppw, -1)]
-        out.append(torch.cat(parts, dim=-1).reshape(1, ppf * pph * ppw, 1, -1))
-    return out[0], out[1]
-
-
 class HistoryStages:
     """:class:`WanStages` whose blocks read and write history K/V (one :class:`HistoryAttention` per block)."""
 
@@ -95,9 +76,7 @@ class HistoryStages:
     def velocity(self, x, t, text, frame_offset: int, past: dict[int, tuple] | None):
         """One model call on chunk latent ``x`` at positions from ``frame_offset``, block ``b`` reading
         ``past[b]``; returns (velocity, {block: its own K/V})."""
-        h, step = self.stages.embed(x, t)
-        step = StepEmbedding(step.temb, step.timestep_proj, rope_at(self.stages.trunk.rope, x, frame_offset),
-                             step.grid)
+        h, step = self.stages.embed(x, t, frame_offset)
         written = {}
         for b in range(self.stages.wan.num_layers):
             attention = self.attention[b]

@@ -81,12 +81,9 @@ def statuses(node: PhysisServer) -> list[health.Status]:
         if node.state == "serving" and idle is not None and idle > cfg.diagnostics_starved_s:
             st.warn("idle", f"stream {name}: no fresh observation for {idle:.1f} s ({health.inputs_summary(inputs)} "
                             f"so far)")
-        inputs.update(failed=stats["failed"], recovering=stats["recovering"], failures=stats["failures"],
-                      lost_chunks=stats["lost_chunks"], unpublished=stats["undelivered"], resets=stats["resets"],
-                      late_points=st.late_points, late_chunks=st.late_chunks,
+        inputs.update(**_health_counts(stats), late_points=st.late_points, late_chunks=st.late_chunks,
                       blended_chunks=st.blended_chunks, **st.subscriber_counts())
-        hw = health.stream_hardware_id(node.hostname, [worker_hw[w] for w in snap["streams"].get(name, [])
-                                                     if w in worker_hw])
+        hw = _hardware_id(node, snap, worker_hw, name)
         # admission's spread calibration (the server feeds it): what it charges the stream
         stats["admission_spread_ms"] = admission.spread_ms(name) if admission is not None else None
         streams.append(health.stream_status(
@@ -123,15 +120,24 @@ def _other_front_ends(node: PhysisServer, snap: dict, worker_hw: dict[str, str],
         except KeyError:
             continue   # it left meanwhile
         stats = session.figures(node.now(), cfg.diagnostics_window_s, snap["resets"].get(name, {}))
-        inputs = stats.pop("inputs")
-        inputs.update(failed=stats["failed"], recovering=stats["recovering"], failures=stats["failures"],
-                      lost_chunks=stats["lost_chunks"], unpublished=stats["undelivered"], resets=stats["resets"])
-        hw = health.stream_hardware_id(node.hostname, [worker_hw[w] for w in snap["streams"].get(name, [])
-                                                     if w in worker_hw])
+        inputs = {**stats.pop("inputs"), **_health_counts(stats)}
         out.append(health.stream_status(
             name, stats, inputs, slo_interval_ms=session.slo_interval_ms, new_rejects=0, engine_state=node.state,
-            idle_s=None, armed=True, hardware_id=hw, miss_rate_warn=cfg.diagnostics_miss_rate_warn,
+            idle_s=None, armed=True, hardware_id=_hardware_id(node, snap, worker_hw, name),
+            miss_rate_warn=cfg.diagnostics_miss_rate_warn,
             starved_s=cfg.diagnostics_starved_s, stale_intervals=cfg.diagnostics_stale_intervals,
             since_s=None if since is None else min(since, time.monotonic() - session.admitted_mono),
             prefix=node.diag_prefix, requests=session.config.cadence == "request"))
     return out
+
+
+def _health_counts(stats: dict) -> dict:
+    """A stream's health figures (Session.figures) as stream_status reads them among its inputs."""
+    return {"failed": stats["failed"], "recovering": stats["recovering"], "failures": stats["failures"],
+            "lost_chunks": stats["lost_chunks"], "unpublished": stats["undelivered"], "resets": stats["resets"]}
+
+
+def _hardware_id(node: PhysisServer, snap: dict, worker_hw: dict[str, str], name: str) -> str:
+    """The hardware id of a stream: its host and the devices of the workers it runs on."""
+    return health.stream_hardware_id(node.hostname, [worker_hw[w] for w in snap["streams"].get(name, [])
+                                                     if w in worker_hw])
