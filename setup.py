@@ -15,6 +15,7 @@ from setuptools import find_packages, setup
 MODEL_FAMILIES = """
 wam=physis_ros.model.dit_family:WAM
 acwm=physis_ros.model.dit_family:ACWM
+wan=physis_ros.model.wan_family:WAN
 """
 
 PACKAGE = "physis_ros"

@@ -22,11 +22,13 @@ import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
+import json
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from physis_ros.config import ConfigError
+from physis_ros.config import ConfigError, load_yaml
 
 if TYPE_CHECKING:
     from physis_ros.model.interface import ServableModel
@@ -36,7 +38,10 @@ GROUP = "physis_ros.models"
 # physis_ros's own families, as setup.py registers them (tests/model/test_families.py keeps the two equal): read
 # from here only where physis_ros is installed without its metadata (a colcon build installs the package
 # directory without a dist-info), so that the built-in families are found either way.
-BUILT_IN = {"wam": "physis_ros.model.dit_family:WAM", "acwm": "physis_ros.model.dit_family:ACWM"}
+BUILT_IN = {"wam": "physis_ros.model.dit_family:WAM", "acwm": "physis_ros.model.dit_family:ACWM",
+            "wan": "physis_ros.model.wan_family:WAN"}
+# A checkpoint directory's own model config (optional): a model YAML whose checkpoint is the directory.
+SIDECAR = "physis_model.yaml"
 
 
 @dataclass(frozen=True)
@@ -48,12 +53,18 @@ class ModelFamily:
     ``spec(config)``: the :class:`~physis_ros.model.spec.ModelSpec` of a model of this family, from the config
     alone (inputs and output by name and shape, tokens per chunk, K/V per slot, parameters and FLOPs per block,
     the history rule: what admission, the planner, the roofline and the front ends read; checked when a config
-    is loaded, and against the model when one is built); ``doc``: one line on what it is."""
+    is loaded, and against the model when one is built); ``doc``: one line on what it is. A family that reads
+    checkpoint directories (diffusers' layout) gives ``checkpoint_class``, the ``_class_name`` of the
+    ``config.json`` it reads, and ``complete(mapping, directory)``: a model config mapping with what the
+    checkpoint fixes filled in (the trunk's shape, the directory), ``directory`` None when the mapping names
+    it."""
 
     name: str
     build: Callable[..., ServableModel] | str
     spec: Callable[[ModelConfig], ModelSpec]
     doc: str = ""
+    checkpoint_class: str = ""
+    complete: Callable[[dict[str, Any], Path | None], dict[str, Any]] | None = None
 
     def model_class(self) -> Callable[..., ServableModel]:
         if not isinstance(self.build, str):
@@ -126,3 +137,51 @@ def load_family(name: str) -> ModelFamily:
         raise ConfigError("kind", f"entry point '{name}' of package '{_package(ep)}' ({ep.value}) is "
                                   f"{type(found).__name__}, not a ModelFamily named '{name}'")
     return found
+
+
+def _checkpoint_class(directory: Path) -> str | None:
+    for candidate in (directory / "config.json", directory / "transformer" / "config.json"):
+        if candidate.is_file():
+            try:
+                found = json.loads(candidate.read_text()).get("_class_name")
+            except (OSError, ValueError, AttributeError) as exc:
+                raise ConfigError("model", f"{candidate}: not readable JSON ({exc})") from None
+            return str(found) if found else None
+    return None
+
+
+def directory_config(directory: Path) -> dict[str, Any]:
+    """The model config mapping of a checkpoint directory: its ``physis_model.yaml`` (a model YAML; optional),
+    completed by the family that reads the directory (its ``kind``, else the family whose
+    ``checkpoint_class`` is the directory's ``config.json`` ``_class_name``). ConfigError naming ``model``
+    when no installed family reads it."""
+    sidecar = directory / SIDECAR
+    mapping = load_yaml(sidecar) if sidecar.is_file() else {}
+    kind = mapping.get("kind")
+    if kind is None:
+        found = _checkpoint_class(directory)
+        readers = [name for name in family_names() if load_family(name).checkpoint_class == found] if found else []
+        if not readers:
+            raise ConfigError("model", f"{directory} is not a checkpoint directory an installed model family reads "
+                                       f"(config.json _class_name {found!r}; readers: " + (", ".join(
+                                           f"{n} ({load_family(n).checkpoint_class})" for n in family_names()
+                                           if load_family(n).checkpoint_class) or "none") + ")")
+        kind = readers[0]
+    family = load_family(str(kind))
+    if family.complete is None:
+        raise ConfigError("kind", f"model family '{kind}' does not read checkpoint directories ({directory})")
+    return family.complete({**mapping, "kind": kind}, directory)
+
+
+def complete_config(mapping: dict[str, Any]) -> dict[str, Any]:
+    """A model YAML's mapping, completed by its family where the family reads checkpoints (kind ``wan``: the
+    trunk's shape from its directory); as given otherwise."""
+    kind = mapping.get("kind") if isinstance(mapping, dict) else None
+    if not isinstance(kind, str):
+        return mapping
+    try:
+        check_family(kind)
+        family = load_family(kind)
+    except ConfigError:
+        return mapping        # the config's own check names what is wrong with the family
+    return mapping if family.complete is None else family.complete(mapping, None)

@@ -14,6 +14,7 @@ and every distributed execution then produce bit-identical fp32 results.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -123,11 +124,14 @@ class KVBatch:
     slots: list[int]
     writes: list[bool] | None = None
 
-    def attend_inputs(self, k: torch.Tensor, v: torch.Tensor
+    def attend_inputs(self, k: torch.Tensor, v: torch.Tensor,
+                      cached_keys: Callable[[torch.Tensor], torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Keys/values to attend to: each sample's cache followed by its own tokens.
 
-        ``k``/``v``: [B, T, heads, head_dim]. Returns keys, values of shape
+        ``k``/``v``: [B, T, heads, head_dim]. ``cached_keys`` maps a sample's cached keys (oldest first,
+        [n, heads, head_dim]) to what its queries attend (a model that stores keys before their position
+        encoding applies it here; None: as stored). Returns keys, values of shape
         [B, L, heads, head_dim] and the ``attn_mask`` of ``scaled_dot_product_attention`` over them
         (boolean, True = attend, [B, 1, 1, L] here; [B, 1, T, L] where each query has its own keys), or None
         when every key is attended (always the case for B == 1).
@@ -135,6 +139,8 @@ class KVBatch:
         if len(self.slots) != k.shape[0]:
             raise ValueError(f"{len(self.slots)} slots for a batch of {k.shape[0]}")
         cached = [self.table.cached(s) for s in self.slots]
+        if cached_keys is not None:
+            cached = [(cached_keys(ck) if ck.shape[0] else ck, cv) for ck, cv in cached]
         lengths = [ck.shape[0] for ck, _ in cached]
         if len(set(lengths)) == 1:
             if lengths[0] == 0:

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from physis_ros.config import ConfigError, bounded, from_mapping, load_yaml, repo_config_dir
-from physis_ros.model.families import check_family, load_family
+from physis_ros.model.families import check_family, complete_config, directory_config, load_family
 
 DTYPES = ("float32", "bfloat16", "float16")
 OUTPUTS = ("actions", "frames")
+IO_SECTIONS = ("wam", "acwm", "wan")   # a model config's I/O section: one, named as its kind where built in
 # How chunk c at step k reads the K/V of earlier chunks (docs/history.md).
 HISTORY_RULES = {"same_step": "chunk c at step k reads the K/V chunks c-window..c-1 (and the sink) wrote at step k",
                  "clean": "every step of chunk c reads the K/V a pass at t = 0 over the finished chunks "
@@ -111,6 +112,21 @@ class ACWMIO:
 
 
 @dataclass(frozen=True)
+class WanIO:
+    """A Wan trunk read from a diffusers directory (kind ``wan``, :mod:`physis_ros.model.wan_family`): prompt
+    embeddings in, latent video frames ``[C, F, H, W]`` out (the trunk's own latent layout)."""
+
+    checkpoint: str = field(metadata=bounded(
+        doc="the diffusers WanTransformer3DModel directory (config.json and its safetensors, or a pipeline "
+            "directory holding them in transformer/); a relative path is from the working directory"))
+    frames: int = field(default=1, metadata=bounded(ge=1, doc="latent frames F one chunk denoises"))
+    height: int = field(default=32, metadata=bounded(ge=1, doc="latent rows H of a frame (pixels / 8 for Wan2.1's VAE)"))
+    width: int = field(default=32, metadata=bounded(ge=1, doc="latent columns W of a frame"))
+    text_tokens: int = field(default=512, metadata=bounded(
+        ge=1, doc="rows L of the prompt embeddings a chunk reads, [L, text_dim] (UMT5 pads to 512 for Wan)"))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A servable DiT: trunk shape, denoising schedule, KV window and the I/O head."""
 
@@ -140,6 +156,7 @@ class ModelConfig:
     description: str = ""
     wam: WAMIO | None = None
     acwm: ACWMIO | None = None
+    wan: WanIO | None = None
 
     def validate(self) -> None:
         if self.hidden % self.heads:
@@ -153,13 +170,14 @@ class ModelConfig:
             if self.timestep_shift != 1.0:
                 raise ConfigError("timestep_shift", "a model with explicit sigmas takes no shift: shift the list")
         check_family(self.kind)
-        if self.kind in ("wam", "acwm") and getattr(self, self.kind) is None:
+        if self.kind in IO_SECTIONS and getattr(self, self.kind) is None:
             raise ConfigError(self.kind, f"kind '{self.kind}' needs a '{self.kind}:' section")
-        if self.wam is None and self.acwm is None:
-            raise ConfigError("kind", f"kind '{self.kind}' needs an I/O section: 'wam:' (actions out) or 'acwm:' "
-                                      f"(predicted frames out)")
-        if self.wam is not None and self.acwm is not None:
-            other = "acwm" if self.kind == "wam" else "wam"
+        given = [name for name in IO_SECTIONS if getattr(self, name) is not None]
+        if not given:
+            raise ConfigError("kind", f"kind '{self.kind}' needs an I/O section: 'wam:' (actions out), 'acwm:' "
+                                      f"(predicted frames out) or 'wan:' (a Wan trunk's latent frames out)")
+        if len(given) > 1:
+            other = next(name for name in given if name != self.kind)
             raise ConfigError(other, f"a model has one I/O section; '{other}:' does not belong to kind "
                                      f"'{self.kind}'")
         self.spec  # the family's spec, checked (a broken family is refused when its config is loaded)
@@ -274,14 +292,20 @@ def preset_names() -> list[str]:
 
 
 def load_model_config(name_or_path: str | Path) -> ModelConfig:
-    """A preset by name (``tiny-wam``) or a path to a model YAML file."""
+    """A preset by name (``tiny-wam``), a path to a model YAML file, or a checkpoint directory a model family
+    reads (a diffusers directory: :func:`physis_ros.model.families.directory_config`)."""
     path = Path(name_or_path)
+    if path.is_dir():
+        try:
+            return from_mapping(ModelConfig, directory_config(path))
+        except ConfigError as exc:
+            raise ConfigError(exc.key, exc.problem, source=str(path)) from None
     if path.suffix not in (".yaml", ".yml"):
         path = presets_dir() / f"{name_or_path}.yaml"
         if not path.is_file():
             raise ConfigError("model", f"unknown model preset '{name_or_path}'; known presets: "
                                        f"{', '.join(preset_names())} (or give a path to a .yaml file)")
-    data = load_yaml(path)
+    data = complete_config(load_yaml(path))
     try:
         return from_mapping(ModelConfig, data)
     except ConfigError as exc:

@@ -32,36 +32,7 @@ from typing import Any
 
 import torch
 
-CONFIG = "config.json"
-WEIGHTS = "diffusion_pytorch_model.safetensors"
-INDEX = "diffusion_pytorch_model.safetensors.index.json"
-CLASS = "WanTransformer3DModel"
-
-
-class WanLoadError(ValueError):
-    """A directory that is not a Wan transformer we can read; the message names the file (and tensor)."""
-
-
-def transformer_dir(path: str | Path) -> Path:
-    """The directory holding the transformer's ``config.json``: ``path``, or its ``transformer/``."""
-    root = Path(path)
-    for candidate in (root, root / "transformer"):
-        if (candidate / CONFIG).is_file():
-            return candidate
-    raise WanLoadError(f"{root}: no {CONFIG} (nor transformer/{CONFIG}); give a directory written by "
-                       f"WanTransformer3DModel.save_pretrained, or a pipeline directory holding one")
-
-
-def read_config(directory: Path) -> dict[str, Any]:
-    path = directory / CONFIG
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise WanLoadError(f"{path}: not readable JSON ({exc})") from None
-    if not isinstance(config, dict) or config.get("_class_name") != CLASS:
-        got = config.get("_class_name") if isinstance(config, dict) else type(config).__name__
-        raise WanLoadError(f"{path}: _class_name is {got!r}; a {CLASS} is needed")
-    return config
+from physis_ros.model.wan_family import CONFIG, INDEX, WEIGHTS, WanLoadError, read_config, transformer_dir
 
 
 def weight_map(directory: Path) -> dict[str, Path]:
@@ -151,16 +122,20 @@ class WanTrunk:
     def num_layers(self) -> int:
         return int(self.config["num_layers"])
 
-    def build_block(self, b: int) -> torch.nn.Module:
-        """Block ``b`` as diffusers builds it, loaded from its tensors alone."""
+    def new_block(self) -> torch.nn.Module:
+        """A diffusers ``WanTransformerBlock`` of this trunk's shape, its weights not loaded."""
         from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 
+        c = self.config
+        return WanTransformerBlock(c["num_attention_heads"] * c["attention_head_dim"], c["ffn_dim"],
+                                   c["num_attention_heads"], c.get("qk_norm", "rms_norm_across_heads"),
+                                   c.get("cross_attn_norm", True), c.get("eps", 1e-6), c.get("added_kv_proj_dim"))
+
+    def build_block(self, b: int) -> torch.nn.Module:
+        """Block ``b`` as diffusers builds it, loaded from its tensors alone."""
         if not 0 <= b < self.num_layers:
             raise ValueError(f"block {b} does not exist; the model has blocks 0..{self.num_layers - 1}")
-        c = self.config
-        block = WanTransformerBlock(c["num_attention_heads"] * c["attention_head_dim"], c["ffn_dim"],
-                                    c["num_attention_heads"], c.get("qk_norm", "rms_norm_across_heads"),
-                                    c.get("cross_attn_norm", True), c.get("eps", 1e-6), c.get("added_kv_proj_dim"))
+        block = self.new_block()
         prefix = f"blocks.{b}."
         names = [n for n in self.files if n.startswith(prefix)]
         tensors = read_tensors(self.files, names)
@@ -220,6 +195,33 @@ def rope_at(rope, x: torch.Tensor, frame_offset: int) -> tuple[torch.Tensor, tor
     return out[0], out[1]
 
 
+def patchify(trunk, x: torch.Tensor) -> torch.Tensor:
+    """Latent ``[B, C, F, H, W]`` -> video tokens ``[B, T, D]`` (the trunk's patch embedding)."""
+    return trunk.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()
+
+
+def time_embedding(trunk, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Timesteps ``t`` ``[B]`` (0..1000) -> the head's modulation ``temb`` ``[B, D]`` (in ``dtype``) and every
+    block's ``timestep_proj`` ``[B, 6, D]``, as diffusers' condition embedder computes them."""
+    ce = trunk.condition_embedder
+    proj = ce.timesteps_proj(t)
+    own = next(iter(ce.time_embedder.parameters())).dtype
+    temb = ce.time_embedder(proj.to(own) if proj.dtype != own else proj).to(dtype)
+    return temb, ce.time_proj(ce.act_fn(temb)).unflatten(1, (6, -1))
+
+
+def head(trunk, h: torch.Tensor, temb: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+    """Video tokens ``[B, T, D]`` -> velocity ``[B, C, F, H, W]`` (output norm modulated by ``temb``,
+    projection, unpatchify over the patched ``grid`` (frames, rows, columns))."""
+    shift, scale = (trunk.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+    h = (trunk.norm_out(h.float()) * (1 + scale) + shift).type_as(h)
+    h = trunk.proj_out(h)
+    p_t, p_h, p_w = trunk.config.patch_size
+    f, hh, ww = grid
+    h = h.reshape(h.shape[0], f, hh, ww, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+    return h.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
 class WanStages:
     """The stage path over a :class:`WanTrunk`'s diffusers modules (see the module's docstring)."""
 
@@ -235,15 +237,11 @@ class WanStages:
         """Noisy latent ``[B, C, F, H, W]`` at timesteps ``t`` ``[B]`` (0..1000), its first frame at RoPE
         position ``frame_offset`` -> hidden ``[B, T, D]``."""
         trunk = self.trunk
-        ce = trunk.condition_embedder
         p_t, p_h, p_w = trunk.config.patch_size
         _, _, frames, height, width = x.shape
         rotary = trunk.rope(x) if frame_offset == 0 else rope_at(trunk.rope, x, frame_offset)
-        h = trunk.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()
-        proj = ce.timesteps_proj(t)
-        dtype = next(iter(ce.time_embedder.parameters())).dtype
-        temb = ce.time_embedder(proj.to(dtype) if proj.dtype != dtype else proj).type_as(h)
-        timestep_proj = ce.time_proj(ce.act_fn(temb)).unflatten(1, (6, -1))
+        h = patchify(trunk, x)
+        temb, timestep_proj = time_embedding(trunk, t, h.dtype)
         return h, StepEmbedding(temb, timestep_proj, rotary, (frames // p_t, height // p_h, width // p_w))
 
     def block(self, b: int, h: torch.Tensor, text: torch.Tensor, step: StepEmbedding) -> torch.Tensor:
@@ -252,14 +250,7 @@ class WanStages:
 
     def head(self, h: torch.Tensor, step: StepEmbedding) -> torch.Tensor:
         """Hidden ``[B, T, D]`` -> velocity ``[B, C, F, H, W]``."""
-        trunk = self.trunk
-        shift, scale = (trunk.scale_shift_table + step.temb.unsqueeze(1)).chunk(2, dim=1)
-        h = (trunk.norm_out(h.float()) * (1 + scale) + shift).type_as(h)
-        h = trunk.proj_out(h)
-        p_t, p_h, p_w = trunk.config.patch_size
-        f, hh, ww = step.grid
-        h = h.reshape(h.shape[0], f, hh, ww, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
-        return h.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+        return head(self.trunk, h, step.temb, step.grid)
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """One denoising step's model call through every block, in order."""

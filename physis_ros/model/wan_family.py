@@ -1,0 +1,167 @@
+"""The ``wan`` model family: a Wan trunk read from a diffusers directory (``model: /path/to/dir``), served
+through the stage contract by :class:`physis_ros.model.wan_model.WanModel`. Torch-free: what a config load,
+the scheduler and the simulator read (the directory's ``config.json``, the spec), with the model built on a
+worker.
+
+A model config of this family is the directory's own trunk (its ``config.json`` fixes ``hidden``, ``heads``,
+``blocks`` and ``ffn``: they are filled in, and a YAML that gives other values is refused) and a ``wan:``
+section: the latent chunk (``frames``, ``height``, ``width``) and the prompt embeddings' rows
+(``text_tokens``). A directory may hold a ``physis_model.yaml`` with the rest (steps, grid, window, history,
+dtype, the ``wan:`` section); without one the defaults below apply, and a pipeline directory's
+``scheduler/scheduler_config.json`` ``flow_shift`` sets the grid's shift.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from physis_ros.config import ConfigError
+from physis_ros.model.families import ModelFamily
+from physis_ros.model.spec import ModelConfig, ModelSpec
+
+CONFIG = "config.json"
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+INDEX = "diffusion_pytorch_model.safetensors.index.json"
+CLASS = "WanTransformer3DModel"
+DEFAULT_STEPS = 4       # denoising steps of a directory without physis_model.yaml (a few-step robot model)
+
+
+class WanLoadError(ValueError):
+    """A directory that is not a Wan transformer we can read; the message names the file (and tensor)."""
+
+
+def transformer_dir(path: str | Path) -> Path:
+    """The directory holding the transformer's ``config.json``: ``path``, or its ``transformer/``."""
+    root = Path(path)
+    for candidate in (root, root / "transformer"):
+        if (candidate / CONFIG).is_file():
+            return candidate
+    raise WanLoadError(f"{root}: no {CONFIG} (nor transformer/{CONFIG}); give a directory written by "
+                       f"WanTransformer3DModel.save_pretrained, or a pipeline directory holding one")
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """The trunk's diffusers ``config.json`` (WanLoadError naming the file unless it is a Wan transformer's)."""
+    path = directory / CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise WanLoadError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(config, dict) or config.get("_class_name") != CLASS:
+        got = config.get("_class_name") if isinstance(config, dict) else type(config).__name__
+        raise WanLoadError(f"{path}: _class_name is {got!r}; a {CLASS} is needed")
+    return config
+
+
+def trunk_config(checkpoint: str | Path) -> dict[str, Any]:
+    """``read_config`` of a checkpoint directory, as a ConfigError naming ``wan.checkpoint``."""
+    try:
+        return read_config(transformer_dir(checkpoint))
+    except WanLoadError as exc:
+        raise ConfigError("wan.checkpoint", str(exc)) from None
+
+
+def _trunk_shape(trunk: dict[str, Any]) -> dict[str, int]:
+    heads, head_dim = int(trunk["num_attention_heads"]), int(trunk["attention_head_dim"])
+    return {"hidden": heads * head_dim, "heads": heads, "blocks": int(trunk["num_layers"]),
+            "ffn": int(trunk["ffn_dim"])}
+
+
+def _flow_shift(root: Path) -> float | None:
+    path = root / "scheduler" / "scheduler_config.json"
+    try:
+        shift = json.loads(path.read_text()).get("flow_shift") if path.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(shift) if isinstance(shift, (int, float)) and shift > 0 else None
+
+
+def complete(mapping: dict[str, Any], directory: Path | None) -> dict[str, Any]:
+    """A ``wan`` model mapping with the checkpoint's trunk shape filled in (``directory``: the checkpoint the
+    mapping is read from; None: the one its ``wan.checkpoint`` names). Values the mapping gives are kept, and
+    checked against the checkpoint by the spec."""
+    section = dict(mapping.get("wan") or {})
+    if directory is not None:
+        section["checkpoint"] = str(directory)
+    if not isinstance(section.get("checkpoint"), str):
+        return mapping       # from_mapping names the missing wan.checkpoint
+    root = Path(section["checkpoint"]).expanduser().resolve()
+    section["checkpoint"] = str(root)
+    trunk = trunk_config(root)
+    out = {**mapping, "wan": section}
+    for key, value in _trunk_shape(trunk).items():
+        out.setdefault(key, value)
+    out.setdefault("name", root.parent.name if root.name == "transformer" else root.name)
+    out.setdefault("steps", DEFAULT_STEPS)
+    if "sigmas" not in out and "timestep_shift" not in out and _flow_shift(root) is not None:
+        out["timestep_shift"] = _flow_shift(root)
+    return out
+
+
+def wan_block_params(hidden: int, ffn: int, cross_attn_norm: bool = True, added_kv_proj_dim: int | None = None
+                     ) -> int:
+    """Parameters of one diffusers ``WanTransformerBlock``: self- and cross-attention (q, k, v, out with
+    biases, RMS norms of q and k across heads), the cross-attention norm, the GELU feed-forward and the
+    block's scale-shift table (6 vectors); an image-to-video block's added K/V projections."""
+    d = hidden
+    attention = 4 * (d * d + d) + 2 * d
+    added = 0 if added_kv_proj_dim is None else 2 * (added_kv_proj_dim * d + d) + d
+    return 2 * attention + added + (2 * d if cross_attn_norm else 0) + (2 * d * ffn + ffn + d) + 6 * d
+
+
+def wan_block_flops(config: ModelConfig, video_tokens: int, text_tokens: int) -> float:
+    """FLOPs of one block forward for one chunk at one step: the dense matmuls over the video tokens (2 per
+    parameter and token; the cross-attention's K and V over the text tokens), self-attention over the chunk
+    and its cached history, cross-attention to the text."""
+    d, t, n = config.hidden, video_tokens, text_tokens
+    kv_text = 2 * (d * d + d)
+    dense = wan_block_params(d, config.ffn_dim) - kv_text
+    cached = (config.window + int(config.sink)) * t
+    return 2.0 * dense * t + 2.0 * kv_text * n + 4.0 * t * (t + cached) * d + 4.0 * t * n * d
+
+
+def wan_spec(config: ModelConfig) -> ModelSpec:
+    """The spec of a Wan trunk: prompt embeddings ``[L, text_dim]`` in, latent frames ``[C, F, H, W]`` out;
+    a chunk's hidden state is its text tokens followed by its video tokens, of which only the video tokens
+    write history K/V. ConfigError naming the field when the config does not fit the checkpoint."""
+    io = config.wan
+    if io is None:
+        raise ConfigError("wan", "kind 'wan' needs a 'wan:' section with the checkpoint directory")
+    trunk = trunk_config(io.checkpoint)
+    for key, value in _trunk_shape(trunk).items():
+        if getattr(config, key if key != "ffn" else "ffn_dim") != value:
+            raise ConfigError(key, f"{getattr(config, key)} but checkpoint {io.checkpoint} has {value}: leave it "
+                                   f"out (it is read from the checkpoint)")
+    if trunk.get("image_dim") or trunk.get("added_kv_proj_dim"):
+        raise ConfigError("wan.checkpoint", f"{io.checkpoint} is an image-to-video trunk (image_dim "
+                                            f"{trunk.get('image_dim')}); it needs image embeddings, which the wan "
+                                            f"family does not take: serve a text-to-video trunk")
+    channels = int(trunk["in_channels"])
+    if int(trunk.get("out_channels") or channels) != channels:
+        raise ConfigError("wan.checkpoint", f"{io.checkpoint}: in_channels {channels} != out_channels "
+                                            f"{trunk['out_channels']}; the sampler needs a velocity of the "
+                                            f"latent's shape")
+    p_t, p_h, p_w = (int(n) for n in trunk["patch_size"])
+    for key, size, patch in (("frames", io.frames, p_t), ("height", io.height, p_h), ("width", io.width, p_w)):
+        if size % patch:
+            raise ConfigError(f"wan.{key}", f"{size} is not a multiple of the trunk's patch {patch}")
+    frames = io.frames // p_t
+    positions = (config.window + int(config.sink) + 1) * frames
+    if positions > int(trunk.get("rope_max_seq_len", 1024)):
+        raise ConfigError("window", f"{config.window} chunks of history (+ sink + the chunk) are {positions} "
+                                    f"latent frames, past the trunk's RoPE table of {trunk.get('rope_max_seq_len')}")
+    video = frames * (io.height // p_h) * (io.width // p_w)
+    return ModelSpec(inputs={"prompt_embeds": (io.text_tokens, int(trunk["text_dim"]))},
+                     output=(channels, io.frames, io.height, io.width), produces="frames",
+                     tokens_per_chunk=io.text_tokens + video,
+                     kv_slot_tokens=(config.window + int(config.sink)) * video, kv_width=config.hidden,
+                     block_params=wan_block_params(config.hidden, config.ffn_dim,
+                                                   bool(trunk.get("cross_attn_norm", True))),
+                     block_flops=wan_block_flops(config, video, io.text_tokens), history=config.history)
+
+
+WAN = ModelFamily("wan", "physis_ros.model.wan_model:WanModel", wan_spec,
+                  "Wan trunk from a diffusers WanTransformer3DModel directory: prompt embeddings in, latent video "
+                  "frames [C, F, H, W] out", checkpoint_class=CLASS, complete=complete)

@@ -1,0 +1,172 @@
+"""A Wan trunk from a diffusers directory as a servable model (family ``wan``, :mod:`physis_ros.model.wan_family`).
+
+The stage contract over diffusers' own modules (:mod:`physis_ros.model.wan`):
+
+- ``encode``: prompt embeddings ``[B, L, text_dim]`` -> text tokens ``[B, L, D]`` (the trunk's text embedder);
+- ``embed``: the noisy latent ``[B, C, F, H, W]`` -> the hidden state, the text tokens followed by the video
+  tokens ``[B, L + T, D]`` (so that every block's cross-attention has the text beside the tokens it carries);
+- ``block``: diffusers' ``WanTransformerBlock`` on the video tokens, its self-attention through
+  :class:`CachedSelfAttention` over the stage-local K/V, its cross-attention to the text tokens;
+- ``head``: the output norm, projection and unpatchify -> velocity ``[B, C, F, H, W]``.
+
+Timesteps: the contract's ``t`` in [0, 1] is the noise level; the trunk is given ``1000 * t``.
+
+History positions (RoPE): a chunk's frames sit after the chunks its K/V cache holds, ``F`` latent frames
+each, oldest first (the sink first): chunk ``c`` of a stream within its first ``window`` chunks is at frames
+``c*F .. c*F + F - 1``, its absolute positions. Later chunks keep those offsets to every chunk in the window
+(RoPE's attention depends on offsets only), so a stream runs for ever inside the trunk's position table.
+The cache stores keys before RoPE and rotates them to their place when read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from physis_ros.model.dit import TimestepCache
+from physis_ros.model.interface import ServableModel
+from physis_ros.model.kv import KVBatch, KVTable
+from physis_ros.model.spec import ModelConfig
+from physis_ros.model.wan import head, load_wan, patchify, rope_at, time_embedding
+from physis_ros.model.wan_history import apply_rotary
+
+
+class CachedSelfAttention:
+    """A Wan block's self-attention (diffusers' projections, norms and RoPE arithmetic) over its own tokens and
+    the K/V history of each sample's slot: set ``kv`` (the call's :class:`KVBatch`) and ``rope`` (cos, sin
+    ``[1, positions, 1, head_dim]``, the cached keys' positions from 0) before the block runs."""
+
+    def __init__(self) -> None:
+        self.kv: KVBatch | None = None
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _place(self, keys: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rope
+        n = keys.shape[0]
+        return apply_rotary(keys[None], cos[:, :n], sin[:, :n])[0]
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        kv = self.kv
+        if kv is None or self.rope is None:
+            raise RuntimeError("the Wan block's K/V cache was not set for this call")
+        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
+        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        query, rotated = apply_rotary(query, *rotary_emb), apply_rotary(key, *rotary_emb)
+        keys, values, mask = kv.attend_inputs(rotated, value, cached_keys=self._place)
+        kv.append(key, value)
+        out = F.scaled_dot_product_attention(query.permute(0, 2, 1, 3), keys.permute(0, 2, 1, 3),
+                                             values.permute(0, 2, 1, 3), attn_mask=mask)
+        out = out.permute(0, 2, 1, 3).flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class WanModel(ServableModel):
+    """The servable model of a Wan checkpoint directory (see the module's docstring)."""
+
+    def __init__(self, config: ModelConfig, hosted_blocks: Iterable[int] | None = None,
+                 device: torch.device | str = "cpu"):
+        super().__init__(config, hosted_blocks)
+        io = config.wan
+        assert io is not None
+        source = load_wan(io.checkpoint, blocks=sorted(self.hosted_blocks), dtype=self.dtype)
+        self.trunk = source.trunk
+        self.blocks = nn.ModuleDict()
+        built, source.blocks = dict(source.blocks), {}
+        self._source = source               # to build more blocks from the checkpoint
+        p_t, p_h, p_w = self.trunk.config.patch_size
+        self._grid = (io.frames // p_t, io.height // p_h, io.width // p_w)
+        self._video_tokens = self._grid[0] * self._grid[1] * self._grid[2]
+        self._time = TimestepCache(self._time_of)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.to(device=device)
+        self.attach_blocks({b: blk.to(device=device) for b, blk in built.items()})
+
+    @property
+    def device(self) -> torch.device:
+        return self.trunk.proj_out.weight.device
+
+    def _apply(self, fn, recurse=True):     # .to(): the cached time embeddings and RoPE table are stale
+        if hasattr(self, "_time"):
+            self._time.values.clear()
+            self._rope = None
+        return super()._apply(fn, recurse)
+
+    def _time_of(self, t: torch.Tensor) -> torch.Tensor:
+        """[1, 7, D]: the head's modulation, then the blocks' six, for one noise level ``t`` in [0, 1]."""
+        temb, proj = time_embedding(self.trunk, (t.double() * 1000.0).float(), self.dtype)
+        return torch.cat([temb[:, None], proj], dim=1)
+
+    def _positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos, sin of the cache's chunks and the chunk itself, in order: [1, (window + sink + 1) * T, 1, hd]."""
+        if self._rope is None:
+            c, io = self.config, self.config.wan
+            chunks = c.window + int(c.sink) + 1
+            shape = (1, 1, chunks * io.frames, io.height, io.width)
+            self._rope = rope_at(self.trunk.rope, torch.empty(shape, device="meta"), 0)
+        return self._rope
+
+    # ---- the stage contract ----------------------------------------------------------------------
+    def encode(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.trunk.condition_embedder.text_embedder(obs["prompt_embeds"])
+
+    def embed(self, cond: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([cond, patchify(self.trunk, x)], dim=1)
+
+    def block(self, b: int, h: torch.Tensor, t: torch.Tensor, kv: KVBatch) -> torch.Tensor:
+        try:
+            blk = self.blocks[str(b)]
+        except KeyError:
+            raise KeyError(f"block {b} is not hosted here (hosted: {sorted(self.hosted_blocks)})") from None
+        text_tokens = self.config.wan.text_tokens
+        text, video = h[:, :text_tokens].contiguous(), h[:, text_tokens:].contiguous()
+        cos, sin = self._positions()
+        n = self._video_tokens
+        offsets = [kv.table.length[slot] for slot in kv.slots]      # a chunk sits after what its slot caches
+        if len(set(offsets)) == 1:
+            here = (cos[:, offsets[0]:offsets[0] + n], sin[:, offsets[0]:offsets[0] + n])
+        else:
+            here = (torch.cat([cos[:, o:o + n] for o in offsets]), torch.cat([sin[:, o:o + n] for o in offsets]))
+        attention = blk.attn1.processor
+        attention.kv, attention.rope = kv, (cos, sin)
+        try:
+            video = blk(video, text, self._time(t)[:, 1:], here)
+        finally:
+            attention.kv = attention.rope = None
+        return torch.cat([text, video], dim=1)
+
+    def head(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return head(self.trunk, h[:, self.config.wan.text_tokens:], self._time(t)[:, 0], self._grid)
+
+    def new_kv_table(self, block: int, slots: int) -> KVTable:
+        """K/V of the video tokens only (the text's cross-attention K/V are not history)."""
+        c = self.config
+        return KVTable(slots, self._video_tokens, c.window, c.sink, c.heads, c.head_dim, dtype=self.dtype,
+                       device=self.device)
+
+    # ---- hosting blocks ----------------------------------------------------------------------------
+    def new_block(self, b: int) -> nn.Module:
+        """Block ``b``'s module, its weights not loaded (they come from the checkpoint: :meth:`build_blocks`)."""
+        return self._source.new_block()
+
+    def build_blocks(self, blocks: Iterable[int], weights: dict[str, torch.Tensor] | None = None
+                     ) -> dict[int, nn.Module]:
+        """Blocks loaded from the checkpoint directory (each from its own tensors), on this model's device."""
+        if weights is not None:
+            raise ValueError(f"model '{self.config.name}' reads its blocks from {self.config.wan.checkpoint}")
+        return {b: self._source.build_block(b).to(device=self.device) for b in sorted(set(blocks))}
+
+    def attach_blocks(self, built: dict[int, nn.Module]) -> None:
+        for b, blk in built.items():
+            blk.attn1.set_processor(CachedSelfAttention())
+            self.blocks[str(b)] = blk
+        self.hosted_blocks = frozenset(self.hosted_blocks | set(built))
+
+    def release_blocks(self, blocks) -> None:
+        for b in blocks:
+            if str(b) in self.blocks:
+                del self.blocks[str(b)]
+        self.hosted_blocks = frozenset(self.hosted_blocks - set(blocks))

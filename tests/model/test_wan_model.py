@@ -1,0 +1,200 @@
+"""A Wan directory as a model family through the stage contract (issue 55): ``model: DIR`` reads the trunk's
+shape from the checkpoint; the spec counts diffusers' own block; chunk 0 through the sequential reference and
+through ``run_stage`` (one stage at a time, and time-shared batches) equals the documented sampler over
+``WanTransformer3DModel.forward`` exactly in fp32; later chunks under ``same_step`` and ``clean`` equal a full
+recompute with diffusers' forward; configs that do not fit the checkpoint are refused naming the field."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from diffusers import WanTransformer3DModel
+
+from physis_ros.config import ConfigError
+from physis_ros.model import build_model, load_model_config
+from physis_ros.model.kv import KVBatch
+from physis_ros.model.stages import chunk_input, run_stage
+from physis_ros.model.wan import sample
+from physis_ros.model.wan_history import recompute
+from physis_ros.reference import ReferenceRollout
+
+TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+            text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3, cross_attn_norm=True, rope_max_seq_len=32)
+IO = {"frames": 2, "height": 8, "width": 6, "text_tokens": 7}
+STEPS = 3
+
+
+def sidecar(rule: str = "same_step", window: int = 2, **extra) -> dict:
+    return {"name": "tiny-wan", "steps": STEPS, "timestep_shift": 3.0, "window": window, "history": rule,
+            "wan": dict(IO), **extra}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny Wan transformer with random weights, saved by diffusers, with a physis_model.yaml beside it."""
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**TINY).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    path = tmp_path_factory.mktemp("wan") / "tiny"
+    model.save_pretrained(path)
+    return model, path
+
+
+def write_sidecar(path, **kwargs):
+    (path / "physis_model.yaml").write_text(yaml.safe_dump(sidecar(**kwargs)))
+
+
+def prompt_embeds(seed: int = 3) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((IO["text_tokens"], 16)).astype(np.float32)
+
+
+def grid(model) -> list[float]:
+    """The model's noise levels, first to last and then 0: the sampler's ``sigmas``."""
+    return [float(x) for x in reversed(model.timesteps.t.tolist())]
+
+
+@torch.no_grad()
+def diffusers_chunk(module, noise, prompt, sigmas):
+    return sample(lambda x, t, c: module(x, t, c, return_dict=False)[0], noise, sigmas, prompt)
+
+
+def test_a_directory_is_a_model_config_with_the_checkpoints_trunk(saved, tmp_path):
+    _, path = saved
+    write_sidecar(path)
+    config = load_model_config(path)
+    assert (config.kind, config.hidden, config.heads, config.blocks, config.ffn_dim) == ("wan", 24, 2, 3, 32)
+    spec = config.spec
+    assert spec.inputs == {"prompt_embeds": (7, 16)} and spec.output == (4, 2, 8, 6) and spec.produces == "frames"
+    video = 2 * 4 * 3
+    assert spec.tokens_per_chunk == 7 + video and spec.kv_slot_tokens == 2 * video
+    block = WanTransformer3DModel(**TINY).blocks[0]
+    assert spec.block_params == sum(p.numel() for p in block.parameters())
+    # a model YAML naming the directory reads the same trunk
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump({"kind": "wan", "steps": 2, "wan": {"checkpoint": str(path)}}))
+    named = load_model_config(tmp_path / "m.yaml")
+    assert (named.hidden, named.blocks, named.wan.checkpoint) == (24, 3, str(path.resolve()))
+
+
+def test_the_real_wan21_13b_block_count():
+    from physis_ros.model.wan_family import wan_block_params
+
+    assert wan_block_params(1536, 8960) == 46_440_704
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"hidden": 32}, "hidden"), ({"blocks": 2}, "blocks"),
+    ({"wan": {**IO, "height": 7}}, "wan.height"),
+    ({"window": 40}, "window"),
+])
+def test_configs_that_do_not_fit_the_checkpoint_are_refused_naming_the_field(saved, tmp_path, change, key):
+    _, path = saved
+    data = {**sidecar(), "kind": "wan", **change}
+    data["wan"] = {**data["wan"], "checkpoint": str(path)}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as err:
+        load_model_config(tmp_path / "m.yaml")
+    assert err.value.key == key, str(err.value)
+
+
+def test_a_directory_no_family_reads_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"_class_name": "UNet2DModel"}))
+    with pytest.raises(ConfigError, match="not a checkpoint directory an installed model family reads"):
+        load_model_config(tmp_path)
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump({"kind": "wan", "steps": 2, "wan": {"checkpoint": str(tmp_path)}}))
+    with pytest.raises(ConfigError, match="_class_name is 'UNet2DModel'") as err:
+        load_model_config(tmp_path / "m.yaml")
+    assert err.value.key == "wan.checkpoint"
+
+
+def test_chunk_0_through_the_reference_equals_diffusers_forward_exactly(saved):
+    module, path = saved
+    write_sidecar(path)
+    model = build_model(load_model_config(path))
+    ref = ReferenceRollout(model, seed=7)
+    prompt = prompt_embeds()
+    got = ref.step("s", {"prompt_embeds": prompt}).output
+    noise = model.noise(7, "s", 0)
+    expected = diffusers_chunk(module, noise, torch.from_numpy(prompt)[None], grid(model))
+    assert got.shape == (4, 2, 8, 6) and not torch.equal(got, noise[0])
+    assert torch.equal(got, expected[0]), float((got - expected[0]).abs().max())
+
+
+@pytest.mark.parametrize("rule", ["same_step", "clean"])
+def test_later_chunks_equal_a_full_recompute_with_diffusers_forward(saved, rule):
+    """Four chunks with a window of 2: the first three at their absolute positions, the fourth past the
+    window, where the cache keeps the offsets to the chunks it reads (equal within float rounding)."""
+    module, path = saved
+    write_sidecar(path, rule=rule, window=2)
+    model = build_model(load_model_config(path))
+    ref = ReferenceRollout(model, seed=1)
+    prompt = prompt_embeds(4)
+    got = [ref.step("s", {"prompt_embeds": prompt}).output for _ in range(4)]
+    noises = [model.noise(1, "s", c) for c in range(4)]
+    expected = recompute(copy.deepcopy(module), noises, grid(model), torch.from_numpy(prompt)[None], rule, 2)
+    for c, (a, b) in enumerate(zip(got, expected)):
+        assert torch.allclose(a, b[0], rtol=0, atol=5e-6), (rule, c, float((a - b[0]).abs().max()))
+    assert not torch.allclose(got[1], got[0])
+
+
+@pytest.mark.parametrize("rule", ["same_step", "clean"])
+def test_stages_one_at_a_time_and_time_shared_batches_equal_the_reference(saved, rule):
+    """run_stage over every stage (the workers' code): one stream alone equals the reference bit for bit;
+    two streams at different chunks (histories of different lengths: a padded, masked batch) batched in each
+    call equal it within float rounding."""
+    _, path = saved
+    write_sidecar(path, rule=rule)
+    model = build_model(load_model_config(path))
+    cfg = model.config
+    ref = ReferenceRollout(model, seed=2)
+    prompts = {"a": prompt_embeds(5), "b": prompt_embeds(6)}
+    expected = {s: [ref.step(s, {"prompt_embeds": prompts[s]}).output for _ in range(3)] for s in prompts}
+    clean = cfg.clean_pass
+    per_stream = 1 if clean else cfg.steps
+    tables = [model.new_kv_table(b, per_stream * 2) for b in range(cfg.blocks)]
+    index = {s: i for i, s in enumerate(prompts)}
+    chunk = dict.fromkeys(prompts, 0)
+    outputs: dict[str, list] = {s: [] for s in prompts}
+
+    def slot(s: str, k: int) -> int:
+        return index[s] * per_stream + (0 if clean else k - 1)
+
+    def run(streams):
+        states = {s: chunk_input(model.observation_tensors({"prompt_embeds": prompts[s]}),
+                                 model.noise(2, s, chunk[s])) for s in streams}
+        for k in list(range(cfg.steps, 0, -1)) + ([0] if clean else []):
+            for b in range(cfg.blocks):
+                kv = KVBatch(tables[b], [slot(s, k) for s in streams])
+                states = dict(zip(streams, run_stage(model, b, [k] * len(streams), [states[s] for s in streams], kv)))
+        for s in streams:
+            outputs[s].append(states[s]["x"][0])
+            chunk[s] += 1
+
+    run(["b"])
+    assert torch.equal(outputs["b"][0], expected["b"][0])
+    for _ in range(2):
+        run(["a", "b"])
+    for s, offset in (("a", 0), ("b", 1)):
+        for c in range(2):
+            got, want = outputs[s][c + offset], expected[s][c + offset]
+            assert torch.allclose(got, want, rtol=0, atol=1e-5), (s, c, float((got - want).abs().max()))
+
+
+def test_a_worker_builds_only_its_blocks(saved):
+    _, path = saved
+    write_sidecar(path)
+    config = load_model_config(path)
+    model = build_model(config, hosted_blocks=[])
+    assert len(model.blocks) == 0
+    model.attach_blocks(model.build_blocks([1]))
+    assert model.hosted_blocks == {1}
+    full = build_model(config)
+    for name, value in full.blocks["1"].state_dict().items():
+        assert torch.equal(model.blocks["1"].state_dict()[name], value)
+    assert full.weight_bytes() - model.weight_bytes() == 2 * 4 * config.block_params()
