@@ -64,8 +64,9 @@ def test_a_chunk_recomputes_from_the_tensors_file_with_diffusers_forward(wan):
 @pytest.mark.parametrize("flags, says", [
     ([], "--prompt-embeds: a Wan model needs its prompt embeddings"),
     (["--prompt-embeds", "{root}/bad.safetensors"], "prompt_embeds is torch.float32 [1, 5, 8]; the model takes"),
-    (["--prompt-embeds", "{root}/prompt.safetensors", "--height", "5"], "--height 5 is not a multiple"),
-    (["--prompt-embeds", "{root}/prompt.safetensors", "--chunks", "9"], "past the model's RoPE table"),
+    (["--prompt-embeds", "{root}/prompt.safetensors", "--height", "5"], "--height 5: 5 is not a multiple of the trunk's patch 2"),
+    (["--prompt-embeds", "{root}/prompt.safetensors", "--chunks", "9", "--frames", "2", "--recompute"], "past the model's RoPE table"),
+    (["--prompt-embeds", "{root}/prompt.safetensors", "--window", "20"], "--window 20: 20 chunks of history"),
     (["--prompt-embeds", "{root}/prompt.safetensors", "--streams", "2"], "one stream"),
 ])
 def test_bad_inputs_are_one_line_errors_naming_the_flag(wan, capsys, flags, says):

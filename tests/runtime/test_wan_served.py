@@ -1,0 +1,77 @@
+"""A Wan directory served by the engine and real worker processes (issue 55): each worker builds diffusers'
+own blocks for the stages placed on it; chunks under ``same_step`` (stage plan, 2 workers) and ``clean``
+(block plan, 2 workers) and on one worker equal the sequential reference bit for bit, which equals
+diffusers' forward for chunk 0 and the full recompute after (tests/model/test_wan_model.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from diffusers import WanTransformer3DModel
+
+from physis_ros.model import build_model, load_model_config
+from physis_ros.reference import reference_rollout
+from physis_ros.runtime.offline import run_chunks
+from physis_ros.runtime.settings import EngineConfig
+
+pytestmark = pytest.mark.slow   # starts worker processes: not in `make test-fast`
+
+TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+            text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3, cross_attn_norm=True, rope_max_seq_len=32)
+STREAMS = ["robot0", "robot1"]
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**TINY).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    path = tmp_path_factory.mktemp("wan") / "tiny"
+    model.save_pretrained(path)
+    return path
+
+
+def source(stream: str, chunk: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([STREAMS.index(stream), chunk])
+    return {"prompt_embeds": rng.standard_normal((5, 16)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("rule, plan, workers", [("same_step", "sequential", 1), ("same_step", "stage", 2),
+                                                 ("clean", "block", 2)])
+def test_served_bit_for_bit_as_the_reference(directory, rule, plan, workers):
+    (directory / "physis_model.yaml").write_text(yaml.safe_dump({
+        "steps": 2, "window": 1, "history": rule, "wan": {"frames": 1, "height": 4, "width": 4, "text_tokens": 5}}))
+    cfg = load_model_config(directory)
+    chunks = 3
+    out = run_chunks(cfg, EngineConfig(plan=plan, workers=workers, heartbeat_timeout_s=20.0), STREAMS, chunks,
+                     source)
+    ref = {(r.stream, r.index): r.output.numpy()
+           for r in reference_rollout(build_model(cfg), source, STREAMS, chunks)}
+    for s in STREAMS:
+        assert [o.chunk for o in out[s]] == list(range(chunks))
+        for o in out[s]:
+            assert o.output.shape == (4, 1, 4, 4)
+            assert np.array_equal(o.output, ref[(s, o.chunk)]), (s, o.chunk)
+            assert len(o.record.stage_ms) == (cfg.steps + int(rule == "clean")) * cfg.blocks
+
+
+def test_physis_rollout_plan_and_workers_write_what_the_reference_writes(directory, tmp_path):
+    """physis-rollout --plan stage --workers 2 (issue 55 item 3): the tensors file equals the reference's."""
+    from safetensors.torch import load_file, save_file
+
+    from physis_ros.cli.rollout import main
+
+    (directory / "physis_model.yaml").unlink(missing_ok=True)
+    save_file({"prompt_embeds": torch.randn(1, 6, 16)}, tmp_path / "prompt.safetensors")
+    common = ["--model", str(directory), "--prompt-embeds", str(tmp_path / "prompt.safetensors"), "--chunks", "3",
+              "--frames", "2", "--height", "4", "--width", "4", "--steps", "2", "--window", "1"]
+    assert main([*common, "--tensors", str(tmp_path / "ref.safetensors")]) == 0
+    assert main([*common, "--plan", "stage", "--workers", "2", "--tensors", str(tmp_path / "served.safetensors")]) == 0
+    ref, served = load_file(tmp_path / "ref.safetensors"), load_file(tmp_path / "served.safetensors")
+    assert set(ref) == set(served) == {"sigmas"} | {f"{k}.{c}" for k in ("noise", "output") for c in range(3)}
+    for name in ref:
+        assert torch.equal(ref[name], served[name]), name
