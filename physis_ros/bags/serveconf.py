@@ -197,7 +197,7 @@ def stream_info(config: ServeConfig, name: str) -> StreamInfo:
     s = config.streams[name]
     ref, model, checkpoint = stream_model(config, name)
     check_stream_model(f"streams.{name}", s, model)
-    shapes = model.observation_shapes
+    shapes = {k: v for k, v in model.observation_shapes.items() if k not in s.inputs}   # files feed the rest
     paired = [o for o in shapes if o != "image"]
     topics: dict[str, str] = {}
     types: dict[str, str] = {}

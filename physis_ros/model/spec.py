@@ -12,7 +12,8 @@ from physis_ros.model.families import check_family, complete_config, directory_c
 
 DTYPES = ("float32", "bfloat16", "float16")
 OUTPUTS = ("actions", "frames")
-IO_SECTIONS = ("wam", "acwm", "wan")   # a model config's I/O section: one, named as its kind where built in
+IO_SECTIONS = ("wam", "acwm", "wan")
+FRAME_AXES = ("FCHW", "CFHW")   # a model config's I/O section: one, named as its kind where built in
 # How chunk c at step k reads the K/V of earlier chunks (docs/history.md).
 HISTORY_RULES = {"same_step": "chunk c at step k reads the K/V chunks c-window..c-1 (and the sink) wrote at step k",
                  "clean": "every step of chunk c reads the K/V a pass at t = 0 over the finished chunks "
@@ -43,6 +44,19 @@ class ModelSpec:
     """FLOPs of one block forward for one sample at one denoising step, attention over the history included."""
     history: str = "same_step"
     """The history rule: how a chunk reads earlier chunks' K/V (HISTORY_RULES)."""
+    frame_axes: str = "FCHW"
+    """A frames output's axes in order: ``FCHW`` (frames, channels, rows, columns) or ``CFHW`` (a video
+    trunk's latent layout); front ends publish frames as ``FCHW``."""
+
+    @property
+    def frames_shape(self) -> tuple[int, ...]:
+        """A frames output's shape as front ends publish it: ``(F, C, H, W)``."""
+        out = self.output
+        return out if self.frame_axes == "FCHW" else (out[1], out[0], *out[2:])
+
+    def frames_of(self, output):
+        """A frames output (a numpy array or tensor in the model's own axes) as ``[F, C, H, W]`` (a view)."""
+        return output if self.frame_axes == "FCHW" else output.swapaxes(0, 1)
 
     def check(self, family: str, model: str) -> None:
         """ConfigError naming ``kind`` and the field unless the spec is consistent."""
@@ -68,6 +82,9 @@ class ModelSpec:
             raise bad("block_flops", f"is {self.block_flops!r}; it must be positive")
         if self.history not in HISTORY_RULES:
             raise bad("history", f"is '{self.history}', not one of {', '.join(HISTORY_RULES)}")
+        if self.frame_axes not in FRAME_AXES or (self.produces == "frames" and len(self.output) != 4):
+            raise bad("frame_axes", f"is '{self.frame_axes}' for output {self.output}; frames are 4 axes, "
+                                    f"{' or '.join(FRAME_AXES)}")
 
 
 @dataclass(frozen=True)
@@ -199,10 +216,11 @@ class ModelConfig:
 
     @property
     def control_horizon(self) -> int:
-        """Control steps one chunk plans: the action rows it outputs, or the actions it is given to imagine."""
+        """Control steps one chunk plans: the action rows it outputs, or the actions it is given to imagine; one
+        for a model that takes no actions (a video trunk: one chunk per control step)."""
         if self.produces == "actions":
             return self.output_shape[0]
-        return self.observation_shapes["actions"][0]
+        return self.observation_shapes["actions"][0] if "actions" in self.observation_shapes else 1
 
     @property
     def clean_pass(self) -> bool:

@@ -159,7 +159,8 @@ def wan_spec(config: ModelConfig) -> ModelSpec:
                      kv_slot_tokens=(config.window + int(config.sink)) * video, kv_width=config.hidden,
                      block_params=wan_block_params(config.hidden, config.ffn_dim,
                                                    bool(trunk.get("cross_attn_norm", True))),
-                     block_flops=wan_block_flops(config, video, io.text_tokens), history=config.history)
+                     block_flops=wan_block_flops(config, video, io.text_tokens), history=config.history,
+                     frame_axes="CFHW")
 
 
 WAN = ModelFamily("wan", "physis_ros.model.wan_model:WanModel", wan_spec,

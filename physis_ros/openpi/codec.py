@@ -158,8 +158,9 @@ def join_request(query: str, config: OpenpiConfig, default_name: str) -> tuple[s
             continue
         head, _, rest = key.partition(".")
         tp = STREAM_FIELDS.get(head)
-        if tp is None or head in ("slo_interval_ms",):
-            known = ", ".join([*JOIN_KEYS, *(k for k in STREAM_FIELDS if k not in ("slo_interval_ms", *JOIN_KEYS))])
+        if tp is None or head in ("slo_interval_ms", "inputs"):    # inputs: files on the server, never a client's
+            known = ", ".join([*JOIN_KEYS, *(k for k in STREAM_FIELDS if k not in ("slo_interval_ms", "inputs",
+                                                                                  *JOIN_KEYS))])
             raise ValueError(f"{key}: not a stream key; known: {known}")
         if rest:
             section = typing.get_type_hints(tp) if isinstance(tp, type) else {}

@@ -338,7 +338,7 @@ class OpenpiFrontEnd:
             horizon, dof = m.output_shape
             out.update(action_horizon=horizon, action_dim=dof)
         else:
-            out.update(frames_shape=list(m.output_shape))
+            out.update(frames_shape=list(m.spec.frames_shape))
         return out
 
     def _on_server_event(self, event: ServerEvent) -> None:

@@ -125,9 +125,10 @@ class RosStream:
     def _make_inputs(self) -> None:
         s, serve = self.config, self.node.config
         in_qos = qos.input_profile(s.qos.input, serve.deterministic)
-        image_type, which = (CompressedImage, "compressed_image") if s.compressed else (Image, "image")
-        self._subscribe(image_type, self.topic(which), self.on_image, in_qos, "image")
-        shapes = self.model.observation_shapes
+        shapes = {k: v for k, v in self.model.observation_shapes.items() if k not in s.inputs}  # the files' are read
+        if "image" in shapes:
+            image_type, which = (CompressedImage, "compressed_image") if s.compressed else (Image, "image")
+            self._subscribe(image_type, self.topic(which), self.on_image, in_qos, "image")
         if "state" in shapes:
             self._subscribe(JointState, self.topic("joint_states"), self.on_joints, in_qos, "joint_states")
         if "actions" in shapes:
@@ -230,12 +231,14 @@ class RosStream:
         # (the node clock is the system clock unless simulated; time.time() is the cheaper read)
         handover = node.now() if node.config.use_sim_time else time.time()
         stamp, rec, publish_ms = out.tag, out.telemetry, math.nan
+        if isinstance(stamp, (int, float)):   # a stream whose every input is a file: stamped when released
+            stamp = conv.time_msg(float(stamp))
         if node.closing:
             return
         if self.pub_chunk is not None:
             publish_ms = self._publish_actions(out, handover, start)
         elif node.armed:
-            self.pub_frames.publish(outputs.frames_msg(self.name, self.config, out.index, out.output, stamp))
+            self.pub_frames.publish(outputs.frames_msg(self.name, self.config, out.index, out.frames, stamp))
             publish_ms = (time.perf_counter() - start) * 1e3
             self.published += 1
         telemetry = outputs.telemetry_msg(rec, stamp, handover)

@@ -49,8 +49,8 @@ class StageBench:
         self.scene = scene = SyntheticScene(config.observation_shapes)
         # Fill every slot with `window` chunks of keys/values so attention reads a full cache.
         self.tables = [model.new_kv_table(b, max_batch) for b in range(config.blocks)]
-        kv = torch.randn(config.tokens_per_chunk, config.heads, config.head_dim, device=model.device,
-                         dtype=model.dtype)
+        kv = torch.randn(self.tables[0].tokens_per_chunk, config.heads, config.head_dim, device=model.device,
+                         dtype=model.dtype)   # the tokens a chunk writes (a model may carry more, e.g. text)
         for table in self.tables:
             for slot in range(max_batch):
                 for _ in range(config.window + int(config.sink)):

@@ -28,7 +28,7 @@ def block_bytes(cfg: ModelConfig, batch: int) -> float:
     s = ITEMSIZE[cfg.dtype]
     t, d, f = cfg.tokens_per_chunk, cfg.hidden, cfg.ffn_dim
     kv_read = 2 * cfg.spec.kv_slot_tokens * cfg.spec.kv_width * s
-    kv_write = 2 * t * cfg.spec.kv_width * s
+    kv_write = 2 * (cfg.spec.kv_slot_tokens // (cfg.window + int(cfg.sink))) * cfg.spec.kv_width * s
     activations = t * (20 * d + 2 * f) * s
     return cfg.block_params() * s + batch * (kv_read + kv_write + activations)
 

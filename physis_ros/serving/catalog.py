@@ -35,6 +35,7 @@ from physis_ros.model.spec import load_model_config
 from physis_ros.model.spec import ModelConfig
 from physis_ros.serving.capacity import Rejected
 from physis_ros.serving.config import AdmissionConfig, ServeConfig
+from physis_ros.serving.file_inputs import read_file_inputs
 from physis_ros.serving.fit import check_stream_model
 from physis_ros.runtime.streams import ServedModel
 from physis_ros.runtime.costs import CostProfile, profile_from_json, stream_memory_bytes
@@ -111,6 +112,7 @@ def check_config_models(config: ServeConfig) -> ModelConfig:
         except Rejected as exc:
             raise ConfigError(f"streams.{name}.model", exc.detail) from None
         check_stream_model(f"streams.{name}", s, own)
+        read_file_inputs(f"streams.{name}", s.inputs, own)
     return model
 
 

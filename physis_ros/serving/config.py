@@ -127,6 +127,12 @@ class StreamConfig:
         "model preset, model YAML or checkpoint (.safetensors) of this stream (empty: the server's model)"))
     actions_type: str = field(default="action_chunk", metadata=bounded(
         choices=("action_chunk", "joint_trajectory"), doc="world models (ACWM): message type of topics.actions"))
+    inputs: dict[str, str] = field(default_factory=dict, metadata=described(
+        "model inputs no topic feeds, each read from a file when the stream joins and given to every chunk: "
+        "input name -> a safetensors file holding a tensor of that name (a Wan trunk's prompt_embeds "
+        "[L, text_dim]); a stream whose every input is a file is released once per SLO interval (one control step "
+        "by default) less admission.pace_margin. Serve config and "
+        "Server.join only: a ServeStream goal or an openpi client never names a file on the server"))
     namespace: str = field(default="", metadata=described("namespace of the stream's topics (empty: its name)"))
     slo_interval_ms: float | None = field(default=None, metadata=bounded(
         gt=0.0, le=600_000.0, doc="output interval target (ms, at most 10 minutes): telemetry deadline_miss, "

@@ -58,6 +58,9 @@ def _walk(cls: type, obj: Any, prefix: str, section_doc: str = "") -> Iterator[C
         elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
             for key, item in (value or {}).items():
                 yield from _walk(typing.get_args(tp)[1], item, f"{name}.{key}.", section_doc)
+        elif typing.get_origin(tp) is dict:     # a mapping of scalars (a stream's inputs): a key per entry
+            for key, item in (value or {}).items():
+                yield ConfigLeaf(f"{name}.{key}", typing.get_args(tp)[1], dict(f.metadata), section_doc, item, True)
         else:
             yield ConfigLeaf(name, tp, dict(f.metadata), section_doc, value, optional)
 
@@ -88,10 +91,10 @@ def config_field(name: str) -> tuple[Any, bool, dict[str, Any], bool] | None:
         f = fields[parts[i]]
         tp, optional = _optional(typing.get_type_hints(cls)[parts[i]])
         i += 1
-        if typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+        if typing.get_origin(tp) is dict:
             if i >= len(parts):
                 return None
-            i += 1                      # the stream name
+            i += 1                      # the stream name, or the key of a mapping of scalars
             tp = typing.get_args(tp)[1]
         if dataclasses.is_dataclass(tp):
             cls, in_optional = tp, in_optional or optional

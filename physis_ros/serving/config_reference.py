@@ -82,7 +82,7 @@ def reference() -> str:
     rest = [leaf for leaf in node if "." in leaf.name and not leaf.name.startswith(tuple(p for _, p in SECTIONS[1:]))]
     if rest:
         lines += ["## Other", "", *_table(rest), ""]
-    stream = stream_leaves(StreamConfig(joint_names=[]), "<name>")
+    stream = stream_leaves(StreamConfig(joint_names=[], inputs={"<input>": ""}), "<name>")
     lines += ["## Streams (`streams.<name>.*`, one section per robot)", "",
               *_table(stream, "streams.<name>."), ""]
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""What a stream needs of its model: the fit check (every observation fed by a topic, joint names
+"""What a stream needs of its model: the fit check (every observation fed by a topic or a file, joint names
 that match its columns), the chunk's horizon, and the control timeline that sets the stream's interval
 (execution horizon ``s`` steps at ``control_rate_hz``; DESIGN.md section 8)."""
 
@@ -18,15 +18,22 @@ def check_stream_model(key: str, stream: StreamConfig, model: ModelConfig) -> No
     """A stream must fit its model: every observation the model takes has a topic that feeds it (camera,
     joint states, actions to imagine), and the joint names cover its state and action columns.
     ``key``: the stream's dotted config key, for the error."""
-    unsupported = sorted(set(model.observation_shapes) - set(OBSERVATION_TOPICS))
+    shapes = model.observation_shapes
+    for name in stream.inputs:
+        if name in OBSERVATION_TOPICS and name in shapes:
+            raise ConfigError(f"{key}.inputs.{name}", f"'{name}' is fed by {OBSERVATION_TOPICS[name]}; a file "
+                                                      f"feeds only inputs no topic does")
+    unsupported = sorted(set(shapes) - set(OBSERVATION_TOPICS) - set(stream.inputs))
     if unsupported:
-        raise ConfigError(f"{key}.model", f"model '{model.name}' needs observations {unsupported} that no ROS "
-                                          f"topic feeds")
-    if "image" not in model.observation_shapes:
+        raise ConfigError(f"{key}.inputs", f"model '{model.name}' needs inputs {unsupported} that no ROS topic "
+                                           f"feeds: give each a file, inputs: {{{unsupported[0]}: "
+                                           f"FILE.safetensors}}")
+    if set(shapes) - set(stream.inputs) and "image" not in shapes:
         raise ConfigError(f"{key}.model", f"model '{model.name}' takes no camera image; the server's streams are "
-                                          f"driven by their camera")
+                                          f"driven by their camera (or, with every input from a file, by their "
+                                          f"control timeline)")
     n = len(stream.joint_names)
-    for name, shape in model.observation_shapes.items():
+    for name, shape in shapes.items():
         width = {"state": shape[0], "actions": shape[-1]}.get(name)
         if width is not None and width != n:
             raise ConfigError(f"{key}.joint_names", f"{n} joint names but model '{model.name}' takes {name} of "
@@ -50,6 +57,14 @@ def check_stream_model(key: str, stream: StreamConfig, model: ModelConfig) -> No
                                                     f"steps at {stream.control_rate_hz:g} Hz is {timeline:g} ms "
                                                     f"(lower it, or raise execution_horizon)")
 
+
+
+def whole_steps(stream: StreamConfig, model: ModelConfig) -> bool:
+    """Whether the stream is released on whole control steps of its timeline (cadence ``timeline`` with a model
+    that plans control steps: actions out, or actions to imagine in); a model that plans none (a video trunk)
+    is released every SLO interval less the pace margin."""
+    plans = model.produces == "actions" or "actions" in model.observation_shapes
+    return stream.cadence == "timeline" and plans
 
 
 def execution_steps(stream: StreamConfig, model: ModelConfig) -> int:
@@ -78,7 +93,7 @@ def stream_timeline(stream: StreamConfig, model: ModelConfig, deterministic: boo
     """The stream's control timeline, its SLO interval ``slo_ms`` released ``pace_margin`` early (with cadence
     timeline: whole control steps apart). Deterministic serving (replay equal to the reference) takes no
     hand-off: it depends on measured delays."""
-    steps = release_steps(slo_ms, pace_margin, stream.control_rate_hz) if stream.cadence == "timeline" else 0
+    steps = release_steps(slo_ms, pace_margin, stream.control_rate_hz) if whole_steps(stream, model) else 0
     return ControlTimeline(stream.control_rate_hz, model.control_horizon, execution_steps(stream, model),
                            handoff="none" if deterministic else stream.handoff, extra_delay=stream.extra_delay_steps,
                            lead_s=stream.trajectory_min_lead_s, capture_margin=stream.capture_margin_steps,

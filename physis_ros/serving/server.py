@@ -44,7 +44,8 @@ from physis_ros.serving.config import ServeConfig, StreamConfig, check_stream_na
 from physis_ros.serving.engine_thread import EngineThread
 from physis_ros.serving.policies import server_admission
 from physis_ros.serving.config_keys import check_runtime_change
-from physis_ros.serving.fit import check_fit, check_stream_model, slo_interval_ms, stream_timeline
+from physis_ros.serving.file_inputs import read_file_inputs
+from physis_ros.serving.fit import check_fit, check_stream_model, slo_interval_ms, stream_timeline, whole_steps
 from physis_ros.serving.intake import StreamInput
 from physis_ros.serving.session import Chunk, Session, Source
 from physis_ros.timeline import release_pace_ms
@@ -225,25 +226,34 @@ class Server:
                                        f"(admission.max_pending_goals={pending}): ask again shortly")
             self._joining.add(name)
         try:
-            # A model that can never fit the workers' memory is refused from its shape, before it is profiled.
-            self.admission.check_memory(self.catalog.config_of(stream.model))
+            # The stream against its model (joints, timeline, the files it reads) before anything is measured;
+            # a model that can never fit the workers' memory is refused from its shape, before it is profiled.
+            model = self.catalog.config_of(stream.model)
+            check_fit(name, stream, model)
+            try:
+                fixed = read_file_inputs(f"streams.{name}", stream.inputs, model)
+            except ConfigError as exc:
+                raise Rejected("invalid-request", str(exc)) from None
+            self.admission.check_memory(model)
             served = self.catalog.resolve(stream.model, bool(self._sessions))
-            check_fit(name, stream, served.config)
+            if source is None and fixed and set(fixed) == set(served.config.observation_shapes):
+                source = self._file_source      # every input from a file: a chunk whenever the timeline says
             slo = slo_interval_ms(stream, served.config)
             paced = stream.cadence == "timeline"
-            pace = release_pace_ms(slo, self.config.admission.pace_margin, stream.control_rate_hz, paced)
+            pace = release_pace_ms(slo, self.config.admission.pace_margin, stream.control_rate_hz,
+                                   whole_steps(stream, model))
             with self._lock:
                 self._check_room()
                 admitted = self.admission.admit(name, served, pace, slo, paced=paced,
                                                 latency_bound=stream.cadence == "request")
             cfg = self.config
-            paired = [k for k in served.config.observation_shapes if k != "image"]
+            paired = [k for k in served.config.observation_shapes if k != "image" and k not in fixed]
             timeline = stream_timeline(stream, served.config, cfg.deterministic, slo, cfg.admission.pace_margin)
             session = Session(name, stream, served, origin, admitted.workers, slo,
                               StreamInput(cfg.deterministic, cfg.deterministic_queue, cfg.pair_timeout_s,
                                           stream.max_age_s, self.clock, paired),
                               self.clock, on_chunk, cfg.stats_window, source, timeline,
-                              wake=lambda: engine.observed(name))
+                              wake=lambda: engine.observed(name), fixed=fixed)
             future = engine.add_stream(name, session.take, session.deliver, model=served, plan=admitted.plan,
                                        slo_interval_ms=slo, release_interval_ms=pace if paced else None,
                                        timeline=timeline,
@@ -261,6 +271,11 @@ class Server:
         finally:
             with self._lock:
                 self._joining.discard(name)
+
+    def _file_source(self, chunk: int) -> tuple[dict, float]:
+        """The observation of a stream whose every input is read from a file: nothing more (the session adds
+        its files' tensors), stamped now."""
+        return {}, self.clock()
 
     def _check_room(self) -> None:
         limit = self.config.engine.max_streams

@@ -48,7 +48,7 @@ class Chunk:
     stamp_s: float                # stamp of the observation it used (the ``stamp_s`` given to observe), s
     telemetry: ChunkRecord        # timings, on the server clock (s) and in ms
     actions: np.ndarray | None    # a world-action model's actions, float32 [horizon, dof]; None for a world model
-    frames: np.ndarray | None     # a world model's predicted latent frames; None for a world-action model
+    frames: np.ndarray | None     # a world model's predicted latent frames [F, C, h, w]; None for a world-action model
     tag: Any = None               # the front end's own stamp of that observation (a ROS header stamp), as given
 
 
@@ -95,7 +95,7 @@ class Session:
                  slo_interval_ms: float, input: StreamInput, clock: Callable[[], float],
                  on_chunk: Callable[[Chunk], None] | None = None, stats_window: int = 200,
                  source: Source | None = None, timeline: ControlTimeline | None = None,
-                 wake: Callable[[], None] | None = None):
+                 wake: Callable[[], None] | None = None, fixed: Mapping[str, np.ndarray] | None = None):
         self.name = name
         self.config = config
         self.served = served
@@ -107,6 +107,7 @@ class Session:
         self.clock = clock
         self.on_chunk = on_chunk
         self.source = source
+        self.fixed = dict(fixed or {})   # inputs read from files (config ``inputs``), part of every observation
         self._wake = wake   # tells the engine an observation is ready (EngineThread.observed)
         # where its chunks land on the robot's clock, and the chunk the robot executes (the engine places
         # each released chunk on it, the front end each published one)
@@ -247,7 +248,7 @@ class Session:
         taken = self.input.take()
         if taken is None:
             return None
-        return Observation(taken.data, taken.sec, tag=taken.stamp)
+        return Observation({**taken.data, **self.fixed}, taken.sec, tag=taken.stamp)
 
     def _pull(self, chunk: int) -> Observation | None:
         """The source's observation for ``chunk``: tensors of the model's observation shapes (float32), or
@@ -260,6 +261,7 @@ class Session:
         if got is None:
             return None
         data, stamp = got
+        data = {**data, **self.fixed}
         shapes = self.model.observation_shapes
         if set(data) != set(shapes) or any(np.shape(data[k]) != tuple(v) for k, v in shapes.items()):
             self.input.reject("size")
@@ -271,8 +273,9 @@ class Session:
         """A finished chunk (the engine's ``on_output`` callback): to ``on_chunk``, else to the queue."""
         output = np.asarray(out.output)
         wam = self.model.produces == "actions"
+        frames = None if wam else np.ascontiguousarray(self.model.spec.frames_of(output))
         chunk = Chunk(self.name, out.chunk, self.health.epoch, output, out.record.obs_stamp, out.record,
-                      output if wam else None, None if wam else output, out.tag)
+                      output if wam else None, frames, out.tag)
         self.health.delivered()
         with self.stats_lock:
             self.stats.add(out.record)
