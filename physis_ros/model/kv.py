@@ -30,7 +30,7 @@ class KVTable:
 
     def __init__(self, slots: int, tokens_per_chunk: int, window: int, sink: bool,
                  heads: int, head_dim: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", context_tokens: int = 0):
         if window < 1:
             raise ValueError(f"window must be >= 1 chunk, got {window}")
         self.tokens_per_chunk = tokens_per_chunk
@@ -47,6 +47,12 @@ class KVTable:
         self.actions: dict[tuple[int, int], torch.Tensor] = {}
         self.length: dict[int, int] = {}
         self.chunks_written: dict[int, int] = {}
+        # A slot's conditioning K/V (cross-attention over tokens every chunk of the stream shares, e.g. a
+        # prompt's): the tokens they were computed from, K and V ([context_tokens, heads, head_dim] each),
+        # valid until the slot is reset or the tokens change (:meth:`context`).
+        self.context_tokens = context_tokens
+        self._context: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._context_valid: dict[int, bool] = {}
         for slot in range(slots):
             self.add(slot)
 
@@ -59,7 +65,8 @@ class KVTable:
         n = 1
         for d in self.shape:
             n *= d
-        return 2 * n * torch.empty((), dtype=self.dtype).element_size()
+        context = self.context_tokens * self.shape[1] * self.shape[2]
+        return (2 * n + 3 * context) * torch.empty((), dtype=self.dtype).element_size()
 
     def nbytes(self) -> int:
         return self.slots * self.slot_bytes()
@@ -72,12 +79,33 @@ class KVTable:
         self.v[slot] = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         self.length[slot] = 0
         self.chunks_written[slot] = 0
+        if self.context_tokens:
+            shape = (self.context_tokens, *self.shape[1:])
+            self._context[slot] = tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(3))
+            self._context_valid[slot] = False
 
     def remove(self, slot: int) -> None:
         """Free a slot's memory."""
-        for store in (self.k, self.v, self.length, self.chunks_written):
+        for store in (self.k, self.v, self.length, self.chunks_written, self._context, self._context_valid):
             store.pop(slot, None)
         self._forget_actions(slot)
+
+    def context(self, slot: int, tokens: torch.Tensor,
+                project: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conditioning K/V of ``tokens`` ([context_tokens, heads, head_dim] as ``tokens`` [context_tokens,
+        heads * head_dim] reshaped) for ``slot``: kept from an earlier call while the tokens are the same,
+        else ``project(tokens)`` (K, V), kept for the next."""
+        stored, k, v = self._context[slot]
+        flat = stored.view(tokens.shape)
+        if self._context_valid[slot] and torch.equal(flat, tokens):
+            return k, v
+        new_k, new_v = project(tokens)
+        flat.copy_(tokens)
+        k.copy_(new_k)
+        v.copy_(new_v)
+        self._context_valid[slot] = True
+        return k, v
 
     def _forget_actions(self, slot: int) -> None:
         for key in [key for key in self.actions if key[0] == slot]:
@@ -87,6 +115,8 @@ class KVTable:
         """Forget a slot's history (its stream restarts)."""
         self.length[slot] = 0
         self.chunks_written[slot] = 0
+        if slot in self._context_valid:
+            self._context_valid[slot] = False
         self._forget_actions(slot)
 
     def cached(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,6 +47,9 @@ class ModelSpec:
     frame_axes: str = "FCHW"
     """A frames output's axes in order: ``FCHW`` (frames, channels, rows, columns) or ``CFHW`` (a video
     trunk's latent layout); front ends publish frames as ``FCHW``."""
+    context_tokens: int = 0
+    """Conditioning tokens whose cross-attention K/V a slot keeps beside its history (a Wan trunk's text), with
+    the tokens themselves (to check they still apply): three tensors of this many tokens."""
 
     @property
     def frames_shape(self) -> tuple[int, ...]:
@@ -76,6 +79,8 @@ class ModelSpec:
         for name in ("tokens_per_chunk", "kv_width", "block_params"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise bad(name, f"is {getattr(self, name)!r}; it must be a positive integer")
+        if not isinstance(self.context_tokens, int) or self.context_tokens < 0:
+            raise bad("context_tokens", f"is {self.context_tokens!r}; it must be a non-negative integer")
         if not isinstance(self.kv_slot_tokens, int) or self.kv_slot_tokens < 0:
             raise bad("kv_slot_tokens", f"is {self.kv_slot_tokens!r}; it must be a non-negative integer")
         if not self.block_flops > 0:
@@ -254,9 +259,10 @@ class ModelConfig:
         return self.spec.block_params
 
     def kv_slot_bytes(self) -> int:
-        """Bytes of one (stream, stage) K/V slot: one block's K and V at one step of one stream."""
+        """Bytes of one (stream, stage) K/V slot: one block's K and V at one step of one stream (and the
+        conditioning K/V it keeps: ``spec.context_tokens``)."""
         itemsize = 4 if self.dtype == "float32" else 2
-        return 2 * self.spec.kv_slot_tokens * self.spec.kv_width * itemsize
+        return (2 * self.spec.kv_slot_tokens + 3 * self.spec.context_tokens) * self.spec.kv_width * itemsize
 
 
 def section_tokens(config: ModelConfig) -> int:

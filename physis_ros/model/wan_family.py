@@ -157,6 +157,7 @@ def wan_spec(config: ModelConfig) -> ModelSpec:
                      output=(channels, io.frames, io.height, io.width), produces="frames",
                      tokens_per_chunk=io.text_tokens + video,
                      kv_slot_tokens=(config.window + int(config.sink)) * video, kv_width=config.hidden,
+                     context_tokens=io.text_tokens,
                      block_params=wan_block_params(config.hidden, config.ffn_dim,
                                                    bool(trunk.get("cross_attn_norm", True))),
                      block_flops=wan_block_flops(config, video, io.text_tokens), history=config.history,

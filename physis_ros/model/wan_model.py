@@ -6,7 +6,8 @@ The stage contract over diffusers' own modules (:mod:`physis_ros.model.wan`):
 - ``embed``: the noisy latent ``[B, C, F, H, W]`` -> the hidden state, the text tokens followed by the video
   tokens ``[B, L + T, D]`` (so that every block's cross-attention has the text beside the tokens it carries);
 - ``block``: diffusers' ``WanTransformerBlock`` on the video tokens, its self-attention through
-  :class:`CachedSelfAttention` over the stage-local K/V, its cross-attention to the text tokens;
+  :class:`CachedSelfAttention` over the stage-local K/V, its cross-attention to the text tokens through
+  :class:`CachedCrossAttention` (the text's K/V computed once per slot while the text is the same);
 - ``head``: the output norm, projection and unpatchify -> velocity ``[B, C, F, H, W]``.
 
 Timesteps: the contract's ``t`` in [0, 1] is the noise level; the trunk is given ``1000 * t``.
@@ -60,6 +61,33 @@ class CachedSelfAttention:
         kv.append(key, value)
         out = F.scaled_dot_product_attention(query.permute(0, 2, 1, 3), keys.permute(0, 2, 1, 3),
                                              values.permute(0, 2, 1, 3), attn_mask=mask)
+        out = out.permute(0, 2, 1, 3).flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class CachedCrossAttention:
+    """A Wan block's cross-attention to the text tokens (diffusers' projections and norms), the text's K/V
+    computed once per slot and kept beside its history (:meth:`KVTable.context`) while the text is the same:
+    set ``kv`` before the block runs."""
+
+    def __init__(self) -> None:
+        self.kv: KVBatch | None = None
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        kv = self.kv
+        if kv is None:
+            raise RuntimeError("the Wan block's K/V cache was not set for this call")
+
+        def project(text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            key = attn.norm_k(attn.to_k(text[None])).unflatten(2, (attn.heads, -1))
+            return key[0], attn.to_v(text[None]).unflatten(2, (attn.heads, -1))[0]
+
+        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        pairs = [kv.table.context(slot, encoder_hidden_states[i], project) for i, slot in enumerate(kv.slots)]
+        key = torch.stack([k for k, _ in pairs])
+        value = torch.stack([v for _, v in pairs])
+        out = F.scaled_dot_product_attention(query.permute(0, 2, 1, 3), key.permute(0, 2, 1, 3),
+                                             value.permute(0, 2, 1, 3))
         out = out.permute(0, 2, 1, 3).flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
@@ -130,22 +158,22 @@ class WanModel(ServableModel):
             here = (cos[:, offsets[0]:offsets[0] + n], sin[:, offsets[0]:offsets[0] + n])
         else:
             here = (torch.cat([cos[:, o:o + n] for o in offsets]), torch.cat([sin[:, o:o + n] for o in offsets]))
-        attention = blk.attn1.processor
-        attention.kv, attention.rope = kv, (cos, sin)
+        attention, cross = blk.attn1.processor, blk.attn2.processor
+        attention.kv, attention.rope, cross.kv = kv, (cos, sin), kv
         try:
             video = blk(video, text, self._time(t)[:, 1:], here)
         finally:
-            attention.kv = attention.rope = None
+            attention.kv = attention.rope = cross.kv = None
         return torch.cat([text, video], dim=1)
 
     def head(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return head(self.trunk, h[:, self.config.wan.text_tokens:], self._time(t)[:, 0], self._grid)
 
     def new_kv_table(self, block: int, slots: int) -> KVTable:
-        """K/V of the video tokens only (the text's cross-attention K/V are not history)."""
+        """K/V history of the video tokens, and the text's cross-attention K/V kept once per slot."""
         c = self.config
         return KVTable(slots, self._video_tokens, c.window, c.sink, c.heads, c.head_dim, dtype=self.dtype,
-                       device=self.device)
+                       device=self.device, context_tokens=c.wan.text_tokens)
 
     # ---- hosting blocks ----------------------------------------------------------------------------
     def new_block(self, b: int) -> nn.Module:
@@ -162,6 +190,7 @@ class WanModel(ServableModel):
     def attach_blocks(self, built: dict[int, nn.Module]) -> None:
         for b, blk in built.items():
             blk.attn1.set_processor(CachedSelfAttention())
+            blk.attn2.set_processor(CachedCrossAttention())
             self.blocks[str(b)] = blk
         self.hosted_blocks = frozenset(self.hosted_blocks | set(built))
 

@@ -198,3 +198,35 @@ def test_a_worker_builds_only_its_blocks(saved):
     for name, value in full.blocks["1"].state_dict().items():
         assert torch.equal(model.blocks["1"].state_dict()[name], value)
     assert full.weight_bytes() - model.weight_bytes() == 2 * 4 * config.block_params()
+
+
+def test_the_texts_cross_attention_kv_is_computed_once_per_slot_while_the_text_is_the_same(saved, monkeypatch):
+    """Counted on the cross-attention's K projection: once per (block, slot) over three chunks of one prompt,
+    again for a new prompt and after a reset; every chunk equals a rollout that projects the text on every
+    call (no cache); the table's bytes are what the spec counts per slot."""
+    from physis_ros.model.kv import KVTable
+
+    _, path = saved
+    write_sidecar(path, rule="clean")
+    model = build_model(load_model_config(path))
+    calls = []
+    for b in range(model.config.blocks):
+        model.blocks[str(b)].attn2.to_k.register_forward_hook(lambda *_, b=b: calls.append(b))
+    prompts = [prompt_embeds(1)] * 3 + [prompt_embeds(2)]
+
+    def roll():
+        ref = ReferenceRollout(model, seed=4)
+        out = [ref.step("s", {"prompt_embeds": p}).output for p in prompts]
+        ref.restart("s", 4)
+        return out + [ref.step("s", {"prompt_embeds": prompts[-1]}).output]
+
+    cached = roll()
+    assert sorted(calls) == [0, 0, 0, 1, 1, 1, 2, 2, 2]     # one slot per block (clean): prompt 1, 2, reset
+    calls.clear()
+    monkeypatch.setattr(KVTable, "context", lambda self, slot, tokens, project: project(tokens))
+    uncached = roll()
+    assert len(calls) == 3 * len(uncached) * (STEPS + 1)   # every block call projects
+    for a, b in zip(cached, uncached):
+        assert torch.equal(a, b)
+    table = model.new_kv_table(0, 2)
+    assert table.nbytes() == 2 * model.config.kv_slot_bytes()
