@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from physis_ros.config import ConfigError, bounded, from_mapping, load_yaml, repo_config_dir
 from physis_ros.model.families import check_family, complete_config, directory_config, load_family
@@ -138,9 +139,14 @@ class WanIO:
     """A Wan trunk read from a diffusers directory (kind ``wan``, :mod:`physis_ros.model.wan_family`): prompt
     embeddings in, latent video frames ``[C, F, H, W]`` out (the trunk's own latent layout)."""
 
-    checkpoint: str = field(metadata=bounded(
+    checkpoint: str = field(default="", metadata=bounded(
         doc="the diffusers WanTransformer3DModel directory (config.json and its safetensors, or a pipeline "
-            "directory holding them in transformer/); a relative path is from the working directory"))
+            "directory holding them in transformer/); a relative path is from the working directory. Empty: "
+            "the trunk is 'trunk' with random weights (a real architecture for profiling and simulation)"))
+    trunk: dict[str, Any] = field(default_factory=dict, metadata=bounded(
+        doc="without a checkpoint: the trunk's diffusers config (WanTransformer3DModel's keys: "
+            "num_attention_heads, attention_head_dim, num_layers, ffn_dim, text_dim, in_channels, ...), its "
+            "weights random from init_seed"))
     frames: int = field(default=1, metadata=bounded(ge=1, doc="latent frames F one chunk denoises"))
     height: int = field(default=32, metadata=bounded(ge=1, doc="latent rows H of a frame (pixels / 8 for Wan2.1's VAE)"))
     width: int = field(default=32, metadata=bounded(ge=1, doc="latent columns W of a frame"))

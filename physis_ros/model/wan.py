@@ -117,6 +117,7 @@ class WanTrunk:
     blocks: dict[int, torch.nn.Module]        # block index -> WanTransformerBlock
     files: dict[str, Path]                    # tensor name -> file (to build more blocks)
     dtype: torch.dtype = torch.float32        # of the weights (fp32 where diffusers keeps fp32)
+    seed: int | None = None                   # a random-init trunk (no files): each block seeded by its name
 
     @property
     def num_layers(self) -> int:
@@ -135,6 +136,9 @@ class WanTrunk:
         """Block ``b`` as diffusers builds it, loaded from its tensors alone."""
         if not 0 <= b < self.num_layers:
             raise ValueError(f"block {b} does not exist; the model has blocks 0..{self.num_layers - 1}")
+        if self.seed is not None:
+            return cast(seeded(self.seed, f"blocks.{b}", self.new_block), self.dtype, f"blocks.{b}.").eval() \
+                .requires_grad_(False)
         block = self.new_block()
         prefix = f"blocks.{b}."
         names = [n for n in self.files if n.startswith(prefix)]
@@ -163,6 +167,30 @@ def load_wan(path: str | Path, blocks: Iterable[int] | None = None, dtype: torch
     for b in range(loaded.num_layers) if blocks is None else sorted(set(blocks)):
         loaded.blocks[b] = loaded.build_block(b)
     return loaded
+
+
+def seeded(seed: int, name: str, make):
+    """``make()`` under a torch seed derived from ``seed`` and the module's ``name``: the same weights on every
+    worker that builds it."""
+    from physis_ros.model.interface import derived_seed
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derived_seed("init", seed, name))
+        return make()
+
+
+def random_wan(config: dict[str, Any], blocks: Iterable[int] | None = None, dtype: torch.dtype = torch.float32,
+               seed: int = 0) -> WanTrunk:
+    """A Wan transformer of diffusers config ``config`` with random weights (each module seeded by its name from
+    ``seed``; diffusers' own init), only ``blocks`` built (None: all): a real architecture to profile."""
+    from diffusers import WanTransformer3DModel
+
+    init = {k: v for k, v in config.items() if not k.startswith("_")}
+    trunk = seeded(seed, "trunk", lambda: WanTransformer3DModel.from_config({**init, "num_layers": 0}))
+    made = WanTrunk(config, cast(trunk, dtype).eval().requires_grad_(False), {}, {}, dtype, seed)
+    for b in range(made.num_layers) if blocks is None else sorted(set(blocks)):
+        made.blocks[b] = made.build_block(b)
+    return made
 
 
 @dataclass

@@ -55,12 +55,47 @@ def read_config(directory: Path) -> dict[str, Any]:
     return config
 
 
+# What a random-init trunk's ``wan.trunk`` must give (the rest takes diffusers' defaults).
+TRUNK_KEYS = ("num_attention_heads", "attention_head_dim", "num_layers", "ffn_dim", "text_dim", "in_channels")
+TRUNK_DEFAULTS = {"patch_size": [1, 2, 2], "freq_dim": 256, "cross_attn_norm": True,
+                  "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024, "out_channels": None}
+
+
 def trunk_config(checkpoint: str | Path) -> dict[str, Any]:
     """``read_config`` of a checkpoint directory, as a ConfigError naming ``wan.checkpoint``."""
     try:
         return read_config(transformer_dir(checkpoint))
     except WanLoadError as exc:
         raise ConfigError("wan.checkpoint", str(exc)) from None
+
+
+def check_trunk(trunk: dict[str, Any]) -> None:
+    """ConfigError naming the ``wan.trunk`` key unless it is a random-init trunk's config we can build."""
+    missing = [k for k in TRUNK_KEYS if k not in trunk]
+    if missing:
+        raise ConfigError(f"wan.trunk.{missing[0]}", "required by a random-init trunk (no wan.checkpoint): give "
+                                                    f"{', '.join(missing)}")
+    unknown = sorted(set(trunk) - set(TRUNK_KEYS) - set(TRUNK_DEFAULTS) - {"image_dim", "added_kv_proj_dim"})
+    if unknown:
+        raise ConfigError(f"wan.trunk.{unknown[0]}", f"not a key of a Wan trunk's config (known: "
+                                                     f"{', '.join([*TRUNK_KEYS, *TRUNK_DEFAULTS])})")
+    for key in TRUNK_KEYS:
+        if not isinstance(trunk[key], int) or isinstance(trunk[key], bool) or trunk[key] < 1:
+            raise ConfigError(f"wan.trunk.{key}", f"{trunk[key]!r}: a positive integer")
+
+
+def trunk_of(io) -> dict[str, Any]:
+    """The trunk's diffusers config: its checkpoint's ``config.json``, or the random-init ``wan.trunk`` with
+    diffusers' defaults for what it leaves out (ConfigError naming the key)."""
+    if io.checkpoint:
+        if io.trunk:
+            raise ConfigError("wan.trunk", "a model with a checkpoint takes its trunk from the checkpoint's "
+                                           "config.json: leave wan.trunk out")
+        return trunk_config(io.checkpoint)
+    check_trunk(io.trunk)
+    trunk = {"_class_name": CLASS, **TRUNK_DEFAULTS, **io.trunk}
+    trunk["out_channels"] = trunk["out_channels"] or trunk["in_channels"]
+    return trunk
 
 
 def _trunk_shape(trunk: dict[str, Any]) -> dict[str, int]:
@@ -85,8 +120,12 @@ def complete(mapping: dict[str, Any], directory: Path | None) -> dict[str, Any]:
     section = dict(mapping.get("wan") or {})
     if directory is not None:
         section["checkpoint"] = str(directory)
-    if not isinstance(section.get("checkpoint"), str):
-        return mapping       # from_mapping names the missing wan.checkpoint
+    if not isinstance(section.get("checkpoint"), str) or not section["checkpoint"]:
+        trunk = section.get("trunk")     # a random-init trunk: its wan.trunk gives the shape
+        if not isinstance(trunk, dict):
+            return mapping               # from_mapping names what is wrong with wan.trunk
+        check_trunk(trunk)
+        return {**_trunk_shape(trunk), **mapping}
     root = Path(section["checkpoint"]).expanduser().resolve()
     section["checkpoint"] = str(root)
     trunk = trunk_config(root)
@@ -129,18 +168,20 @@ def wan_spec(config: ModelConfig) -> ModelSpec:
     io = config.wan
     if io is None:
         raise ConfigError("wan", "kind 'wan' needs a 'wan:' section with the checkpoint directory")
-    trunk = trunk_config(io.checkpoint)
+    trunk = trunk_of(io)
+    source = f"checkpoint {io.checkpoint}" if io.checkpoint else "wan.trunk"
     for key, value in _trunk_shape(trunk).items():
         if getattr(config, key if key != "ffn" else "ffn_dim") != value:
-            raise ConfigError(key, f"{getattr(config, key)} but checkpoint {io.checkpoint} has {value}: leave it "
-                                   f"out (it is read from the checkpoint)")
+            raise ConfigError(key, f"{getattr(config, key)} but {source} has {value}: "
+                                   + ("leave it out (it is read from the checkpoint)" if io.checkpoint else
+                                      "give the trunk's own shape"))
     if trunk.get("image_dim") or trunk.get("added_kv_proj_dim"):
-        raise ConfigError("wan.checkpoint", f"{io.checkpoint} is an image-to-video trunk (image_dim "
+        raise ConfigError("wan.checkpoint", f"{io.checkpoint or 'wan.trunk'} is an image-to-video trunk (image_dim "
                                             f"{trunk.get('image_dim')}); it needs image embeddings, which the wan "
                                             f"family does not take: serve a text-to-video trunk")
     channels = int(trunk["in_channels"])
     if int(trunk.get("out_channels") or channels) != channels:
-        raise ConfigError("wan.checkpoint", f"{io.checkpoint}: in_channels {channels} != out_channels "
+        raise ConfigError("wan.checkpoint", f"{io.checkpoint or 'wan.trunk'}: in_channels {channels} != out_channels "
                                             f"{trunk['out_channels']}; the sampler needs a velocity of the "
                                             f"latent's shape")
     p_t, p_h, p_w = (int(n) for n in trunk["patch_size"])

@@ -31,7 +31,8 @@ from physis_ros.model.dit import TimestepCache
 from physis_ros.model.interface import ServableModel
 from physis_ros.model.kv import KVBatch, KVTable
 from physis_ros.model.spec import ModelConfig
-from physis_ros.model.wan import head, load_wan, patchify, rope_at, time_embedding
+from physis_ros.model.wan import head, load_wan, patchify, random_wan, rope_at, time_embedding
+from physis_ros.model.wan_family import trunk_of
 from physis_ros.model.wan_history import apply_rotary
 
 
@@ -100,7 +101,11 @@ class WanModel(ServableModel):
         super().__init__(config, hosted_blocks)
         io = config.wan
         assert io is not None
-        source = load_wan(io.checkpoint, blocks=sorted(self.hosted_blocks), dtype=self.dtype)
+        if io.checkpoint:
+            source = load_wan(io.checkpoint, blocks=sorted(self.hosted_blocks), dtype=self.dtype)
+        else:    # a real architecture with random weights (a preset for profiling and simulation)
+            source = random_wan(trunk_of(io), blocks=sorted(self.hosted_blocks), dtype=self.dtype,
+                                seed=config.init_seed)
         self.trunk = source.trunk
         self.blocks = nn.ModuleDict()
         built, source.blocks = dict(source.blocks), {}
@@ -182,9 +187,11 @@ class WanModel(ServableModel):
 
     def build_blocks(self, blocks: Iterable[int], weights: dict[str, torch.Tensor] | None = None
                      ) -> dict[int, nn.Module]:
-        """Blocks loaded from the checkpoint directory (each from its own tensors), on this model's device."""
+        """Blocks loaded from the checkpoint directory (each from its own tensors; a random-init trunk's seeded
+        by their names), on this model's device."""
         if weights is not None:
-            raise ValueError(f"model '{self.config.name}' reads its blocks from {self.config.wan.checkpoint}")
+            raise ValueError(f"model '{self.config.name}' builds its blocks from "
+                             f"{self.config.wan.checkpoint or 'its seed'}, not from given weights")
         return {b: self._source.build_block(b).to(device=self.device) for b in sorted(set(blocks))}
 
     def attach_blocks(self, built: dict[int, nn.Module]) -> None:

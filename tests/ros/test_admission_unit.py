@@ -200,9 +200,10 @@ def test_the_batch_curve_admission_books_is_the_profiles_own():
         assert adm.utilisation()[0] == pytest.approx(expected, abs=1e-4), max_batch
 
 
-def test_a_model_that_cannot_fit_the_workers_is_refused_from_its_shape_before_anything_builds_it(monkeypatch):
+def test_a_model_that_cannot_fit_the_workers_is_refused_from_its_shape_before_anything_builds_it(monkeypatch,
+                                                                                                   tmp_path):
     """Issue 46 item 1: a goal for the wan2.1-14b preset made the server build and profile it in-process (RSS
-    0.34 -> 20.7 GB on a 24 GB host). One stream of it needs 63.3 GB (32.3 GB of weights, 30.9 GB of KV), the
+    0.34 -> 20.7 GB on a 24 GB host). One stream of it needs 61.4 GB (28.1 GB of weights, 33.2 GB of K/V), the
     2 CPU workers hold 14 GB: refused as ``memory`` with the figures, the same whatever is served."""
     from physis_ros.serving.policies import server_admission
 
@@ -212,10 +213,10 @@ def test_a_model_that_cannot_fit_the_workers_is_refused_from_its_shape_before_an
     with pytest.raises(Rejected) as exc:
         adm.check_memory(load_model_config("wan2.1-14b"))
     assert exc.value.reason == "memory"
-    assert "63.3 GB for one stream (weights 32.3 GB, KV 30.9 GB" in exc.value.detail, exc.value.detail
+    assert "61.4 GB for one stream (weights 28.1 GB, KV 33.2 GB" in exc.value.detail, exc.value.detail
     assert "2 worker(s) hold 14.0 GB (cpu: 7.0 GB usable each)" in exc.value.detail, exc.value.detail
     adm.check_memory(WAM)                                           # tiny ones fit
-    adm.check_memory(load_model_config("wan2.1-1.3b"))             # 10.0 GB of 14
+    adm.check_memory(load_model_config("wan2.1-1.3b"))             # 10.3 GB of 14
     one, _, _ = server_admission(ServeConfig(engine=dataclasses.replace(ServeConfig().engine, workers=1)), cores=2)
     with pytest.raises(Rejected):
         one.check_memory(load_model_config("wan2.1-1.3b"))         # but not one worker's 7
@@ -231,8 +232,12 @@ def test_a_model_that_cannot_fit_the_workers_is_refused_from_its_shape_before_an
     monkeypatch.setattr("physis_ros.serving.catalog.measure_in_child", lambda *a, **k: built.append(a))
     server = serving_server(workers=2)
     server.catalog.resolve = lambda *a, **k: built.append(a)
-    with pytest.raises(Rejected) as exc:
-        server.join("big", model="wan2.1-14b", joint_names=JOINTS)
+    from safetensors.numpy import save_file
+
+    save_file({"prompt_embeds": np.zeros((512, 4096), np.float32)}, str(tmp_path / "prompt.safetensors"))
+    with pytest.raises(Rejected) as exc:     # the request itself is valid (its prompt from a file): memory refuses
+        server.join("big", model="wan2.1-14b", joint_names=JOINTS,
+                    inputs={"prompt_embeds": str(tmp_path / "prompt.safetensors")})
     assert exc.value.reason == "memory" and built == []
     assert server._joining == set() and server.rejections[-1][:2] == ("big", "memory")
 
@@ -913,9 +918,9 @@ def test_a_first_profile_runs_in_a_child_with_a_memory_and_a_time_limit():
     assert time.monotonic() - start < 10.0
     catalog = models.ModelCatalog("tiny-wam", "cpu", AdmissionConfig(profile_memory_gb=2.0))
     with pytest.raises(Rejected) as exc:
-        catalog.resolve("wan2.1-1.3b")                 # 10 GB of weights and KV: no child is started for it
+        catalog.resolve("wan2.1-1.3b")                 # 10.3 GB of weights and KV: no child is started for it
     assert exc.value.reason == "memory" and "profile_memory_gb=2" in exc.value.detail, exc.value.detail
-    assert "needs its whole model in one process: 10.0 GB" in exc.value.detail, exc.value.detail
+    assert "needs its whole model in one process: 10.3 GB" in exc.value.detail, exc.value.detail
 
 
 @pytest.mark.slow

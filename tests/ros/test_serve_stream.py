@@ -292,12 +292,15 @@ def test_goals_that_cannot_be_served_are_refused_with_the_reason(live):
     refused(live, "ghost", "invalid-request", slo_interval_ms=-1.0)
     refused(live, "ghost", "invalid-request", image_topic="not a topic")
     assert "lease_s" in refused(live, "ghost", "invalid-request", lease_s=-1.0).reason
-    # One stream of the 14B preset needs 63 GB, the 2 CPU workers hold 14: refused from its shape, at once,
-    # before anything builds or profiles it (it once took the server from 0.34 to 20.7 GB in-process)
+    # One stream of the LTX 22B shape needs 69 GB, the 2 CPU workers hold 14: refused from its shape, at once,
+    # before anything builds or profiles it (the 14B preset once took the server from 0.34 to 20.7 GB in-process)
     rss = server_rss_mb(live)
     start = time.monotonic()
-    r = refused(live, "ghost", "memory", model="wan2.1-14b")
-    assert "63.3 GB for one stream" in r.reason and time.monotonic() - start < 10.0, r.reason
+    r = refused(live, "ghost", "memory", model="ltx-22b")
+    assert "69.4 GB for one stream" in r.reason and time.monotonic() - start < 10.0, r.reason
+    # A Wan preset reads its prompt embeddings from a file, which a goal never names: refused as such
+    r = refused(live, "ghost", "model-mismatch", model="wan2.1-14b")
+    assert "inputs: {prompt_embeds: FILE.safetensors}" in r.reason, r.reason
     assert server_rss_mb(live) < rss + 100.0
     assert live.listed() == {}
     assert live.server.poll() is None

@@ -17,9 +17,13 @@ def test_roofline_is_labelled_modelled_and_follows_the_formula():
     prof = roofline_profile(cfg, dev)
     assert prof.source == "roofline-model:h200" and prof.modelled
     t = cfg.tokens_per_chunk
-    flops = 2 * cfg.block_params() * t + 4 * t * (t + 2 * t) * cfg.hidden  # window 2, no sink
+    video, text, d = 3 * 30 * 52, 512, cfg.hidden      # Wan2.1 1.3B: 3 latent frames of 60x104, patch 2
+    assert t == video + text and cfg.block_params() == 46_440_704
+    cross_kv = 2 * (d * d + d)                          # the text's K and V projections, over the text tokens
+    flops = (2 * (cfg.block_params() - cross_kv) * video + 2 * cross_kv * text
+             + 4 * video * (video + 2 * video) * d + 4 * video * text * d)   # window 2, no sink; cross-attention
     assert cfg.spec.block_flops == flops
-    expected = flops / (989e12 * 0.6) * 1e3 + 0.030  # compute-bound at 4693 tokens, + launch overhead
+    expected = flops / (989e12 * 0.6) * 1e3 + 0.030  # compute-bound at 4680 video tokens, + launch overhead
     assert prof.time_ms((4, 0), 1) == pytest.approx(expected, rel=1e-9)
     assert prof.notes["bound_at_batch_1"] == "compute"
     # memory from the shape: bf16 weights of one block, one KV slot per stage
