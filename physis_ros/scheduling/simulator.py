@@ -208,8 +208,9 @@ def compare(device: DeviceSpec, devices: int, profiles: dict[str, CostProfile], 
 
 WORKLOAD_BASIS = (
     "per-chunk workload W = CostProfile.chunk_ms(): one chunk is steps x blocks block forwards (batch 1, "
-    "no hops) of the preset's tokens per chunk (action horizon + 1 + 3 latent frames of patches) attending "
-    "to themselves and a 2-chunk KV window, each timed by the roofline of the modelled device "
+    "no hops) of the preset's tokens per chunk (Wan presets: 3 latent frames of patches attending to themselves "
+    "and a 2-chunk KV window, cross-attending to 512 text tokens; the DiT shapes: action horizon + 1 + 3 latent "
+    "frames of patches, with the window), each timed by the roofline of the modelled device "
     "(docs/scheduling.md section 2); x = W / (SLO x (1 - headroom)) is the devices' worth of compute per stream")
 
 
