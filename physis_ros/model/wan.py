@@ -89,6 +89,74 @@ def _load(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str)
     module.load_state_dict(tensors, strict=True)
 
 
+def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], int]]:
+    """A safetensors file's tensors, name -> (shape, end of its data), from its header alone (no tensor data
+    read); WanLoadError naming the file (and tensor) if the header is broken or the data is cut short."""
+    import struct
+
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            raw = f.read(8)
+            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+            if not 0 < n <= min(size - 8, 100_000_000):
+                raise ValueError(f"header length {n} in a file of {size} bytes")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise WanLoadError(f"{path}: the file is missing (named by the checkpoint's index)") from None
+    except (OSError, ValueError, struct.error) as exc:
+        raise WanLoadError(f"{path}: not a readable safetensors file ({exc})") from None
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            shape, (begin, end) = tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise WanLoadError(f"{path}: tensor {name} has a broken header entry") from None
+        if not 0 <= begin <= end or 8 + n + end > size:
+            raise WanLoadError(f"{path}: tensor {name} lies past the end of the file ({size} bytes): the file is "
+                               f"truncated")
+        out[name] = (shape, end)
+    return out
+
+
+def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Wan transformer of diffusers config ``config`` holds, with its shape (built on the meta
+    device: no memory, no init)."""
+    from diffusers import WanTransformer3DModel
+
+    init = {k: v for k, v in config.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        model = WanTransformer3DModel.from_config(init)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_checkpoint(path: str | Path) -> None:
+    """The checkpoint directory ``path`` as a worker will read it, checked from its headers alone: every file
+    the index names is there and whole, every tensor the config needs is in its file with its shape, nothing
+    else. WanLoadError naming the file and the tensor otherwise."""
+    directory = transformer_dir(path)
+    config = read_config(directory)
+    files = weight_map(directory)
+    headers = {file: read_header(file) for file in sorted(set(files.values()))}
+    try:
+        expected = expected_shapes(config)
+    except Exception as exc:   # noqa: BLE001 (diffusers' own checks of the config)
+        raise WanLoadError(f"{directory / CONFIG}: not a config diffusers can build ({exc})") from None
+    for name, shape in expected.items():
+        if name not in files:
+            raise WanLoadError(f"{directory}: tensor {name} is missing (the config needs it, shape {shape})")
+        found = headers[files[name]].get(name)
+        if found is None:
+            raise WanLoadError(f"{files[name]}: tensor {name} is missing (the index names this file for it)")
+        if found[0] != shape:
+            raise WanLoadError(f"{files[name]}: tensor {name} has shape {found[0]}, the config needs {shape}")
+    extra = sorted(set(files) - set(expected))
+    if extra:
+        raise WanLoadError(f"{files[extra[0]]}: tensor {extra[0]} is not part of the model the config describes")
+
+
 def keep_fp32() -> tuple[str, ...]:
     """The module names whose parameters diffusers keeps in fp32 whatever the model's dtype (the time
     embedder, the norms, the scale-shift tables)."""

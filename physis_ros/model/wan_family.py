@@ -13,6 +13,7 @@ dtype, the ``wan:`` section); without one the defaults below apply, and a pipeli
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,26 @@ def trunk_of(io) -> dict[str, Any]:
     return trunk
 
 
+def check_weights(checkpoint: Path) -> None:
+    """The checkpoint's weights checked from their headers (every file there and whole, every tensor of its
+    shape: :func:`physis_ros.model.wan.check_checkpoint`), once per version of its files: ConfigError naming
+    ``wan.checkpoint``, the file and the tensor, when the config is loaded rather than when a worker builds a
+    block."""
+    directory = transformer_dir(checkpoint)
+    stamp = tuple(sorted((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in directory.iterdir() if f.is_file()))
+    try:
+        _checked(str(directory), stamp)
+    except WanLoadError as exc:
+        raise ConfigError("wan.checkpoint", str(exc)) from None
+
+
+@functools.lru_cache(maxsize=32)
+def _checked(directory: str, stamp: tuple) -> None:
+    from physis_ros.model.wan import check_checkpoint
+
+    check_checkpoint(directory)
+
+
 def _trunk_shape(trunk: dict[str, Any]) -> dict[str, int]:
     heads, head_dim = int(trunk["num_attention_heads"]), int(trunk["attention_head_dim"])
     return {"hidden": heads * head_dim, "heads": heads, "blocks": int(trunk["num_layers"]),
@@ -129,6 +150,7 @@ def complete(mapping: dict[str, Any], directory: Path | None) -> dict[str, Any]:
     root = Path(section["checkpoint"]).expanduser().resolve()
     section["checkpoint"] = str(root)
     trunk = trunk_config(root)
+    check_weights(root)
     out = {**mapping, "wan": section}
     for key, value in _trunk_shape(trunk).items():
         out.setdefault(key, value)

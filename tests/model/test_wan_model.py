@@ -230,3 +230,83 @@ def test_the_texts_cross_attention_kv_is_computed_once_per_slot_while_the_text_i
         assert torch.equal(a, b)
     table = model.new_kv_table(0, 2)
     assert table.nbytes() == 2 * model.config.kv_slot_bytes()
+
+
+def _copy_dir(src, dst):
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_bad_directories_are_refused_when_the_config_is_loaded_with_one_line_naming_file_and_tensor(saved, tmp_path):
+    """Issue 56 item 2: from the headers alone (no block built): a truncated file, a missing shard, a broken
+    index, a tensor of another shape than the config needs, a tensor the config does not have."""
+    module, path = saved
+    sharded = tmp_path / "sharded"
+    module.save_pretrained(sharded, max_shard_size="20KB")
+    index = json.loads((sharded / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    assert load_model_config(sharded).blocks == 3          # whole, it loads
+
+    def refused(directory, *words):
+        with pytest.raises(ConfigError) as err:
+            load_model_config(directory)
+        text = str(err.value)
+        assert err.value.key == "wan.checkpoint" and "\n" not in text and all(w in text for w in words), text
+
+    shard = sorted(set(index["weight_map"].values()))[1]
+    gone = _copy_dir(sharded, tmp_path / "gone")
+    (gone / shard).unlink()
+    refused(gone, shard, "the file is missing")
+    short = _copy_dir(sharded, tmp_path / "short")
+    data = (short / shard).read_bytes()
+    (short / shard).write_bytes(data[:len(data) - 100])
+    refused(short, shard, "lies past the end of the file", "truncated")
+    broken = _copy_dir(sharded, tmp_path / "broken")
+    (broken / "diffusion_pytorch_model.safetensors.index.json").write_text("{not json")
+    refused(broken, "index.json", "not a safetensors index")
+    shape = _copy_dir(path, tmp_path / "shape")
+    config = json.loads((shape / "config.json").read_text())
+    (shape / "config.json").write_text(json.dumps({**config, "ffn_dim": 40}))
+    refused(shape, "diffusion_pytorch_model.safetensors", "tensor blocks.0.ffn.net.0.proj.", "the config needs")
+    fewer = _copy_dir(path, tmp_path / "fewer")
+    (fewer / "config.json").write_text(json.dumps({**config, "num_layers": 2}))
+    refused(fewer, "tensor blocks.2.", "is not part of the model")
+
+
+def test_a_worker_hosting_some_blocks_of_a_sharded_checkpoint_reads_and_holds_only_those(saved, tmp_path,
+                                                                                          monkeypatch):
+    """Issue 56 item 1, through the workers' own hosting code (runtime/hosting.py): the blocks a stream's stages
+    need are read tensor by tensor from the shards the index names; the worker holds the trunk and those
+    blocks, no other block's tensor is read; its K/V are what the spec counts."""
+    from physis_ros.config import to_mapping
+    from physis_ros.model import wan
+    from physis_ros.runtime import protocol as p
+    from physis_ros.runtime.hosting import StageHost
+
+    module, _ = saved
+    sharded = tmp_path / "sharded"
+    module.save_pretrained(sharded, max_shard_size="20KB")
+    (sharded / "physis_model.yaml").write_text(yaml.safe_dump(sidecar()))
+    config = load_model_config(sharded)
+    read = []
+    real = wan.read_tensors
+    monkeypatch.setattr(wan, "read_tensors", lambda files, names: read.extend(names) or real(files, names))
+    host = StageHost("cpu")
+    try:
+        stages = [(k, 1) for k in range(1, STEPS + 1)]
+        msg = p.StartStream(req=0, stream="s", epoch=0, model=p.ModelRef(id="tiny-wan", config=to_mapping(config)),
+                            stages=stages, routes=[p.Route(s, "tcp://127.0.0.1:1") for s in stages])
+        for future in host.prepare(msg):
+            future.result(60)
+        host.attach_ready()
+        host.start_stream(msg)
+        assert host.blocks() == {"tiny-wan": [1]}
+        assert {n.split(".")[1] for n in read if n.startswith("blocks.")} == {"1"}
+        block = sum(t.numel() * t.element_size() for t in module.blocks[1].parameters())
+        trunk = build_model(config, hosted_blocks=[]).weight_bytes()
+        assert host.weight_bytes() == trunk + block
+        assert host.kv_bytes() == STEPS * config.kv_slot_bytes()
+    finally:
+        host.close()
