@@ -1,7 +1,7 @@
 """``physis-bench SUBCOMMAND``: benchmarks that write JSON (and plots).
 
     physis-bench pipeline | timeshare | soak | streams | ros | admission | handoff | hop | goals | churn
-                 | admission-accuracy | openpi  [options]
+                 | admission-accuracy | openpi | block-overhead  [options]
     (physis-bench SUB --help)
 
 Each subcommand lives in ``physis_ros.bench.<name>`` (or the module ``MODULES`` names) and provides
@@ -45,11 +45,13 @@ SUBCOMMANDS = {
               "WebsocketPolicyServer: closed-loop throughput and round trip, paced clients within the SLO",
     "admission-accuracy": "robots added with admission off until one misses the SLO (feasible), then through "
                           "Server.join with admission on: admitted / feasible, admitted meeting the SLO",
+    "block-overhead": "our stage path over one real-shape Wan block vs diffusers' own WanTransformerBlock forward "
+                      "(CPU, fp32 and bf16, interleaved pairs, median ratio and spread)",
 }
 
 # subcommand -> its module in physis_ros.bench where the two names differ (a module is not named like another
 # layer's module of another concept: scheduling/admission.py, runtime/streams.py)
-MODULES = {"admission": "admission_goals", "streams": "streams_live"}
+MODULES = {"admission": "admission_goals", "streams": "streams_live", "block-overhead": "block_overhead"}
 
 # flag (argparse dest) -> (lowest value, whether the bound is excluded)
 BOUNDS = {
@@ -64,7 +66,8 @@ BOUNDS = {
     "profile_repeats": (1, False), "robots": (1, False), "execution_horizon": (1, False), "burst": (1, False), "max_pending_goals": (1, False), "cancels": (1, False),
     "cycles": (1, False), "heartbeat_timeout": (0, True), "baseline": (1, False), "tolerance": (0, False), "sample": (1, False),
     "reply_timeout": (0, True), "settle_s": (0, False), "window_s": (0, True), "measure_s": (0, True),
-    "max_robots": (1, False), "closed_rate_hz": (0, True), "peer_threads": (0, False),
+    "max_robots": (1, False), "closed_rate_hz": (0, True), "peer_threads": (0, False), "frames": (0, False),
+    "threads": (1, False),
 }
 
 
