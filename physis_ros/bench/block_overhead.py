@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     exact = all(r["max_abs_diff"] == 0.0 for r in rows if r["dtype"] == "fp32")
     summary = {"rows": rows, "target": {"ratio_max": TARGET, "met": all(r["met"] for r in rows)},
                "fp32_equal": exact, "threads": args.threads,
-               "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+               "machine": {"cpu": platform.machine(), "cores": os.cpu_count(),
                            "torch": torch.__version__},
                "command": " ".join(["physis-bench", *sys.argv[1:]])}
     if args.json:
