@@ -30,9 +30,10 @@ def directory(tmp_path_factory):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
-    path = tmp_path_factory.mktemp("wan") / "tiny"
-    model.save_pretrained(path)
-    return path
+    root = tmp_path_factory.mktemp("wan")
+    model.save_pretrained(root / "tiny")
+    model.save_pretrained(root / "sharded", max_shard_size="20KB")     # an index and its shards
+    return root / "tiny"
 
 
 def source(stream: str, chunk: int) -> dict[str, np.ndarray]:
@@ -40,9 +41,11 @@ def source(stream: str, chunk: int) -> dict[str, np.ndarray]:
     return {"prompt_embeds": rng.standard_normal((5, 16)).astype(np.float32)}
 
 
-@pytest.mark.parametrize("rule, plan, workers", [("same_step", "sequential", 1), ("same_step", "stage", 2),
-                                                 ("clean", "block", 2)])
-def test_served_bit_for_bit_as_the_reference(directory, rule, plan, workers):
+@pytest.mark.parametrize("rule, plan, workers, layout", [("same_step", "sequential", 1, "tiny"),
+                                                         ("same_step", "stage", 2, "sharded"),
+                                                         ("clean", "block", 2, "sharded")])
+def test_served_bit_for_bit_as_the_reference(directory, rule, plan, workers, layout):
+    directory = directory.parent / layout
     (directory / "physis_model.yaml").write_text(yaml.safe_dump({
         "steps": 2, "window": 1, "history": rule, "wan": {"frames": 1, "height": 4, "width": 4, "text_tokens": 5}}))
     cfg = load_model_config(directory)
