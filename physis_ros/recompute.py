@@ -13,6 +13,10 @@ the K/V a chunk reads are stated once here, as a mask, and not as the cache's bo
   recomputed in every block; chunk c at step k attends, in block b, to its own tokens and to the block-b K/V of
   the chunks the mask lets it see, as the clean sequence computed them (chunk c's noisy steps write nothing).
 
+- ``latest``: chunk c at step k reads chunk c-j (j = 1..window) as it was at step ``latest_version(k, j)``
+  (0: the clean pass over its output); each of those is itself computed from its state then and the versions
+  it read, once, remembered by (chunk, step): no rolling cache, no slots.
+
 Positions restart every chunk (each chunk is embedded on its own), as the model embeds them.
 Equal to the cached reference up to float rounding (attention reduces over another key order and length).
 """
@@ -64,7 +68,7 @@ class _Given:
         return torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1), None
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        pass
+        self.written = (k, v)
 
 
 class RecomputeRollout:
@@ -77,6 +81,7 @@ class RecomputeRollout:
         self.conds: list[torch.Tensor] = []
         self.outputs: list[torch.Tensor] = []           # each finished chunk, [1, *output_shape]
         self.states: list[dict[int, torch.Tensor]] = []  # each chunk's noisy state entering step k
+        self.written: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}   # latest: (chunk, step)
 
     def _t(self, k: int, like: torch.Tensor) -> torch.Tensor:
         return self.model.timesteps.timestep(torch.tensor([k], dtype=torch.long, device=like.device))
@@ -109,6 +114,30 @@ class RecomputeRollout:
             history.append((k[:, rows], v[:, rows]))
         return history
 
+    def _latest_pass(self, i: int, k: int) -> torch.Tensor:
+        """The latest rule: chunk ``i`` at step ``k`` (0: its clean pass over its output) reading chunk ``i - j``
+        as it was at step ``latest_version(k, j)``, each computed the same way (once, remembered: no rolling
+        cache); records the K/V it writes per block and returns its last block's hidden state."""
+        model, cfg = self.model, self.model.config
+        state = self.outputs[i] if k == 0 else self.states[i][k]
+        t = self._t(k, state)
+        reads = [(i - j, cfg.latest_version(k, j)) for j in range(cfg.window, 0, -1) if i - j >= 0]
+        history = [self._latest_written(a, v) for a, v in reads]
+        h = model.embed(self.conds[i], state, t)
+        written = []
+        for b in range(cfg.blocks):
+            given = _Given(torch.cat([w[b][0] for w in history], dim=1) if history else None,
+                           torch.cat([w[b][1] for w in history], dim=1) if history else None)
+            h = model.block(b, h, t, given)
+            written.append(given.written)
+        self.written[(i, k)] = written
+        return h
+
+    def _latest_written(self, i: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if (i, k) not in self.written:
+            self._latest_pass(i, k)
+        return self.written[(i, k)]
+
     @torch.no_grad()
     def step(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The stream's next chunk, [*output_shape] float32 on CPU."""
@@ -121,7 +150,9 @@ class RecomputeRollout:
         for k in range(cfg.steps, 0, -1):
             self.states[c][k] = x
             t = self._t(k, x)
-            if history is None:
+            if self.history == "latest":
+                v = model.head(self._latest_pass(c, k), t)
+            elif history is None:
                 v = self._same_step(c, k, t)
             else:
                 h = model.embed(self.conds[c], x, t)

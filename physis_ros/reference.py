@@ -35,18 +35,20 @@ class ReferenceRollout:
     chunks' K/V are read by the model's history rule (``config.history``, docs/history.md): ``same_step``,
     chunk c at step k reads the K/V chunks c-window..c-1 wrote at step k (one slot per step: slot k-1);
     ``clean``, every step of chunk c reads the K/V that a pass at t = 0 over each earlier chunk's output
-    wrote (one slot, written once per chunk, after its last step)."""
+    wrote (one slot, written once per chunk, after its last step); ``latest``, chunk c-j as it was at a later
+    step (one slot per step, slot k, and slot 0 the clean pass's)."""
 
     def __init__(self, model: ServableModel, seed: int = 0):
         self.model = model
         self.seed = seed
         self.clean = model.config.clean_pass
+        self.latest = model.config.history == "latest"   # a slot per step and one for the clean pass (slot k)
         self._tables: dict[str, list[KVTable]] = {}
         self._next_chunk: dict[str, int] = {}
 
     def _stream_tables(self, stream: str) -> list[KVTable]:
         if stream not in self._tables:
-            slots = 1 if self.clean else self.model.config.steps
+            slots = 1 if self.clean else self.model.config.steps + int(self.latest)
             self._tables[stream] = [self.model.new_kv_table(b, slots) for b in range(self.model.config.blocks)]
             self._next_chunk[stream] = 0
         return self._tables[stream]
@@ -63,6 +65,15 @@ class ReferenceRollout:
         self._stream_tables(stream)
         return self._next_chunk[stream]
 
+    def _sources(self, table: KVTable, step: int) -> list[list[tuple[int, int]]] | None:
+        """The latest rule's reads at ``step`` (one sample): chunk c-j, oldest first, from the slot of the step it
+        is read at (``ModelConfig.latest_version``), for the chunks the stream has; None for the other rules."""
+        if not self.latest:
+            return None
+        cfg = self.model.config
+        versions = [(cfg.latest_version(step, j), j) for j in range(cfg.window, 0, -1)]
+        return [[(slot, j) for slot, j in versions if table.chunks_written[slot] >= j]]
+
     @torch.no_grad()
     def step(self, stream: str, obs: dict[str, np.ndarray], handoff: Handoff | None = None) -> ReferenceChunk:
         """The stream's next chunk; ``handoff`` guides it towards the previous chunk (as the server did)."""
@@ -75,16 +86,16 @@ class ReferenceRollout:
         for k in range(cfg.steps, 0, -1):
             ks = torch.tensor([k], dtype=torch.long, device=x.device)
             t = model.timesteps.timestep(ks)
-            slot = 0 if self.clean else k - 1
+            slot = 0 if self.clean else k if self.latest else k - 1
             h = model.embed(cond, x, t)
             for b in range(cfg.blocks):
-                h = model.block(b, h, t, KVBatch(tables[b], [slot], [not self.clean]))
+                h = model.block(b, h, t, KVBatch(tables[b], [slot], [not self.clean], self._sources(tables[b], k)))
             x = denoise_update(model, x, model.head(h, t), ks, KVBatch(tables[-1], [slot]), [handoff])
-        if self.clean:          # the clean pass: the finished chunk at t = 0 writes what later chunks read
+        if self.clean or self.latest:   # the clean pass: the finished chunk at t = 0 writes what later chunks read
             t0 = model.timesteps.timestep(torch.zeros(1, dtype=torch.long, device=x.device))
             h = model.embed(cond, x, t0)
             for b in range(cfg.blocks):
-                h = model.block(b, h, t0, KVBatch(tables[b], [0]))
+                h = model.block(b, h, t0, KVBatch(tables[b], [0], None, self._sources(tables[b], 0)))
         ms = (time.perf_counter() - start) * 1e3
         self._next_chunk[stream] = c + 1
         return ReferenceChunk(stream, c, x[0].float().cpu(), ms)

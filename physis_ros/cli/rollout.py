@@ -5,7 +5,8 @@ Prints a live per-chunk table and optionally writes JSON with a sha256 per chunk
 reference and a server, can be compared exactly.
 
     physis-rollout [--model tiny-wam] [--chunks 16] [--streams 1] [--seed 0] [--json out.json]
-                   [--history same_step|clean] [--tensors out.safetensors] [--recompute]
+                   [--history same_step|clean|latest] [--history-groups G] [--tensors out.safetensors]
+                   [--recompute]
 
 ``--history`` serves the model under another history rule than its own (docs/history.md); ``--tensors``
 writes each chunk's output (``output.<stream>.<c>``) and initial noise (``noise.<stream>.<c>``), float32;
@@ -24,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from dataclasses import replace
 
 from pathlib import Path
 
@@ -68,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     parser.add_argument("--json", help="write per-chunk hashes and timings here")
     parser.add_argument("--live", action="store_true", help="print a table row per chunk as it is produced")
-    parser.add_argument("--history", choices=("same_step", "clean"),
+    parser.add_argument("--history", choices=("same_step", "clean", "latest"),
                         help="read history by this rule instead of the model's own (docs/history.md)")
+    parser.add_argument("--history-groups", type=positive_int,
+                        help="latest: G, chunk c-j is read ceil(j / G) - 1 steps later (default: the model's)")
     parser.add_argument("--tensors", help="write each chunk's output and initial noise here (.safetensors)")
     parser.add_argument("--recompute", action="store_true",
                         help="compute every chunk by full recompute of its history (no K/V cache; slow)")
@@ -87,8 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     set_threads(args.threads)
     try:
         config = load_model_config(args.model)
-        if args.history:
-            config = replace(config, history=args.history)
+        if args.history or args.history_groups:
+            from physis_ros.config import from_mapping, to_mapping
+            from physis_ros.model.spec import ModelConfig
+
+            config = from_mapping(ModelConfig, {**to_mapping(config), "history": args.history or config.history,
+                                                "history_groups": args.history_groups or config.history_groups})
         model = build_model(config, device=args.device)
     except (ConfigError, ValueError, RuntimeError) as exc:
         fail(f"{exc}" if not isinstance(exc, RuntimeError) else f"cannot build the model on --device "

@@ -3,7 +3,7 @@ diffusers directory) through the model contract (the ``wan`` family, physis_ros/
 anyone can recompute a chunk.
 
     physis-rollout --model DIR --prompt-embeds FILE [--chunks N] [--seed S] [--frames F --height H --width W]
-                   [--history same_step|clean] [--window W] [--steps K --shift S] [--dtype fp32|bf16|fp16]
+                   [--history same_step|clean|latest] [--window W] [--steps K --shift S] [--dtype fp32|bf16|fp16]
                    [--plan P --workers N] [--recompute] [--tensors OUT.safetensors] [--json OUT.json]
 
 The model is the directory's (its ``physis_model.yaml`` or the family's defaults); each flag given overrides
@@ -87,6 +87,8 @@ def wan_config(args: argparse.Namespace, text_tokens: int):
             mapping.update(sigmas=None, timestep_shift=args.shift)
         if args.history:
             mapping["history"] = args.history
+        if args.history_groups:
+            mapping["history_groups"] = args.history_groups
         if args.dtype:
             mapping["dtype"] = DTYPES[args.dtype]
         return from_mapping(ModelConfig, mapping)
@@ -138,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
     prompt = prompt_embeds(args.prompt_embeds, trunk["text_dim"])
     config = wan_config(args, prompt.shape[1])
     io = config.wan
+    if args.recompute and config.history == "latest":
+        fail("--recompute: the full recompute with diffusers' forward covers same_step and clean; the latest rule "
+             "runs by the sequential reference (leave out --recompute)")
     if args.recompute and args.chunks * io.frames > trunk.get("rope_max_seq_len", 1024):
         fail(f"--chunks x --frames: {args.chunks * io.frames} latent frames lie past the model's RoPE table "
              f"({trunk.get('rope_max_seq_len', 1024)} positions), which --recompute's absolute positions need: "

@@ -124,6 +124,21 @@ class KVTable:
         n = self.length[slot]
         return self.k[slot][:n], self.v[slot][:n]
 
+    def gather(self, entries: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of chunks from several slots, in the order given: ``(slot, back)`` is the chunk
+        ``back`` entries before the newest of ``slot`` (1: the newest), which must be there."""
+        t = self.tokens_per_chunk
+        if not entries:
+            return self.k[next(iter(self.k))][:0], self.v[next(iter(self.v))][:0]
+        ks, vs = [], []
+        for slot, back in entries:
+            n = self.length[slot]
+            if not 1 <= back <= n // t:
+                raise ValueError(f"K/V slot {slot} holds {n // t} chunks; chunk {back} back is not there")
+            ks.append(self.k[slot][n - back * t:n - (back - 1) * t])
+            vs.append(self.v[slot][n - back * t:n - (back - 1) * t])
+        return torch.cat(ks), torch.cat(vs)
+
     def append(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one chunk's keys/values ([T, heads, head_dim]); drop the oldest window chunk if full."""
         t = self.tokens_per_chunk
@@ -153,6 +168,15 @@ class KVBatch:
     table: KVTable
     slots: list[int]
     writes: list[bool] | None = None
+    sources: list[list[tuple[int, int]]] | None = None
+    """Sample i reads these ``(slot, back)`` chunks (:meth:`KVTable.gather`), oldest first, instead of its own
+    slot's history (the latest rule's versions); None: its own slot's."""
+
+    def history(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values sample ``i`` reads before its own tokens, oldest first."""
+        if self.sources is not None:
+            return self.table.gather(self.sources[i])
+        return self.table.cached(self.slots[i])
 
     def attend_inputs(self, k: torch.Tensor, v: torch.Tensor,
                       cached_keys: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -168,7 +192,7 @@ class KVBatch:
         """
         if len(self.slots) != k.shape[0]:
             raise ValueError(f"{len(self.slots)} slots for a batch of {k.shape[0]}")
-        cached = [self.table.cached(s) for s in self.slots]
+        cached = [self.history(i) for i in range(len(self.slots))]
         if cached_keys is not None:
             cached = [(cached_keys(ck) if ck.shape[0] else ck, cv) for ck, cv in cached]
         lengths = [ck.shape[0] for ck, _ in cached]

@@ -18,7 +18,10 @@ FRAME_AXES = ("FCHW", "CFHW")   # a model config's I/O section: one, named as it
 # How chunk c at step k reads the K/V of earlier chunks (docs/history.md).
 HISTORY_RULES = {"same_step": "chunk c at step k reads the K/V chunks c-window..c-1 (and the sink) wrote at step k",
                  "clean": "every step of chunk c reads the K/V a pass at t = 0 over the finished chunks "
-                          "c-window..c-1 (and the sink) wrote"}
+                          "c-window..c-1 (and the sink) wrote",
+                 "latest": "chunk c at step k reads chunk c-j (j = 1..window) as it was ceil(j / history_groups) - 1 "
+                           "steps after k (the clean pass's K/V past the last step): chunk c-1 at the same step, "
+                           "older chunks less noisy (the sequential reference only; not served by the workers)"}
 
 
 @dataclass(frozen=True)
@@ -177,8 +180,12 @@ class ModelConfig:
             "uniform grid"))
     history: str = field(default="same_step", metadata=bounded(
         choices=tuple(HISTORY_RULES), doc="how a chunk reads earlier chunks' K/V (docs/history.md): same_step "
-                                          "(at its own denoising step) or clean (what a pass at t = 0 over "
-                                          "each finished chunk wrote)"))
+                                          "(at its own denoising step), clean (what a pass at t = 0 over "
+                                          "each finished chunk wrote) or latest (older chunks at later, less noisy "
+                                          "steps; the sequential reference only)"))
+    history_groups: int = field(default=1, metadata=bounded(
+        ge=1, doc="latest history: G, the chunks that read a version at the same step offset (chunk c-j is read "
+                  "ceil(j / G) - 1 steps after the reader's step)"))
     dtype: str = field(default="float32", metadata=bounded(choices=DTYPES))
     init_seed: int = 0
     description: str = ""
@@ -197,6 +204,9 @@ class ModelConfig:
                 raise ConfigError("sigmas", f"{grid} must decrease strictly, within (0, 1]")
             if self.timestep_shift != 1.0:
                 raise ConfigError("timestep_shift", "a model with explicit sigmas takes no shift: shift the list")
+        if self.history == "latest" and self.sink:
+            raise ConfigError("sink", "the latest history rule reads each window chunk at its own version; it takes "
+                                      "no sink")
         check_family(self.kind)
         if self.kind in IO_SECTIONS and getattr(self, self.kind) is None:
             raise ConfigError(self.kind, f"kind '{self.kind}' needs a '{self.kind}:' section")
@@ -238,6 +248,11 @@ class ModelConfig:
         """The clean history rule: after a chunk's last step a pass at t = 0 writes the K/V later chunks read
         (a row 0 of stages, one K/V slot per block)."""
         return self.history == "clean"
+
+    def latest_version(self, step: int, back: int) -> int:
+        """The latest rule: the step whose K/V chunk ``c - back`` wrote that chunk ``c`` reads at ``step``
+        (steps K..1 noisiest first; 0: the clean pass after the last step)."""
+        return max(0, step - (-(-back // self.history_groups)) + 1)
 
     @property
     def ffn_dim(self) -> int:

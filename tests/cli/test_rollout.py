@@ -34,6 +34,22 @@ def test_history_override_tensors_and_recompute(tmp_path):
 
 
 def test_an_unknown_rule_is_a_usage_error(capsys):
-    assert main(["--history", "latest"]) == 2
+    assert main(["--history", "noisy"]) == 2
     err = capsys.readouterr().err
-    assert "--history" in err and "same_step" in err
+    assert "--history" in err and "same_step" in err and "latest" in err
+
+
+def test_latest_rolls_out_and_its_recompute_agrees(tmp_path):
+    """physis-rollout --history latest (issue 54 item 4) on tiny-wam: the cached reference and the recompute
+    write the same chunks; later chunks differ from same_step's."""
+    runs = {}
+    for name, flags in (("latest", ["--history", "latest"]), ("full", ["--history", "latest", "--recompute"]),
+                        ("same", ["--history", "same_step"])):
+        out = tmp_path / f"{name}.safetensors"
+        assert main([*flags, "--chunks", "3", "--tensors", str(out)]) == 0
+        runs[name] = load_file(str(out))
+    for c in range(3):
+        key = f"output.robot0.{c}"
+        assert np.allclose(runs["latest"][key], runs["full"][key], atol=1e-5, rtol=0), key
+    assert np.array_equal(runs["latest"]["output.robot0.1"], runs["same"]["output.robot0.1"])   # c-1: same step
+    assert not np.array_equal(runs["latest"]["output.robot0.2"], runs["same"]["output.robot0.2"])

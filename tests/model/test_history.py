@@ -123,3 +123,56 @@ def test_a_bad_grid_is_refused_naming_the_field(tmp_path, sigmas, key, words):
     with pytest.raises(ConfigError) as exc:
         load_model_config(path)
     assert exc.value.key == key and words in str(exc.value)
+
+
+@pytest.mark.parametrize("name, window, groups", [("tiny-wam", 3, 1), ("tiny-wam", 3, 2), ("tiny-acwm", 2, 1)])
+def test_latest_the_cached_reference_equals_the_recompute_of_each_version(name, window, groups):
+    """The latest rule (issue 54): the reference's per-step slots and gathered (slot, back) reads against the
+    recompute, which derives every chunk's version at every step again from its state then (no cache)."""
+    cached, recomputed = rollouts(small(name, window=window, history="latest", history_groups=groups))
+    for c, (a, b) in enumerate(zip(cached, recomputed)):
+        assert torch.allclose(a, b, atol=TOL, rtol=0), (c, (a - b).abs().max().item())
+
+
+def test_latest_reads_the_same_step_for_one_chunk_back_and_later_steps_further_back():
+    """latest_version: chunk c-1 at the same step; with G = 1 chunk c-2 one step later (less noisy), and past
+    the last step the clean pass (0); G = 2 keeps c-2 at the same step. With a window of one chunk latest is
+    same_step (the rules agree); with three they differ from chunk 2 on, and from clean from chunk 1 on."""
+    cfg = replace(load_model_config("tiny-wam"), steps=4, window=3, history="latest")
+    assert [cfg.latest_version(4, j) for j in (1, 2, 3)] == [4, 3, 2]
+    assert [cfg.latest_version(1, j) for j in (1, 2, 3)] == [1, 0, 0]
+    assert [replace(cfg, history_groups=2).latest_version(4, j) for j in (1, 2, 3)] == [4, 4, 3]
+    one = small("tiny-wam", window=1)
+    latest, _ = rollouts(one, "latest")
+    same, _ = rollouts(one, "same_step")
+    assert all(torch.equal(a, b) for a, b in zip(latest, same))
+    three = small("tiny-wam", window=3)
+    latest, _ = rollouts(three, "latest")
+    same, _ = rollouts(three, "same_step")
+    clean, _ = rollouts(three, "clean")
+    assert torch.equal(latest[1], same[1]) and not torch.equal(latest[2], same[2])
+    assert all((a - b).abs().max() > 1e-4 for a, b in zip(latest[1:], clean[1:]))
+
+
+def test_latest_takes_no_sink():
+    with pytest.raises(ConfigError) as err:
+        from physis_ros.config import from_mapping, to_mapping
+        from physis_ros.model.spec import ModelConfig
+
+        from_mapping(ModelConfig, {**to_mapping(load_model_config("tiny-wam")), "history": "latest", "sink": True})
+    assert err.value.key == "sink"
+
+
+def test_latest_is_refused_by_the_engine_and_admission_naming_the_rule():
+    from physis_ros.runtime.planner import resolve_plan
+    from physis_ros.runtime.settings import EngineConfig
+    from physis_ros.serving.config import StreamConfig
+    from physis_ros.serving.fit import check_stream_model
+
+    cfg = replace(load_model_config("tiny-wam"), history="latest")
+    with pytest.raises(ConfigError) as err:
+        resolve_plan(cfg, EngineConfig(plan="sequential", workers=1))
+    assert err.value.key == "history" and "physis-rollout --history latest" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        check_stream_model("streams.r0", StreamConfig(joint_names=[f"j{i}" for i in range(7)]), cfg)
+    assert err.value.key == "streams.r0.model" and "latest rule" in str(err.value)

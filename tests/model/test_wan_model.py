@@ -310,3 +310,17 @@ def test_a_worker_hosting_some_blocks_of_a_sharded_checkpoint_reads_and_holds_on
         assert host.kv_bytes() == STEPS * config.kv_slot_bytes()
     finally:
         host.close()
+
+
+def test_a_wan_trunk_rolls_out_under_latest(saved):
+    """The latest rule on a Wan trunk (the sequential reference): with a window of one chunk it is same_step;
+    with two, chunk 2 reads chunk 0 as its next step left it, and differs."""
+    _, path = saved
+    outs = {}
+    for rule, window in (("latest", 1), ("same_step", 1), ("latest", 2), ("same_step", 2)):
+        write_sidecar(path, rule=rule, window=window)
+        ref = ReferenceRollout(build_model(load_model_config(path)), seed=6)
+        outs[rule, window] = [ref.step("s", {"prompt_embeds": prompt_embeds(3)}).output for _ in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(outs["latest", 1], outs["same_step", 1]))
+    assert torch.equal(outs["latest", 2][1], outs["same_step", 2][1])
+    assert not torch.allclose(outs["latest", 2][2], outs["same_step", 2][2])
