@@ -41,7 +41,7 @@ class ReferenceRollout:
     def __init__(self, model: ServableModel, seed: int = 0):
         self.model = model
         self.seed = seed
-        self.clean = model.config.clean_pass
+        self.clean = model.config.history == "clean"
         self.latest = model.config.history == "latest"   # a slot per step and one for the clean pass (slot k)
         self._tables: dict[str, list[KVTable]] = {}
         self._next_chunk: dict[str, int] = {}
@@ -71,8 +71,8 @@ class ReferenceRollout:
         if not self.latest:
             return None
         cfg = self.model.config
-        versions = [(cfg.latest_version(step, j), j) for j in range(cfg.window, 0, -1)]
-        return [[(slot, j) for slot, j in versions if table.chunks_written[slot] >= j]]
+        own = KVBatch(table, [step], step_slots=[{k: k for k in range(cfg.steps + 1)}])
+        return own.with_latest_sources([step], cfg.latest_version, cfg.window).sources
 
     @torch.no_grad()
     def step(self, stream: str, obs: dict[str, np.ndarray], handoff: Handoff | None = None) -> ReferenceChunk:

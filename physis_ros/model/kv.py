@@ -171,6 +171,9 @@ class KVBatch:
     sources: list[list[tuple[int, int]]] | None = None
     """Sample i reads these ``(slot, back)`` chunks (:meth:`KVTable.gather`), oldest first, instead of its own
     slot's history (the latest rule's versions); None: its own slot's."""
+    step_slots: list[dict[int, int]] | None = None
+    """Sample i's stream's slot of each step (0: the clean pass), from which :func:`latest_sources` finds
+    ``sources`` under the latest rule; None: the sample reads its own slot."""
 
     def history(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values sample ``i`` reads before its own tokens, oldest first."""
@@ -214,6 +217,17 @@ class KVBatch:
             vals[i, n:n + t] = v[i]
             mask[i, :n + t] = True
         return keys, vals, mask[:, None, None, :]
+
+    def with_latest_sources(self, steps: list[int], version: Callable[[int, int], int], window: int) -> KVBatch:
+        """This batch reading by the latest rule: sample i at step ``steps[i]`` reads chunk c-j (j = window..1)
+        from the slot of step ``version(step, j)`` of its stream (``step_slots``), where that slot holds it."""
+        if self.step_slots is None:
+            return self
+        sources = []
+        for step, slots in zip(steps, self.step_slots):
+            entries = [(slots[version(step, j)], j) for j in range(window, 0, -1)]
+            sources.append([(slot, j) for slot, j in entries if self.table.chunks_written.get(slot, 0) >= j])
+        return KVBatch(self.table, self.slots, self.writes, sources, self.step_slots)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         for i, slot in enumerate(self.slots):

@@ -245,9 +245,15 @@ class ModelConfig:
 
     @property
     def clean_pass(self) -> bool:
-        """The clean history rule: after a chunk's last step a pass at t = 0 writes the K/V later chunks read
-        (a row 0 of stages, one K/V slot per block)."""
-        return self.history == "clean"
+        """After a chunk's last step a pass at t = 0 writes K/V later chunks read (the clean and latest rules):
+        a row 0 of stages, a block's stages on one worker, one chunk in flight per stream."""
+        return self.history in ("clean", "latest")
+
+    @property
+    def history_slots(self) -> int:
+        """K/V slots one stream holds per block: one (clean: every step reads what the clean pass wrote), one
+        per step (same_step), one per step and the clean pass's (latest)."""
+        return {"clean": 1, "latest": self.steps + 1}.get(self.history, self.steps)
 
     def latest_version(self, step: int, back: int) -> int:
         """The latest rule: the step whose K/V chunk ``c - back`` wrote that chunk ``c`` reads at ``step``

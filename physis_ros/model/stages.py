@@ -128,8 +128,11 @@ def run_stage(model: ServableModel, b: int, steps: list[int], states: list[dict[
     state = stack_states(states)
     k = torch.tensor(steps, dtype=torch.long, device=state["x"].device)
     t = model.timesteps.timestep(k)
-    if model.config.clean_pass:   # denoising steps read the clean K/V; only the clean pass (step 0) writes
+    cfg = model.config
+    if cfg.history == "clean":      # denoising steps read the clean K/V; only the clean pass (step 0) writes
         kv = KVBatch(kv.table, kv.slots, [s == 0 for s in steps])
+    elif cfg.history == "latest":   # each step writes its own slot and reads older chunks' later versions
+        kv = kv.with_latest_sources(steps, cfg.latest_version, cfg.window)
     h = model.embed(state["cond"], state["x"], t) if b == 0 else state["h"]
     h = model.block(b, h, t, kv)
     if b < last:

@@ -48,7 +48,14 @@ class CostProfile:
     engine_ms: float = 0.0                       # the engine's messages per chunk (observation out, chunk in)
     transport: str = "tcp"                       # what hop_ms was measured over (or modelled for)
     notes: dict[str, object] = field(default_factory=dict)
-    clean: bool = False                          # the model's history rule is clean: a row 0 of clean-pass stages
+    clean: bool = False                          # a row 0 of clean-pass stages (the clean and latest rules)
+    shared_kv: bool | None = None                # one K/V slot per block, every step's, not one per stage (None:
+                                                 # as `clean` says; the latest rule has the row 0 and a slot a stage)
+
+    @property
+    def kv_per_block(self) -> bool:
+        """One K/V slot per (stream, block) rather than per stage."""
+        return self.clean if self.shared_kv is None else self.shared_kv
 
     @property
     def modelled(self) -> bool:
@@ -131,7 +138,7 @@ def stream_memory_bytes(cfg: ModelConfig) -> dict[str, int]:
     block under the clean history rule)
     and two hidden-state buffers (what placement charges its ranks, summed)."""
     m = memory_fields(cfg)
-    slots = 1 if cfg.clean_pass else cfg.steps      # per block: the clean pass's one, or one per step
+    slots = cfg.history_slots                       # per block: the clean pass's one, one per step (+ clean's)
     return {"weights": cfg.blocks * m["block_weight_bytes"], "kv": slots * cfg.blocks * m["kv_bytes"],
             "buffers": 2 * m["hidden_bytes"]}
 
@@ -187,7 +194,7 @@ def profile_from_json(data: dict, cfg: ModelConfig, *, where: str = "profile") -
         engine_ms=number("engine_ms", 2 * number("hop_ms", 0.0)),
         transport=str(data.get("transport", "tcp")),
         notes=dict(data.get("notes", {})) if isinstance(data.get("notes", {}), dict) else {},
-        clean=cfg.clean_pass,
+        clean=cfg.clean_pass, shared_kv=cfg.history == "clean",
     )
 
 

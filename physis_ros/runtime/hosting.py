@@ -85,9 +85,6 @@ class StageHost:
         """ValueError unless the stream's stages and routes make sense for its model."""
         host = self.models.get(msg.model.id)
         cfg = host.config if host is not None else from_mapping(ModelConfig, msg.model.config)
-        if cfg.history == "latest":
-            raise ValueError(f"model '{cfg.name}' reads history by the latest rule, which workers do not serve "
-                             f"(its reads across steps are the sequential reference's only)")
         stages = set(msg.stages)
         clean = cfg.clean_pass          # a row 0 of clean-pass stages, and each block's rows together
         bad = sorted(s for s in stages if not ((0 if clean else 1) <= s[0] <= cfg.steps and 0 <= s[1] < cfg.blocks))
@@ -168,7 +165,7 @@ class StageHost:
             self.stop_stream(msg.stream)  # a different placement (never happens to a running stream)
             old = None
         if old is None:
-            if host.config.clean_pass:    # one history slot per block, which every step reads
+            if host.config.history == "clean":   # one history slot per block, which every step reads
                 shared = next(self._slot_ids)
                 slots = {k: shared for k in sorted({k for k, _ in stages})}
             else:                                 # one per (step, block): what that step of earlier chunks wrote

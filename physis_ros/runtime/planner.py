@@ -157,9 +157,6 @@ def resolve_plan(model: ModelConfig, config: EngineConfig, profile: CostProfile 
             raise ConfigError(f"engine.profile ({exc.key})", exc.problem) from None
         except (OSError, ValueError) as exc:
             raise ConfigError("engine.profile", f"cannot read {config.profile}: {exc}") from None
-    if model.history == "latest":
-        raise ConfigError("history", f"model '{model.name}' reads history by the latest rule, which the engine does "
-                                     f"not serve (physis-rollout --history latest runs it)")
     if config.plan != "auto":
         try:
             plan = make_plan(config.plan, model.steps, model.blocks, config.workers, clean=model.clean_pass)

@@ -108,7 +108,8 @@ def measure_profile(config: ModelConfig, device: str = "cpu", batch_sizes: tuple
     return CostProfile(config.name, device, f"measured:{socket.gethostname()}", config.steps, config.blocks,
                        stage_ms, hop_ms, **{**memory_fields(config), "hidden_bytes": hidden_bytes},
                        overhead_ms_per_call=measure_worker_overhead(config, device), corun_slowdown=slowdown,
-                       engine_ms=engine_ms, transport="tcp", clean=config.clean_pass)
+                       engine_ms=engine_ms, transport="tcp", clean=config.clean_pass,
+                       shared_kv=config.history == "clean")
 
 
 def pipeline_pass_ms(config: ModelConfig, seconds: float, start_at: float = 0.0, wait_ms: float = 0.0) -> float:

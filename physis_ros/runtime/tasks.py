@@ -306,8 +306,9 @@ class TaskRunner:
                     self._wake_next(j.task, placement)
         try:
             with self.io.timer() as timer:
-                states = run_stage(host.model, b, [j.stage[0] for j in batch], [j.state for j in batch],
-                                   KVBatch(host.tables[b], slots), [j.handoff for j in batch])
+                kv = KVBatch(host.tables[b], slots, step_slots=[self.host.placements[j.stream].slots for j in batch])
+                states = run_stage(host.model, b, [j.stage[0] for j in batch], [j.state for j in batch], kv,
+                                   [j.handoff for j in batch])
         except Exception as exc:  # a failing task must not take the worker down
             self._stage_failed(batch, exc)
             return
@@ -349,8 +350,8 @@ class TaskRunner:
                 if last:
                     self._wake_next(task, placement)
                 with self.io.timer() as timer:
-                    job.state = run_stage(host.model, b, [k], [job.state], KVBatch(host.tables[b], [placement.slots[k]]),
-                                          handoff)[0]
+                    kv = KVBatch(host.tables[b], [placement.slots[k]], step_slots=[placement.slots])
+                    job.state = run_stage(host.model, b, [k], [job.state], kv, handoff)[0]
                 ran.append((task.stage, timer))
                 if last or timer.wall_end > deadline:
                     break

@@ -60,7 +60,7 @@ def roofline_profile(cfg: ModelConfig, dev: DeviceSpec,
                "efficiency": dev.efficiency, "bw_efficiency": dev.bw_efficiency,
                "launch_overhead_us": dev.launch_overhead_us,
                "prologue_epilogue": "embed/head not modelled (small next to a block)"},
-        clean=cfg.clean_pass,
+        clean=cfg.clean_pass, shared_kv=cfg.history == "clean",
     )
 
 

@@ -85,7 +85,7 @@ def make_rank(profile: CostProfile, index: int, stages: list[Stage]) -> VirtualR
     return VirtualRank(
         model=profile.model, index=index, stages=tuple(stages),
         compute_ms=sum(profile.time_ms(s) for s in stages), hop_ms=profile.hop_ms,
-        kv_bytes=(len(blocks) if profile.clean else len(stages)) * profile.kv_bytes,   # clean: a slot per block
+        kv_bytes=(len(blocks) if profile.kv_per_block else len(stages)) * profile.kv_bytes,  # clean: a slot per block
         buffer_bytes=2 * profile.hidden_bytes,
         blocks=frozenset(blocks), block_list=tuple(blocks), block_counts=tuple(counts[b] for b in blocks),
         block_index=np.array(blocks, dtype=np.intp), count_array=np.array([counts[b] for b in blocks], dtype=np.int64),

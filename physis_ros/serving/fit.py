@@ -18,10 +18,6 @@ def check_stream_model(key: str, stream: StreamConfig, model: ModelConfig) -> No
     """A stream must fit its model: every observation the model takes has a topic that feeds it (camera,
     joint states, actions to imagine), and the joint names cover its state and action columns.
     ``key``: the stream's dotted config key, for the error."""
-    if model.history == "latest":
-        raise ConfigError(f"{key}.model", f"model '{model.name}' reads history by the latest rule, which the "
-                                          f"workers do not serve (physis-rollout --history latest runs it): serve "
-                                          f"it under same_step or clean")
     shapes = model.observation_shapes
     for name in stream.inputs:
         if name in OBSERVATION_TOPICS and name in shapes:

@@ -162,17 +162,3 @@ def test_latest_takes_no_sink():
         from_mapping(ModelConfig, {**to_mapping(load_model_config("tiny-wam")), "history": "latest", "sink": True})
     assert err.value.key == "sink"
 
-
-def test_latest_is_refused_by_the_engine_and_admission_naming_the_rule():
-    from physis_ros.runtime.planner import resolve_plan
-    from physis_ros.runtime.settings import EngineConfig
-    from physis_ros.serving.config import StreamConfig
-    from physis_ros.serving.fit import check_stream_model
-
-    cfg = replace(load_model_config("tiny-wam"), history="latest")
-    with pytest.raises(ConfigError) as err:
-        resolve_plan(cfg, EngineConfig(plan="sequential", workers=1))
-    assert err.value.key == "history" and "physis-rollout --history latest" in str(err.value)
-    with pytest.raises(ConfigError) as err:
-        check_stream_model("streams.r0", StreamConfig(joint_names=[f"j{i}" for i in range(7)]), cfg)
-    assert err.value.key == "streams.r0.model" and "latest rule" in str(err.value)

@@ -47,6 +47,29 @@ def test_served_bit_for_bit_as_the_reference(name, plan, workers):
             assert len(o.record.stage_ms) == (cfg.steps + 1) * cfg.blocks          # the clean pass ran too
 
 
+@pytest.mark.parametrize("name, plan, workers", [("tiny-wam", "sequential", 1), ("tiny-wam", "block", 2),
+                                                 ("tiny-acwm", "block", 3)])
+def test_latest_served_bit_for_bit_as_the_reference(name, plan, workers):
+    """The latest rule on the workers (issue 54): each step writes its own slot, the clean pass slot 0, and a
+    stage reads chunk c-j from the slot of the step latest_version names (a block's stages on one worker, one
+    chunk in flight); chunks after the window differ from same_step's."""
+    cfg = replace(load_model_config(name), history="latest", window=3, sink=False)
+    chunks = 5
+    scene = SyntheticScene(cfg.observation_shapes)
+    out = run_chunks(cfg, EngineConfig(plan=plan, workers=workers, heartbeat_timeout_s=20.0), STREAMS, chunks,
+                     scene.observation)
+    ref = {(r.stream, r.index): r.output.numpy()
+           for r in reference_rollout(build_model(cfg), scene.observation, STREAMS, chunks)}
+    same = {(r.stream, r.index): r.output.numpy() for r in reference_rollout(
+        build_model(replace(cfg, history="same_step")), scene.observation, STREAMS, chunks)}
+    for s in STREAMS:
+        assert [o.chunk for o in out[s]] == list(range(chunks))
+        for o in out[s]:
+            assert np.array_equal(o.output, ref[(s, o.chunk)]), (s, o.chunk)
+            assert o.chunk < 2 or not np.array_equal(o.output, same[(s, o.chunk)])
+            assert len(o.record.stage_ms) == (cfg.steps + 1) * cfg.blocks
+
+
 def test_plans_that_split_a_block_are_refused_naming_the_plan():
     cfg = clean_model()
     for plan in ("step", "stage"):
@@ -72,9 +95,11 @@ def test_the_planner_predicts_one_chunk_in_flight_over_every_stage_and_the_clean
     assert one.interval_ms > same.interval_ms     # the clean row costs a step's worth more
 
 
-def test_a_clean_model_is_admitted_on_one_worker_and_served_through_the_server_api(tmp_path):
-    """Admission places a clean model's chunk as one rank on one worker (its stages run one after another),
-    sizes its K/V one slot per block, and the Server API serves it bit for bit as the reference."""
+@pytest.mark.parametrize("rule", ["clean", "latest"])
+def test_a_clean_model_is_admitted_on_one_worker_and_served_through_the_server_api(tmp_path, rule):
+    """Admission places a clean (or latest) model's chunk as one rank on one worker (its stages run one after
+    another), sizes its K/V one slot per block (latest: per step and the clean pass's), and the Server API serves
+    it bit for bit as the reference."""
     import time
 
     import yaml
@@ -85,8 +110,8 @@ def test_a_clean_model_is_admitted_on_one_worker_and_served_through_the_server_a
     from physis_ros.serving.tensors import preprocess
 
     data = yaml.safe_load((presets_dir() / "tiny-wam.yaml").read_text())
-    path = tmp_path / "tiny-wam-clean.yaml"
-    path.write_text(yaml.safe_dump({**data, "name": "tiny-wam-clean", "history": "clean"}))
+    path = tmp_path / f"tiny-wam-{rule}.yaml"
+    path.write_text(yaml.safe_dump({**data, "name": f"tiny-wam-{rule}", "history": rule, "sink": False}))
     rng = np.random.default_rng(3)
     frames = [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(5)]
     states = [rng.uniform(-1, 1, 7) for _ in range(5)]
