@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-wam")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--plans", default="sequential,step,block,stage")
-    p.add_argument("--history", choices=("same_step", "clean"),
+    p.add_argument("--history", choices=("same_step", "clean", "latest"),
                    help="serve the model under this history rule instead of its own (docs/history.md)")
     p.add_argument("--chunks", type=int, default=200)
     p.add_argument("--skip", type=int, default=0, help="fill-phase chunks to exclude (0: 10 + 2 x segments)")
