@@ -8,24 +8,17 @@ import json
 
 import pytest
 import torch
-from diffusers import WanTransformer3DModel
 from safetensors.torch import load_file, save_file
 
 from physis_ros.cli.rollout import main
 
-TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-            text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, rope_max_seq_len=16)
+from tiny_wan import save_tiny_wan
 
 
 @pytest.fixture(scope="module")
 def wan(tmp_path_factory):
     root = tmp_path_factory.mktemp("wan_rollout")
-    torch.manual_seed(3)
-    model = WanTransformer3DModel(**TINY).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(root / "model")
+    model = save_tiny_wan(root / "model", seed=3, num_layers=2, rope_max_seq_len=16)
     save_file({"prompt_embeds": torch.randn(1, 5, 16)}, root / "prompt.safetensors")
     return model, root
 

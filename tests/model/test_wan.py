@@ -13,22 +13,16 @@ from diffusers import WanTransformer3DModel
 
 from physis_ros.model.wan import WanLoadError, WanStages, load_wan, sample
 
-TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-            text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3, cross_attn_norm=True, rope_max_seq_len=32)
+from tiny_wan import save_tiny_wan
+
 SIGMAS = [1.0, 0.8, 0.55, 0.3, 0.0]
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A tiny Wan transformer with random weights (every parameter, the tables included), saved by diffusers."""
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(**TINY).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
     path = tmp_path_factory.mktemp("wan") / "tiny"
-    model.save_pretrained(path)
-    return model, path
+    return save_tiny_wan(path), path
 
 
 def inputs(seed: int = 1, batch: int = 1):

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from diffusers import WanTransformer3DModel
 
 from physis_ros.config import ConfigError
 from physis_ros.model import build_model, load_model_config
@@ -23,8 +22,8 @@ from physis_ros.model.wan import sample
 from physis_ros.model.wan_history import recompute
 from physis_ros.reference import ReferenceRollout
 
-TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-            text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3, cross_attn_norm=True, rope_max_seq_len=32)
+from tiny_wan import save_tiny_wan, tiny_wan
+
 IO = {"frames": 2, "height": 8, "width": 6, "text_tokens": 7}
 STEPS = 3
 
@@ -37,14 +36,8 @@ def sidecar(rule: str = "same_step", window: int = 2, **extra) -> dict:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A tiny Wan transformer with random weights, saved by diffusers, with a physis_model.yaml beside it."""
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(**TINY).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
     path = tmp_path_factory.mktemp("wan") / "tiny"
-    model.save_pretrained(path)
-    return model, path
+    return save_tiny_wan(path), path
 
 
 def write_sidecar(path, **kwargs):
@@ -74,7 +67,7 @@ def test_a_directory_is_a_model_config_with_the_checkpoints_trunk(saved, tmp_pat
     assert spec.inputs == {"prompt_embeds": (7, 16)} and spec.output == (4, 2, 8, 6) and spec.produces == "frames"
     video = 2 * 4 * 3
     assert spec.tokens_per_chunk == 7 + video and spec.kv_slot_tokens == 2 * video
-    block = WanTransformer3DModel(**TINY).blocks[0]
+    block = tiny_wan().blocks[0]
     assert spec.block_params == sum(p.numel() for p in block.parameters())
     # a model YAML naming the directory reads the same trunk
     (tmp_path / "m.yaml").write_text(yaml.safe_dump({"kind": "wan", "steps": 2, "wan": {"checkpoint": str(path)}}))

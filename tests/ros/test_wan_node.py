@@ -11,19 +11,18 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from diffusers import WanTransformer3DModel
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from safetensors.torch import save_file
 
 from physis_ros.launcher import Child, serve_command, synthetic_command
+
+from tiny_wan import save_tiny_wan
 
 from rosprobe import JOINTS, NODE_ARGS, TAG, Probe, child_env, write_config
 
 pytestmark = pytest.mark.slow
 
 RELIABLE = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
-TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-            text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32)
 
 
 def test_physis_serve_publishes_a_wan_streams_frames_beside_tiny_wam(tmp_path):
@@ -31,13 +30,8 @@ def test_physis_serve_publishes_a_wan_streams_frames_beside_tiny_wam(tmp_path):
     from physis_ros.msg import ActionChunk, PredictedFrames
     from physis_ros.reference import ReferenceRollout
 
-    torch.manual_seed(0)
-    module = WanTransformer3DModel(**TINY).eval()
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
     directory = tmp_path / "tiny-wan"
-    module.save_pretrained(directory)
+    save_tiny_wan(directory, num_layers=2)
     (directory / "physis_model.yaml").write_text(yaml.safe_dump({
         "steps": 2, "window": 1, "wan": {"frames": 2, "height": 4, "width": 4, "text_tokens": 5}}))
     embeds = torch.randn(1, 5, 16)

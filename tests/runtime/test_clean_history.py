@@ -1,4 +1,4 @@
-"""The clean history rule served by the engine and real workers (issue 54): a row 0 of clean-pass stages
+"""The clean and latest history rules served by the engine and real workers (issue 54): a row 0 of clean-pass stages
 after each chunk's last step writes the K/V every later chunk reads; one chunk in flight per stream; a
 block's stages on one worker. Bit for bit the sequential reference (physis_ros/reference.py, itself held to
 the full recompute in tests/model/test_history.py)."""
@@ -27,33 +27,16 @@ def clean_model(name: str = "tiny-wam"):
     return replace(load_model_config(name), history="clean")
 
 
+@pytest.mark.parametrize("rule", ["clean", "latest"])
 @pytest.mark.parametrize("name, plan, workers", [("tiny-wam", "sequential", 1), ("tiny-wam", "block", 2),
                                                  ("tiny-acwm", "block", 3)])
-def test_served_bit_for_bit_as_the_reference(name, plan, workers):
-    cfg = clean_model(name)
-    chunks = 2 * cfg.window + 1
-    scene = SyntheticScene(cfg.observation_shapes)
-    out = run_chunks(cfg, EngineConfig(plan=plan, workers=workers, heartbeat_timeout_s=20.0), STREAMS, chunks,
-                     scene.observation)
-    ref = {(r.stream, r.index): r.output.numpy()
-           for r in reference_rollout(build_model(cfg), scene.observation, STREAMS, chunks)}
-    same = {(r.stream, r.index): r.output.numpy() for r in reference_rollout(
-        build_model(replace(cfg, history="same_step")), scene.observation, STREAMS, chunks)}
-    for s in STREAMS:
-        assert [o.chunk for o in out[s]] == list(range(chunks))
-        for o in out[s]:
-            assert np.array_equal(o.output, ref[(s, o.chunk)]), (s, o.chunk)
-            assert o.chunk == 0 or not np.array_equal(o.output, same[(s, o.chunk)])   # the rule was served
-            assert len(o.record.stage_ms) == (cfg.steps + 1) * cfg.blocks          # the clean pass ran too
-
-
-@pytest.mark.parametrize("name, plan, workers", [("tiny-wam", "sequential", 1), ("tiny-wam", "block", 2),
-                                                 ("tiny-acwm", "block", 3)])
-def test_latest_served_bit_for_bit_as_the_reference(name, plan, workers):
-    """The latest rule on the workers (issue 54): each step writes its own slot, the clean pass slot 0, and a
-    stage reads chunk c-j from the slot of the step latest_version names (a block's stages on one worker, one
-    chunk in flight); chunks after the window differ from same_step's."""
-    cfg = replace(load_model_config(name), history="latest", window=3, sink=False)
+def test_served_bit_for_bit_as_the_reference(rule, name, plan, workers):
+    """clean: a row 0 of clean-pass stages writes the one slot per block every step reads; latest (window 3):
+    each step writes its own slot, the clean pass slot 0, and a stage reads chunk c-j from the slot of the step
+    latest_version names. Both bit for bit as the reference; their chunks differ from same_step's after the
+    first (clean) or once chunk c-2 is read a step later (latest)."""
+    cfg = clean_model(name) if rule == "clean" else replace(load_model_config(name), history="latest", window=3,
+                                                                 sink=False)
     chunks = 5
     scene = SyntheticScene(cfg.observation_shapes)
     out = run_chunks(cfg, EngineConfig(plan=plan, workers=workers, heartbeat_timeout_s=20.0), STREAMS, chunks,
@@ -62,12 +45,13 @@ def test_latest_served_bit_for_bit_as_the_reference(name, plan, workers):
            for r in reference_rollout(build_model(cfg), scene.observation, STREAMS, chunks)}
     same = {(r.stream, r.index): r.output.numpy() for r in reference_rollout(
         build_model(replace(cfg, history="same_step")), scene.observation, STREAMS, chunks)}
+    first_different = 1 if rule == "clean" else 2
     for s in STREAMS:
         assert [o.chunk for o in out[s]] == list(range(chunks))
         for o in out[s]:
             assert np.array_equal(o.output, ref[(s, o.chunk)]), (s, o.chunk)
-            assert o.chunk < 2 or not np.array_equal(o.output, same[(s, o.chunk)])
-            assert len(o.record.stage_ms) == (cfg.steps + 1) * cfg.blocks
+            assert o.chunk < first_different or not np.array_equal(o.output, same[(s, o.chunk)])   # the rule served
+            assert len(o.record.stage_ms) == (cfg.steps + 1) * cfg.blocks          # the clean pass ran too
 
 
 def test_plans_that_split_a_block_are_refused_naming_the_plan():

@@ -9,29 +9,23 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from diffusers import WanTransformer3DModel
 
 from physis_ros.model import build_model, load_model_config
 from physis_ros.reference import reference_rollout
 from physis_ros.runtime.offline import run_chunks
 from physis_ros.runtime.settings import EngineConfig
 
+from tiny_wan import save_tiny_wan
+
 pytestmark = pytest.mark.slow   # starts worker processes: not in `make test-fast`
 
-TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-            text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3, cross_attn_norm=True, rope_max_seq_len=32)
 STREAMS = ["robot0", "robot1"]
 
 
 @pytest.fixture(scope="module")
 def directory(tmp_path_factory):
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(**TINY).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
     root = tmp_path_factory.mktemp("wan")
-    model.save_pretrained(root / "tiny")
+    model = save_tiny_wan(root / "tiny")
     model.save_pretrained(root / "sharded", max_shard_size="20KB")     # an index and its shards
     return root / "tiny"
 

@@ -12,30 +12,24 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from diffusers import WanTransformer3DModel
 from safetensors.torch import save_file
 
 from physis_ros.model import build_model, load_model_config
 from physis_ros.reference import ReferenceRollout
 from physis_ros.serving import Rejected, Server
 
+from tiny_wan import save_tiny_wan
+
 pytestmark = pytest.mark.slow   # starts worker processes
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = str(ROOT / "config" / "profiles")
-TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-            text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32)
 
 
 @pytest.fixture(scope="module")
 def wan(tmp_path_factory):
     root = tmp_path_factory.mktemp("wan_stream")
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(**TINY).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(root / "tiny-wan")
+    save_tiny_wan(root / "tiny-wan", num_layers=2)
     (root / "tiny-wan" / "physis_model.yaml").write_text(yaml.safe_dump({
         "steps": 2, "window": 1, "wan": {"frames": 1, "height": 4, "width": 4, "text_tokens": 5}}))
     save_file({"prompt_embeds": torch.randn(1, 5, 16)}, root / "prompt.safetensors")

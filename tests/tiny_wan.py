@@ -1,0 +1,29 @@
+"""Tiny Wan transformers that diffusers itself builds and saves, for the tests of the Wan family: every parameter
+random (the scale-shift tables included, which diffusers' init leaves near zero), seeded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+            text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3, cross_attn_norm=True, rope_max_seq_len=32)
+
+
+def tiny_wan(seed: int = 0, **config):
+    """A ``WanTransformer3DModel`` of the TINY config (``config`` overrides keys), in eval mode."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(**{**TINY, **config}).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def save_tiny_wan(path: Path, seed: int = 0, **config):
+    """:func:`tiny_wan` saved by diffusers' ``save_pretrained`` at ``path``; returns the model."""
+    model = tiny_wan(seed, **config)
+    model.save_pretrained(path)
+    return model
