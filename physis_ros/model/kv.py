@@ -175,6 +175,12 @@ class KVBatch:
     """Sample i's stream's slot of each step (0: the clean pass), from which :func:`latest_sources` finds
     ``sources`` under the latest rule; None: the sample reads its own slot."""
 
+    def history_tokens(self, i: int) -> int:
+        """How many tokens of K/V sample ``i`` reads before its own (without gathering them)."""
+        if self.sources is not None:
+            return len(self.sources[i]) * self.table.tokens_per_chunk
+        return self.table.length[self.slots[i]]
+
     def history(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values sample ``i`` reads before its own tokens, oldest first."""
         if self.sources is not None:

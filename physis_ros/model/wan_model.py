@@ -158,7 +158,7 @@ class WanModel(ServableModel):
         text, video = h[:, :text_tokens].contiguous(), h[:, text_tokens:].contiguous()
         cos, sin = self._positions()
         n = self._video_tokens
-        offsets = [kv.history(i)[0].shape[0] for i in range(len(kv.slots))]   # a chunk sits after what it reads
+        offsets = [kv.history_tokens(i) for i in range(len(kv.slots))]     # a chunk sits after what it reads
         if len(set(offsets)) == 1:
             here = (cos[:, offsets[0]:offsets[0] + n], sin[:, offsets[0]:offsets[0] + n])
         else:
