@@ -122,7 +122,7 @@ def measure(preset: str, dtype: str, frames: int, repeats: int) -> dict[str, Any
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from physis_ros.console import fail, write_json
+    from physis_ros.console import fail
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in dtypes if d not in DTYPES]
@@ -131,7 +131,19 @@ def run(args: argparse.Namespace) -> int:
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     if not presets:
         fail("--presets: give at least one Wan preset")
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run(args, presets, dtypes)
+    finally:
+        torch.set_num_threads(threads)    # in-process callers (tests) keep their own setting
+
+
+def _run(args: argparse.Namespace, presets: list[str], dtypes: list[str]) -> int:
+    import torch
+
+    from physis_ros.console import fail, write_json
+
     rows = []
     print(f"{'preset':<14} {'dtype':<5} {'tokens':>7} {'ours ms':>9} {'diffusers ms':>13} {'ratio':>7} "
           f"{'spread':>15} {'max|diff|':>10} {'H200 ms':>8}")

@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_writable(args.json)
     check_writable(args.tensors, "--tensors")
+    set_threads(args.threads)       # the reference's threads, as many as each worker's with --plan
     if Path(args.model).is_dir():   # a diffusers Wan directory (cli/rollout_wan.py)
         return run_wan(args)
     import numpy as np
@@ -86,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     from physis_ros.config import ConfigError
     from physis_ros.model import build_model, load_model_config
     from physis_ros.observations import SyntheticScene
-    set_threads(args.threads)
     try:
         config = load_model_config(args.model)
         if args.history or args.history_groups:

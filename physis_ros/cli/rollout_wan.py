@@ -111,7 +111,8 @@ def chunks_of(config, args, source) -> list:
     from physis_ros.runtime.offline import run_chunks
     from physis_ros.runtime.settings import EngineConfig
 
-    engine = EngineConfig(plan=args.plan, workers=args.workers, seed=args.seed, heartbeat_timeout_s=20.0)
+    engine = EngineConfig(plan=args.plan, workers=args.workers, seed=args.seed, heartbeat_timeout_s=20.0,
+                          threads_per_worker=args.threads)   # as many as the reference's: the same arithmetic
     return [torch.from_numpy(o.output) for o in run_chunks(config, engine, ["robot0"], args.chunks, source)["robot0"]]
 
 

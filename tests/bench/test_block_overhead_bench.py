@@ -44,3 +44,12 @@ def test_bad_flags_are_one_line_errors(tiny, capsys, flags, says):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("physis-bench: error:") and says in err[0], err
+
+
+def test_the_benchmark_leaves_the_callers_torch_threads_as_they_were(tiny):
+    import torch
+
+    before = torch.get_num_threads()
+    main(["block-overhead", "--presets", str(tiny), "--repeats", "1", "--threads", str(before + 1), "--dtypes", "fp32"])
+    main(["block-overhead", "--presets", "tiny-wam", "--threads", str(before + 1)])     # refused after the set-up
+    assert torch.get_num_threads() == before
