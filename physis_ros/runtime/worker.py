@@ -50,6 +50,7 @@ HEARTBEAT_S = 0.2
 POLL_BUSY_S = 0.0005  # with local stages ready, poll the sockets at most this often
 DATA_BURST = 32   # data messages accepted per loop turn: a flood cannot starve stages or heartbeats
 CTRL_BURST = 16
+PEER_CONNECT_WAIT_S = 1.0   # at a stream's start, how long the next stages' sockets may take to connect
 
 
 class _ForwardToEngine(logging.Handler):
@@ -238,9 +239,15 @@ class Worker:
         if msg.model.batch_costs:
             for b, by_n in msg.model.batch_costs.items():
                 self.tasks.policy.seed((msg.model.id, int(b)), {int(n): ms for n, ms in by_n.items()})
-        for addr in set(self.host.placements[msg.stream].routes.values()):
-            if addr != self.data_addr:
-                self._push(addr)
+        peers = [self._push(addr) for addr in set(self.host.placements[msg.stream].routes.values())
+                 if addr != self.data_addr]
+        # A push socket takes a message only once its connection is up (IMMEDIATE): wait for that, bounded,
+        # before the stream's first task can arrive, or a loaded host drops chunk 0 (send_failed) at the start.
+        deadline = time.monotonic() + PEER_CONNECT_WAIT_S
+        for sock in peers:
+            left_ms = int((deadline - time.monotonic()) * 1e3)
+            if left_ms <= 0 or not sock.poll(left_ms, zmq.POLLOUT):
+                break   # a peer not up by then: its first send fails loudly (send_failed), as before
         return {"blocks": self.host.blocks().get(msg.model.id, []), "kv_bytes": self.host.kv_bytes()}
 
     def start_stream_now(self, msg: p.StartStream) -> dict:
