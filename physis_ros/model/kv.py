@@ -172,7 +172,7 @@ class KVBatch:
     """Sample i reads these ``(slot, back)`` chunks (:meth:`KVTable.gather`), oldest first, instead of its own
     slot's history (the latest rule's versions); None: its own slot's."""
     step_slots: list[dict[int, int]] | None = None
-    """Sample i's stream's slot of each step (0: the clean pass), from which :func:`latest_sources` finds
+    """Sample i's stream's slot of each step (0: the clean pass), from which :meth:`with_latest_sources` finds
     ``sources`` under the latest rule; None: the sample reads its own slot."""
 
     def history_tokens(self, i: int) -> int:

@@ -18,7 +18,7 @@ by :func:`sample`, the sampler the docs state::
     output = x
 
 it equals the same loop over ``WanTransformer3DModel.forward`` exactly in fp32 (tests/model/test_wan.py).
-History K/V across chunks: :mod:`physis_ros.model.wan_history`.
+Served with history K/V through the model contract: :mod:`physis_ros.model.wan_model`.
 """
 
 from __future__ import annotations
@@ -329,13 +329,12 @@ class WanStages:
         """Prompt embeddings ``[B, L, text_dim]`` -> text tokens ``[B, L, D]`` (once per chunk)."""
         return self.trunk.condition_embedder.text_embedder(prompt_embeds)
 
-    def embed(self, x: torch.Tensor, t: torch.Tensor, frame_offset: int = 0) -> tuple[torch.Tensor, StepEmbedding]:
-        """Noisy latent ``[B, C, F, H, W]`` at timesteps ``t`` ``[B]`` (0..1000), its first frame at RoPE
-        position ``frame_offset`` -> hidden ``[B, T, D]``."""
+    def embed(self, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, StepEmbedding]:
+        """Noisy latent ``[B, C, F, H, W]`` at timesteps ``t`` ``[B]`` (0..1000) -> hidden ``[B, T, D]``."""
         trunk = self.trunk
         p_t, p_h, p_w = trunk.config.patch_size
         _, _, frames, height, width = x.shape
-        rotary = trunk.rope(x) if frame_offset == 0 else rope_at(trunk.rope, x, frame_offset)
+        rotary = trunk.rope(x)
         h = patchify(trunk, x)
         temb, timestep_proj = time_embedding(trunk, t, h.dtype)
         return h, StepEmbedding(temb, timestep_proj, rotary, (frames // p_t, height // p_h, width // p_w))

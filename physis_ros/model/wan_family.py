@@ -105,7 +105,8 @@ def check_weights(checkpoint: Path) -> None:
     ``wan.checkpoint``, the file and the tensor, when the config is loaded rather than when a worker builds a
     block."""
     directory = transformer_dir(checkpoint)
-    stamp = tuple(sorted((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in directory.iterdir() if f.is_file()))
+    stats = [(f.name, f.stat()) for f in directory.iterdir() if f.is_file()]
+    stamp = tuple(sorted((name, st.st_mtime_ns, st.st_size) for name, st in stats))
     try:
         _checked(str(directory), stamp)
     except WanLoadError as exc:

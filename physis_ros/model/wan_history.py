@@ -1,20 +1,13 @@
-"""History K/V across chunks for Wan trunks (model/wan.py's stage path), and the full recompute it is
-checked against.
+"""The arithmetic of a Wan block's attention over history K/V (diffusers' own projections, norms and RoPE),
+and the full recompute the served Wan model (model/wan_model.py) is checked against.
 
-A chunk is ``F`` latent frames; chunk ``c``'s frames sit at absolute RoPE positions ``c*F .. c*F + F - 1``
-(positions past the trunk's ``rope_max_seq_len`` frames are refused). Each block's self-attention
-(:class:`HistoryAttention`, diffusers' own projections, norms and RoPE arithmetic; positions from
-:func:`physis_ros.model.wan.rope_at`) reads the K/V earlier
-chunks wrote (after RoPE) and hands on the K/V of its own tokens:
+:func:`recompute` runs diffusers' own ``WanTransformer3DModel.forward`` over the whole history at once (every
+chunk's latents concatenated along frames, absolute RoPE positions ``c*F ..``, one timestep per token: 0 for
+clean history) under the rule's block-causal mask, no cache:
 
 - ``same_step``: chunk ``c`` at step ``k`` reads the step-``k`` K/V of chunks ``c-window .. c-1``;
 - ``clean``: every step of chunk ``c`` reads the K/V a pass at timestep 0 over the finished outputs of chunks
-  ``c-window .. c-1`` wrote (that pass reads the clean K/V before it likewise).
-
-:func:`rollout` runs chunks one after another with those caches (what the server's stages do);
-:func:`recompute` runs diffusers' own ``WanTransformer3DModel.forward`` over the whole history at once (every
-chunk's latents concatenated along frames, one timestep per token: 0 for clean history) under the rule's
-block-causal mask, no cache. tests/model/test_wan.py checks one against the other.
+  ``c-window .. c-1`` wrote.
 """
 
 from __future__ import annotations
@@ -22,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from physis_ros.model.wan import WanStages, sample
+from physis_ros.model.wan import sample
 
-RULES = ("same_step", "clean")
+RULES = ("same_step", "clean")   # what the recompute covers
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -35,6 +28,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     out[..., 0::2] = x1 * cos - x2 * sin
     out[..., 1::2] = x1 * sin + x2 * cos
     return out.type_as(x)
+
+
+def project_query(attn, hidden: torch.Tensor) -> torch.Tensor:
+    """An attention's queries of ``hidden`` [B, T, D] as diffusers' Wan processor makes them: [B, T, heads, hd]."""
+    return attn.norm_q(attn.to_q(hidden)).unflatten(2, (attn.heads, -1))
+
+
+def project_kv(attn, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention's keys (normed) and values of ``source`` [B, L, D], as diffusers' Wan processor makes them."""
+    key = attn.norm_k(attn.to_k(source)).unflatten(2, (attn.heads, -1))
+    return key, attn.to_v(source).unflatten(2, (attn.heads, -1))
+
+
+def attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled dot-product attention over [B, *, heads, hd] tensors and the attention's output projection."""
+    out = F.scaled_dot_product_attention(query.permute(0, 2, 1, 3), key.permute(0, 2, 1, 3),
+                                         value.permute(0, 2, 1, 3), attn_mask=mask)
+    out = out.permute(0, 2, 1, 3).flatten(2, 3).type_as(query)
+    return attn.to_out[1](attn.to_out[0](out))
 
 
 class HistoryAttention:
@@ -48,79 +61,15 @@ class HistoryAttention:
         self.written: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        key = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
-        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        query = project_query(attn, hidden_states)
+        key, value = project_kv(attn, hidden_states)
         if rotary_emb is not None:
             query, key = apply_rotary(query, *rotary_emb), apply_rotary(key, *rotary_emb)
         self.written = (key, value)
         if self.past is not None:
             key = torch.cat([self.past[0], key], dim=1)
             value = torch.cat([self.past[1], value], dim=1)
-        out = F.scaled_dot_product_attention(query.permute(0, 2, 1, 3), key.permute(0, 2, 1, 3),
-                                             value.permute(0, 2, 1, 3), attn_mask=self.mask)
-        out = out.permute(0, 2, 1, 3).flatten(2, 3).type_as(query)
-        return attn.to_out[1](attn.to_out[0](out))
-
-
-class HistoryStages:
-    """:class:`WanStages` whose blocks read and write history K/V (one :class:`HistoryAttention` per block)."""
-
-    def __init__(self, stages: WanStages):
-        self.stages = stages
-        self.attention = {}
-        for b, block in stages.wan.blocks.items():
-            self.attention[b] = HistoryAttention()
-            block.attn1.set_processor(self.attention[b])
-
-    def velocity(self, x, t, text, frame_offset: int, past: dict[int, tuple] | None):
-        """One model call on chunk latent ``x`` at positions from ``frame_offset``, block ``b`` reading
-        ``past[b]``; returns (velocity, {block: its own K/V})."""
-        h, step = self.stages.embed(x, t, frame_offset)
-        written = {}
-        for b in range(self.stages.wan.num_layers):
-            attention = self.attention[b]
-            attention.past = None if past is None else past.get(b)
-            attention.mask = None
-            h = self.stages.block(b, h, text, step)
-            written[b] = attention.written
-        return self.stages.head(h, step), written
-
-
-def _joined(entries: list[dict[int, tuple]], b: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if not entries:
-        return None
-    return (torch.cat([e[b][0] for e in entries], dim=1), torch.cat([e[b][1] for e in entries], dim=1))
-
-
-def rollout(stages: WanStages, noises: list[torch.Tensor], sigmas: list[float], text: torch.Tensor,
-            rule: str, window: int) -> list[torch.Tensor]:
-    """Chunks one after another (noise ``noises[c]``, [B, C, F, H, W]) with history K/V by ``rule`` over
-    ``window`` chunks; returns each chunk's output latent."""
-    if rule not in RULES:
-        raise ValueError(f"history rule {rule!r}: one of {', '.join(RULES)}")
-    hs = HistoryStages(stages)
-    frames = noises[0].shape[2]
-    outputs, clean = [], []
-    per_step: list[list[dict]] = []           # chunk -> step -> {block: (k, v)}
-    for c, noise in enumerate(noises):
-        first = max(0, c - window)
-        x, writes = noise, []
-        for k in range(len(sigmas) - 1):
-            t = torch.full((x.shape[0],), 1000.0 * sigmas[k], dtype=torch.float32)
-            history = clean[first:c] if rule == "clean" else [per_step[j][k] for j in range(first, c)]
-            past = {b: _joined(history, b) for b in stages.wan.blocks} if history else None
-            v, written = hs.velocity(x, t, text, c * frames, past)
-            writes.append(written)
-            x = x + (sigmas[k + 1] - sigmas[k]) * v
-        per_step.append(writes)
-        outputs.append(x)
-        if rule == "clean":   # the pass at t = 0 over the finished chunk writes what later chunks read
-            history = clean[first:c]
-            past = {b: _joined(history, b) for b in stages.wan.blocks} if history else None
-            _, written = hs.velocity(x, torch.zeros(x.shape[0]), text, c * frames, past)
-            clean.append(written)
-    return outputs
+        return attend(attn, query, key, value, self.mask)
 
 
 def chunk_mask(chunks: int, tokens_per_chunk: int, window: int) -> torch.Tensor:

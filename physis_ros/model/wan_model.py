@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from physis_ros.model.dit import TimestepCache
@@ -33,7 +32,7 @@ from physis_ros.model.kv import KVBatch, KVTable
 from physis_ros.model.spec import ModelConfig
 from physis_ros.model.wan import head, load_wan, patchify, random_wan, rope_at, time_embedding
 from physis_ros.model.wan_family import trunk_of
-from physis_ros.model.wan_history import apply_rotary
+from physis_ros.model.wan_history import apply_rotary, attend, project_kv, project_query
 
 
 class CachedSelfAttention:
@@ -54,16 +53,12 @@ class CachedSelfAttention:
         kv = self.kv
         if kv is None or self.rope is None:
             raise RuntimeError("the Wan block's K/V cache was not set for this call")
-        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        key = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
-        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        query = project_query(attn, hidden_states)
+        key, value = project_kv(attn, hidden_states)
         query, rotated = apply_rotary(query, *rotary_emb), apply_rotary(key, *rotary_emb)
         keys, values, mask = kv.attend_inputs(rotated, value, cached_keys=self._place)
         kv.append(key, value)
-        out = F.scaled_dot_product_attention(query.permute(0, 2, 1, 3), keys.permute(0, 2, 1, 3),
-                                             values.permute(0, 2, 1, 3), attn_mask=mask)
-        out = out.permute(0, 2, 1, 3).flatten(2, 3).type_as(query)
-        return attn.to_out[1](attn.to_out[0](out))
+        return attend(attn, query, keys, values, mask)
 
 
 class CachedCrossAttention:
@@ -80,17 +75,12 @@ class CachedCrossAttention:
             raise RuntimeError("the Wan block's K/V cache was not set for this call")
 
         def project(text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            key = attn.norm_k(attn.to_k(text[None])).unflatten(2, (attn.heads, -1))
-            return key[0], attn.to_v(text[None]).unflatten(2, (attn.heads, -1))[0]
+            key, value = project_kv(attn, text[None])
+            return key[0], value[0]
 
-        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
         pairs = [kv.table.context(slot, encoder_hidden_states[i], project) for i, slot in enumerate(kv.slots)]
-        key = torch.stack([k for k, _ in pairs])
-        value = torch.stack([v for _, v in pairs])
-        out = F.scaled_dot_product_attention(query.permute(0, 2, 1, 3), key.permute(0, 2, 1, 3),
-                                             value.permute(0, 2, 1, 3))
-        out = out.permute(0, 2, 1, 3).flatten(2, 3).type_as(query)
-        return attn.to_out[1](attn.to_out[0](out))
+        return attend(attn, project_query(attn, hidden_states), torch.stack([k for k, _ in pairs]),
+                      torch.stack([v for _, v in pairs]))
 
 
 class WanModel(ServableModel):

@@ -109,43 +109,15 @@ def test_directories_we_cannot_read_are_refused_naming_the_file_and_tensor(saved
         load_wan(bad)
 
 
-@pytest.mark.parametrize("rule", ["same_step", "clean"])
-def test_history_kv_across_chunks_equals_a_full_recompute_with_diffusers_forward(saved, rule):
-    """Three chunks read earlier chunks' K/V through the stage path's cache (absolute RoPE frame positions);
-    diffusers' own forward over the whole history at once (block-causal mask, per-token timesteps for clean
-    history) gives the same outputs, within float reduction order (2e-6); chunk 0, with no history, equals the
-    plain forward exactly."""
-    import copy
-
-    from physis_ros.model.wan_history import recompute, rollout
-
-    model, path = saved
-    g = torch.Generator().manual_seed(5)
-    noises = [torch.randn((1, 4, 2, 8, 6), generator=g) for _ in range(3)]
-    prompt = torch.randn((1, 7, 16), generator=g)
-    outputs = {}
-    with torch.no_grad():
-        for window in (1, 2):
-            stages = WanStages(load_wan(path))
-            got = rollout(stages, noises, SIGMAS, stages.encode(prompt), rule, window)
-            expected = recompute(copy.deepcopy(model), noises, SIGMAS, prompt, rule, window)
-            for c, (a, b) in enumerate(zip(got, expected)):
-                assert torch.allclose(a, b, rtol=0, atol=2e-6), (rule, window, c, float((a - b).abs().max()))
-            outputs[window] = got
-        assert torch.equal(outputs[1][0], reference(model, noises[0], prompt))
-        alone = reference(model, noises[1], prompt)
-    assert (outputs[1][1] - alone).abs().max() > 1e-2                # chunk 1 did read chunk 0
-    assert (outputs[1][2] - outputs[2][2]).abs().max() > 1e-3        # and the window decides what chunk 2 reads
-
-
 def test_positions_past_the_rope_table_are_refused(saved):
-    from physis_ros.model.wan_history import rollout
+    from physis_ros.model.wan import rope_at
 
     _, path = saved
-    stages = WanStages(load_wan(path))
-    noises = [torch.zeros((1, 4, 16, 4, 4))] * 3      # 3 chunks of 16 frames: positions up to 47 > 32
+    rope = load_wan(path, blocks=[]).trunk.rope
+    chunk = torch.zeros((1, 4, 16, 4, 4))             # 16 frames; the third chunk's positions reach 47 > 32
+    assert rope_at(rope, chunk, 16)[0].shape[1] == 16 * 2 * 2
     with pytest.raises(ValueError, match="past the trunk's RoPE table .*rope_max_seq_len"):
-        rollout(stages, noises, SIGMAS, stages.encode(torch.zeros((1, 2, 16))), "same_step", 2)
+        rope_at(rope, chunk, 32)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 0.05), (torch.float16, 0.01)])

@@ -121,19 +121,24 @@ def test_chunk_0_through_the_reference_equals_diffusers_forward_exactly(saved):
 
 @pytest.mark.parametrize("rule", ["same_step", "clean"])
 def test_later_chunks_equal_a_full_recompute_with_diffusers_forward(saved, rule):
-    """Four chunks with a window of 2: the first three at their absolute positions, the fourth past the
-    window, where the cache keeps the offsets to the chunks it reads (equal within float rounding)."""
+    """Four chunks with windows of 1 and 2: within the window at their absolute positions, past it with the
+    cache keeping the offsets to the chunks it reads (equal within float rounding). Chunk 1 did read chunk 0
+    (it differs from the same noise denoised alone), and the window decides what chunk 2 reads."""
     module, path = saved
-    write_sidecar(path, rule=rule, window=2)
-    model = build_model(load_model_config(path))
-    ref = ReferenceRollout(model, seed=1)
     prompt = prompt_embeds(4)
-    got = [ref.step("s", {"prompt_embeds": prompt}).output for _ in range(4)]
-    noises = [model.noise(1, "s", c) for c in range(4)]
-    expected = recompute(copy.deepcopy(module), noises, grid(model), torch.from_numpy(prompt)[None], rule, 2)
-    for c, (a, b) in enumerate(zip(got, expected)):
-        assert torch.allclose(a, b[0], rtol=0, atol=5e-6), (rule, c, float((a - b[0]).abs().max()))
-    assert not torch.allclose(got[1], got[0])
+    got = {}
+    for window in (1, 2):
+        write_sidecar(path, rule=rule, window=window)
+        model = build_model(load_model_config(path))
+        ref = ReferenceRollout(model, seed=1)
+        got[window] = [ref.step("s", {"prompt_embeds": prompt}).output for _ in range(4)]
+        noises = [model.noise(1, "s", c) for c in range(4)]
+        expected = recompute(copy.deepcopy(module), noises, grid(model), torch.from_numpy(prompt)[None], rule, window)
+        for c, (a, b) in enumerate(zip(got[window], expected)):
+            assert torch.allclose(a, b[0], rtol=0, atol=5e-6), (rule, window, c, float((a - b[0]).abs().max()))
+    alone = diffusers_chunk(module, model.noise(1, "s", 1), torch.from_numpy(prompt)[None], grid(model))[0]
+    assert (got[1][1] - alone).abs().max() > 1e-2
+    assert (got[1][2] - got[2][2]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("rule", ["same_step", "clean"])
