@@ -271,7 +271,7 @@ def _run(options: CheckOptions, serve: ServeInfo, inputs: Inputs, inputs_topics,
                     raise
                 raise BagError(f"the server does not take the bag's inputs: {exc} (a stream not admitted?); "
                                f"its log ({log_path}):\n{_tail(log_path)}") from None
-            result.replay = {"messages": replay.messages, "counts": replay.counts, "timing": replay.timing(),
+            result.replay = {"messages": replay.messages, "counts": replay.counts, "timing": replay.timing(), "unacked": replay.unacked,
                              "wall_s": round(replay.wall_s, 3)}
             result.seconds["replay"] = round(time.monotonic() - t_replay, 2)
             total = sum(expected.values())

@@ -170,9 +170,24 @@ class Recorder:
         """Requested topics not (yet) subscribed."""
         return [t for t in self.wanted if t not in self.subscriptions]
 
-    def close(self) -> dict[str, int]:
-        """Stop recording and finish the bag (metadata, index); returns message counts per topic."""
+    def settle(self, quiet_s: float = 0.25, timeout_s: float = 3.0) -> None:
+        """Keep taking messages until none has arrived for ``quiet_s`` (at most ``timeout_s``): what a
+        publisher sent just before the stop and the middleware already holds is written, not dropped."""
+        deadline = time.monotonic() + timeout_s
+        seen = -1
+        while time.monotonic() < deadline:
+            total = sum(self.received.values())
+            if total == seen:
+                return
+            seen = total
+            time.sleep(quiet_s)
+
+    def close(self, settle: bool = True) -> dict[str, int]:
+        """Stop recording and finish the bag (metadata, index); returns message counts per topic.
+        ``settle``: first take what is still arriving (:meth:`settle`); needs the node to be spun."""
         if not self.closed:
+            if settle:
+                self.settle()
             self.closed = True
             self._discovery.cancel()
             for sub in self.subscriptions.values():

@@ -58,6 +58,7 @@ class ReplayOptions:
     max_loops: int | None = None           # with loop: stop after this many passes
     progress: bool = True
     reliable: bool = False                 # publish sensor topics reliable too (lossless into a reliable reader)
+    ack_timeout_s: float = 5.0             # with reliable: how long the end waits for subscribers' acknowledgements
 
     def validate(self) -> None:
         if not self.rate > 0:
@@ -98,6 +99,7 @@ class ReplayResult:
     passes: int
     clock_ticks: int = 0
     interrupted: bool = False
+    unacked: list[str] = field(default_factory=list)   # reliable topics a subscriber had not acknowledged at the end
 
     @property
     def messages(self) -> int:
@@ -120,6 +122,8 @@ class ReplayResult:
             line += f"; {self.clock_ticks} /clock messages"
         for s in self.skipped:
             line += f"\nskipped {s.topic} ({s.msgtype}, {s.count} messages): {s.reason}"
+        if self.unacked:
+            line += f"\nnot acknowledged by every subscriber: {', '.join(self.unacked)}"
         if self.interrupted:
             line += "\ninterrupted"
         return line
@@ -222,6 +226,21 @@ class Replayer:
                 raise BagError(f"no subscriber on {', '.join(lonely)} after {self.options.wait_timeout_s:.0f} s")
             time.sleep(0.05)
 
+    def _wait_acked(self) -> list[str]:
+        """With ``reliable``, wait (up to ``ack_timeout_s``) until every matched subscriber has acknowledged every
+        message, so that a replay that returns has delivered, not only sent; returns the topics still unacknowledged."""
+        if not self.options.reliable:
+            return []
+        from rclpy.duration import Duration
+
+        deadline = time.monotonic() + self.options.ack_timeout_s
+        unacked = []
+        for topic, pub in self.publishers.items():
+            left = max(0.0, deadline - time.monotonic())
+            if not pub.wait_for_all_acked(Duration(nanoseconds=int(left * 1e9))):
+                unacked.append(self.out_topic[topic])
+        return unacked
+
     def _publish_clock(self, bag_ns: int) -> None:
         from rosgraph_msgs.msg import Clock
         msg = Clock()
@@ -288,7 +307,9 @@ class Replayer:
                         break
         except KeyboardInterrupt:
             interrupted = True
+        wall_s = time.monotonic() - start_wall
+        unacked = [] if interrupted else self._wait_acked()
         progress.update(span_s, sum(counts.values()), max(passes - 1, 0), force=True)
         progress.done()
         return ReplayResult(counts, list(self.skipped), np.asarray(late, dtype=np.float64),
-                            time.monotonic() - start_wall, span_s, passes, clock_ticks, interrupted)
+                            wall_s, span_s, passes, clock_ticks, interrupted, unacked)
