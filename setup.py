@@ -16,6 +16,7 @@ MODEL_FAMILIES = """
 wam=physis_ros.model.dit_family:WAM
 acwm=physis_ros.model.dit_family:ACWM
 wan=physis_ros.model.wan_family:WAN
+wan_wam=physis_ros.model.wan_family:WAN_WAM
 """
 
 PACKAGE = "physis_ros"

@@ -171,7 +171,7 @@ def serve_run(server: Server, model: str, names: list[str], mode: str, d: int, c
     delay ``d``), is admitted and paced by the server, and renders its observation when its chunk is due."""
     cfg = server.catalog.config_of(model)
     rate, s = args.control_rate_hz, args.execution_horizon
-    horizon = cfg.output_shape[0]
+    horizon = cfg.control_horizon
     interval_ms = s / rate * 1e3
     margin = server.config.admission.pace_margin
     runs: dict[str, RobotRun] = {}
@@ -199,7 +199,7 @@ def serve_run(server: Server, model: str, names: list[str], mode: str, d: int, c
         def on_chunk(chunk: Chunk, run: RobotRun = run, scenario: Scenario = scenario) -> None:
             if len(run.seams) >= chunks:
                 return
-            rec, index, output = chunk.telemetry, chunk.index, chunk.output
+            rec, index, output = chunk.telemetry, chunk.index, chunk.actions
             k, seam = run.robot.receive(server.clock(), rec.first_step, rec.step0, output, rec.shift)
             captured, ready, q = run.frames.pop(index)
             expert = scenario.expert_chunk(captured, q)
@@ -304,7 +304,7 @@ def run_all(args: argparse.Namespace) -> dict:
     skip = min(max(4, ControlTimeline.delay_warmup), args.chunks // 4)   # start-up and the delay estimate's warm-up
     rows, examples = [], {}
     with Server.from_config(config) as server:
-        horizon = server.catalog.config_of(args.checkpoint).output_shape[0]
+        horizon = server.catalog.config_of(args.checkpoint).control_horizon
 
         def one(model: str, mode: str, d: int, label: str) -> dict:
             # The same stream names in every run: a chunk's sampler noise is drawn from (seed, stream, chunk),

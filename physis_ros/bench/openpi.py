@@ -291,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
     counts = _counts(args.clients, "--clients")
     paced_counts = _counts(args.paced_clients, "--paced-clients")
     model = load_model_config(args.model)
-    horizon, dof = model.output_shape
+    horizon, dof = model.spec.actions_shape
     rate = 50.0
     period_s = (horizon // 2) / rate
     slo_ms = period_s * 1e3

@@ -39,7 +39,7 @@ GROUP = "physis_ros.models"
 # from here only where physis_ros is installed without its metadata (a colcon build installs the package
 # directory without a dist-info), so that the built-in families are found either way.
 BUILT_IN = {"wam": "physis_ros.model.dit_family:WAM", "acwm": "physis_ros.model.dit_family:ACWM",
-            "wan": "physis_ros.model.wan_family:WAN"}
+            "wan": "physis_ros.model.wan_family:WAN", "wan_wam": "physis_ros.model.wan_family:WAN_WAM"}
 # A checkpoint directory's own model config (optional): a model YAML whose checkpoint is the directory.
 SIDECAR = "physis_model.yaml"
 

@@ -121,10 +121,11 @@ class ServableModel(nn.Module, ABC):
         """Stop hosting blocks (their weights are freed once nothing else holds them)."""
 
     def action_rows(self) -> int | None:
-        """How many leading rows of an output chunk are control steps (a policy's actions), which the
-        hand-off between chunks applies to (:mod:`physis_ros.model.handoff`); None: the output is not
+        """How many rows of an output chunk's actions (``spec.actions_of``) are control steps, which the
+        hand-off between chunks applies to (:mod:`physis_ros.model.handoff`); None: the output has no
         actions (a world model's frames), there is nothing to hand off."""
-        return None
+        shape = self.config.spec.actions_shape
+        return None if shape is None else shape[0]
 
     def noise(self, seed: int, stream: str, chunk: int) -> torch.Tensor:
         """Initial noise of one chunk, [1, *output_shape]; identical on every device and host."""

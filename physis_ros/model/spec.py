@@ -54,15 +54,55 @@ class ModelSpec:
     context_tokens: int = 0
     """Conditioning tokens whose cross-attention K/V a slot keeps beside its history (a Wan trunk's text), with
     the tokens themselves (to check they still apply): three tensors of this many tokens."""
+    parts: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """A chunk that is more than one tensor (a world-action model that also predicts its video): the parts by
+    name and shape, ``actions`` ``(horizon, dof)`` first and ``frames`` (in ``frame_axes``) after it, packed
+    flat in this order in ``output`` (one axis, their sizes summed; ``produces`` is ``actions``). Empty: the
+    output is one part, what ``produces`` says."""
+
+    def _part(self, name: str) -> tuple[int, int, tuple[int, ...]] | None:
+        """(start, end, shape) of part ``name`` in the flat output, or None."""
+        start = 0
+        for part, shape in self.parts:
+            size = _size(shape)
+            if part == name:
+                return start, start + size, shape
+            start += size
+        return None
+
+    @property
+    def actions_shape(self) -> tuple[int, ...] | None:
+        """The action chunk's shape ``(horizon, dof)``; None for a model whose output has no actions."""
+        if self.parts:
+            found = self._part("actions")
+            return found[2] if found else None
+        return self.output if self.produces == "actions" else None
+
+    def actions_of(self, output):
+        """The action rows of an output (numpy array or tensor, the model's own layout) as ``[horizon, dof]``:
+        the output itself, or a view of its part."""
+        if not self.parts:
+            return output
+        start, end, shape = self._part("actions")
+        return output[start:end].reshape(shape)
+
+    @property
+    def has_frames(self) -> bool:
+        """Whether a chunk's output holds predicted frames (a world model's, or a world-action model's part)."""
+        return self.produces == "frames" or self._part("frames") is not None
 
     @property
     def frames_shape(self) -> tuple[int, ...]:
         """A frames output's shape as front ends publish it: ``(F, C, H, W)``."""
-        out = self.output
+        out = self._part("frames")[2] if self.parts else self.output
         return out if self.frame_axes == "FCHW" else (out[1], out[0], *out[2:])
 
     def frames_of(self, output):
-        """A frames output (a numpy array or tensor in the model's own axes) as ``[F, C, H, W]`` (a view)."""
+        """The frames of an output (a numpy array or tensor in the model's own layout) as ``[F, C, H, W]`` (a
+        view)."""
+        if self.parts:
+            start, end, shape = self._part("frames")
+            output = output[start:end].reshape(shape)
         return output if self.frame_axes == "FCHW" else output.swapaxes(0, 1)
 
     def check(self, family: str, model: str) -> None:
@@ -73,13 +113,23 @@ class ModelSpec:
 
         if self.produces not in OUTPUTS:
             raise bad("produces", f"is '{self.produces}', not one of {', '.join(OUTPUTS)}")
-        if self.produces == "actions" and len(self.output) != 2:
-            raise bad("output", f"is {self.output}; an action chunk is (horizon, dof)")
         if not self.inputs:
             raise bad("inputs", "is empty; a chunk reads at least one observation")
-        for name, shape in {"output": self.output, **{f"inputs.{k}": v for k, v in self.inputs.items()}}.items():
+        shapes = {"output": self.output, **{f"inputs.{k}": v for k, v in self.inputs.items()},
+                  **{f"parts.{k}": v for k, v in self.parts}}
+        for name, shape in shapes.items():
             if not shape or any(not isinstance(n, int) or n < 1 for n in shape):
                 raise bad(name, f"is {shape}; a shape is one or more positive integers")
+        if self.parts:
+            names = [name for name, _ in self.parts]
+            if names not in (["actions"], ["actions", "frames"]) or self.produces != "actions":
+                raise bad("parts", f"are {names} for produces '{self.produces}'; a packed output is 'actions' "
+                                   f"then optionally 'frames', and produces 'actions'")
+            if self.output != (sum(_size(shape) for _, shape in self.parts),):
+                raise bad("output", f"is {self.output}; packed parts {dict(self.parts)} are one axis of their "
+                                    f"sizes summed")
+        if self.produces == "actions" and len(self.actions_shape) != 2:
+            raise bad("output", f"is {self.actions_shape}; an action chunk is (horizon, dof)")
         for name in ("tokens_per_chunk", "kv_width", "block_params"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise bad(name, f"is {getattr(self, name)!r}; it must be a positive integer")
@@ -91,9 +141,17 @@ class ModelSpec:
             raise bad("block_flops", f"is {self.block_flops!r}; it must be positive")
         if self.history not in HISTORY_RULES:
             raise bad("history", f"is '{self.history}', not one of {', '.join(HISTORY_RULES)}")
-        if self.frame_axes not in FRAME_AXES or (self.produces == "frames" and len(self.output) != 4):
-            raise bad("frame_axes", f"is '{self.frame_axes}' for output {self.output}; frames are 4 axes, "
+        frames = self._part("frames")[2] if self._part("frames") else self.output
+        if self.frame_axes not in FRAME_AXES or (self.has_frames and len(frames) != 4):
+            raise bad("frame_axes", f"is '{self.frame_axes}' for frames {frames}; frames are 4 axes, "
                                     f"{' or '.join(FRAME_AXES)}")
+
+
+def _size(shape: tuple[int, ...]) -> int:
+    n = 1
+    for side in shape:
+        n *= side
+    return n
 
 
 @dataclass(frozen=True)
@@ -138,6 +196,25 @@ class ACWMIO:
 
 
 @dataclass(frozen=True)
+class WanActionsIO:
+    """A Wan world-action model's robot side (kind ``wan_wam``): the camera image and the joint state in as
+    cross-attention tokens beside the prompt's, an action chunk ``[horizon, dof]`` out beside the latent
+    frames, its tokens joined to the video tokens in one sequence."""
+
+    horizon: int = field(default=16, metadata=bounded(ge=1, doc="action rows one chunk plans (control steps)"))
+    dof: int = field(default=7, metadata=bounded(ge=1, doc="action columns (joints commanded)"))
+    state_dim: int = field(default=7, metadata=bounded(ge=1, doc="joint state entries one observation carries"))
+    image_size: int = field(default=32, metadata=bounded(ge=4, doc="camera image side in pixels (square)"))
+    image_channels: int = field(default=3, metadata=bounded(choices=(1, 3)))
+    image_patch: int = field(default=8, metadata=bounded(ge=1, doc="pixels per side of one image token"))
+
+    def validate(self) -> None:
+        if self.image_size % self.image_patch:
+            raise ConfigError("wan.actions.image_patch", f"{self.image_patch} must divide image_size "
+                                                         f"{self.image_size}")
+
+
+@dataclass(frozen=True)
 class WanIO:
     """A Wan trunk read from a diffusers directory (kind ``wan``, :mod:`physis_ros.model.wan_family`): prompt
     embeddings in, latent video frames ``[C, F, H, W]`` out (the trunk's own latent layout)."""
@@ -154,7 +231,11 @@ class WanIO:
     height: int = field(default=32, metadata=bounded(ge=1, doc="latent rows H of a frame (pixels / 8 for Wan2.1's VAE)"))
     width: int = field(default=32, metadata=bounded(ge=1, doc="latent columns W of a frame"))
     text_tokens: int = field(default=512, metadata=bounded(
-        ge=1, doc="rows L of the prompt embeddings a chunk reads, [L, text_dim] (UMT5 pads to 512 for Wan)"))
+        ge=0, doc="rows L of the prompt embeddings a chunk reads, [L, text_dim] (UMT5 pads to 512 for Wan); a "
+                  "world-action model (kind wan_wam) may take none (0: no prompt input)"))
+    actions: WanActionsIO | None = field(default=None, metadata=bounded(
+        doc="kind wan_wam: the robot side of a world-action model (image and state in, actions out); "
+            "absent for kind wan"))
 
 
 @dataclass(frozen=True)
@@ -240,7 +321,7 @@ class ModelConfig:
         """Control steps one chunk plans: the action rows it outputs, or the actions it is given to imagine; one
         for a model that takes no actions (a video trunk: one chunk per control step)."""
         if self.produces == "actions":
-            return self.output_shape[0]
+            return self.spec.actions_shape[0]
         return self.observation_shapes["actions"][0] if "actions" in self.observation_shapes else 1
 
     @property

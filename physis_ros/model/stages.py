@@ -96,6 +96,8 @@ def denoise_update(model: ServableModel, x: torch.Tensor, v: torch.Tensor, k: to
     x_next = model.timesteps.update(x, v, k)
     if not handoffs or model.action_rows() is None:
         return x_next
+    spec = model.config.spec
+    actions = spec.actions_of        # the action rows of a chunk (the chunk itself, or its actions part)
     ts = model.timesteps.t
     rows = []
     for i, h in enumerate(handoffs):
@@ -103,9 +105,11 @@ def denoise_update(model: ServableModel, x: torch.Tensor, v: torch.Tensor, k: to
             rows.append(x_next[i])
             continue
         slot, step = kv.slots[i], int(k[i])
-        new, clean = guide(x[i], v[i], float(ts[step]), float(ts[step - 1]), kv.table.actions.get((slot, step)),
-                           h, len(ts) - 1)
+        new, clean = guide(actions(x[i]), actions(v[i]), float(ts[step]), float(ts[step - 1]),
+                           kv.table.actions.get((slot, step)), h, len(ts) - 1)
         kv.table.actions[slot, step] = clean
+        if spec.parts:                # the other parts take the plain Euler step
+            new = torch.cat([new.flatten(), x_next[i, new.numel():]])
         rows.append(new)
     return torch.stack(rows)
 

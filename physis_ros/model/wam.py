@@ -25,9 +25,6 @@ class WAMModel(DiTModel):
             "action_out": nn.Linear(d, io.dof),
         })
 
-    def action_rows(self) -> int:
-        return self.config.wam.horizon
-
     def encode(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         patches = self.io["patch"](obs["image"]).flatten(2).transpose(1, 2)
         state = self.io["state"](obs["state"]).unsqueeze(1)

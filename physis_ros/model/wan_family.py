@@ -184,13 +184,12 @@ def wan_block_flops(config: ModelConfig, video_tokens: int, text_tokens: int) ->
     return 2.0 * dense * t + 2.0 * kv_text * n + 4.0 * t * (t + cached) * d + 4.0 * t * n * d
 
 
-def wan_spec(config: ModelConfig) -> ModelSpec:
-    """The spec of a Wan trunk: prompt embeddings ``[L, text_dim]`` in, latent frames ``[C, F, H, W]`` out;
-    a chunk's hidden state is its text tokens followed by its video tokens, of which only the video tokens
-    write history K/V. ConfigError naming the field when the config does not fit the checkpoint."""
+def _layout(config: ModelConfig) -> tuple[dict[str, Any], int, int]:
+    """The trunk's config, its latent channels and the video tokens of one chunk, checked against the config
+    (ConfigError naming the field when the config does not fit the checkpoint)."""
     io = config.wan
     if io is None:
-        raise ConfigError("wan", "kind 'wan' needs a 'wan:' section with the checkpoint directory")
+        raise ConfigError("wan", f"kind '{config.kind}' needs a 'wan:' section with the checkpoint directory")
     trunk = trunk_of(io)
     source = f"checkpoint {io.checkpoint}" if io.checkpoint else "wan.trunk"
     for key, value in _trunk_shape(trunk).items():
@@ -216,18 +215,64 @@ def wan_spec(config: ModelConfig) -> ModelSpec:
     if positions > int(trunk.get("rope_max_seq_len", 1024)):
         raise ConfigError("window", f"{config.window} chunks of history (+ sink + the chunk) are {positions} "
                                     f"latent frames, past the trunk's RoPE table of {trunk.get('rope_max_seq_len')}")
-    video = frames * (io.height // p_h) * (io.width // p_w)
-    return ModelSpec(inputs={"prompt_embeds": (io.text_tokens, int(trunk["text_dim"]))},
-                     output=(channels, io.frames, io.height, io.width), produces="frames",
-                     tokens_per_chunk=io.text_tokens + video,
-                     kv_slot_tokens=(config.window + int(config.sink)) * video, kv_width=config.hidden,
-                     context_tokens=io.text_tokens,
+    return trunk, channels, frames * (io.height // p_h) * (io.width // p_w)
+
+
+def _spec(config: ModelConfig, trunk: dict[str, Any], inputs: dict[str, tuple[int, ...]], output: tuple[int, ...],
+          produces: str, chunk_tokens: int, context: int, parts=()) -> ModelSpec:
+    """A Wan trunk's spec: ``chunk_tokens`` of a chunk write history K/V and cross-attend to ``context``
+    conditioning tokens (whose K/V a slot keeps)."""
+    return ModelSpec(inputs=inputs, output=output, produces=produces, tokens_per_chunk=context + chunk_tokens,
+                     kv_slot_tokens=(config.window + int(config.sink)) * chunk_tokens, kv_width=config.hidden,
+                     context_tokens=context,
                      block_params=wan_block_params(config.hidden, config.ffn_dim,
                                                    bool(trunk.get("cross_attn_norm", True))),
-                     block_flops=wan_block_flops(config, video, io.text_tokens), history=config.history,
-                     frame_axes="CFHW")
+                     block_flops=wan_block_flops(config, chunk_tokens, context), history=config.history,
+                     frame_axes="CFHW", parts=parts)
+
+
+def wan_spec(config: ModelConfig) -> ModelSpec:
+    """The spec of a Wan trunk: prompt embeddings ``[L, text_dim]`` in, latent frames ``[C, F, H, W]`` out;
+    a chunk's hidden state is its text tokens followed by its video tokens, of which only the video tokens
+    write history K/V. ConfigError naming the field when the config does not fit the checkpoint."""
+    trunk, channels, video = _layout(config)
+    io = config.wan
+    if io.actions is not None:
+        raise ConfigError("wan.actions", "belongs to a world-action model: give kind wan_wam, or leave it out")
+    if io.text_tokens < 1:
+        raise ConfigError("wan.text_tokens", "a video trunk reads a prompt: give its rows (>= 1)")
+    return _spec(config, trunk, {"prompt_embeds": (io.text_tokens, int(trunk["text_dim"]))},
+                 (channels, io.frames, io.height, io.width), "frames", video, io.text_tokens)
+
+
+def image_tokens(actions) -> int:
+    """Cross-attention tokens of a world-action model's camera image (one per patch)."""
+    return (actions.image_size // actions.image_patch) ** 2
+
+
+def wan_wam_spec(config: ModelConfig) -> ModelSpec:
+    """The spec of a Wan world-action model (:mod:`physis_ros.model.wan_wam`): the camera image and the joint
+    state (and the prompt's embeddings, if it reads ``text_tokens``) in; out, packed, the action chunk
+    ``[horizon, dof]`` and the latent frames ``[C, F, H, W]`` one chunk predicts. Its conditioning tokens are the
+    prompt's, the image's and the state's; its video and action tokens write history K/V."""
+    trunk, channels, video = _layout(config)
+    io, act = config.wan, config.wan.actions
+    if act is None:
+        raise ConfigError("wan.actions", "kind wan_wam needs the robot side: horizon, dof, state_dim, image_size")
+    inputs = {"image": (act.image_channels, act.image_size, act.image_size), "state": (act.state_dim,)}
+    if io.text_tokens:
+        inputs["prompt_embeds"] = (io.text_tokens, int(trunk["text_dim"]))
+    frames = (channels, io.frames, io.height, io.width)
+    size = act.horizon * act.dof + channels * io.frames * io.height * io.width
+    return _spec(config, trunk, inputs, (size,), "actions", video + act.horizon,
+                 io.text_tokens + image_tokens(act) + 1, parts=(("actions", (act.horizon, act.dof)),
+                                                               ("frames", frames)))
 
 
 WAN = ModelFamily("wan", "physis_ros.model.wan_model:WanModel", wan_spec,
                   "Wan trunk from a diffusers WanTransformer3DModel directory: prompt embeddings in, latent video "
                   "frames [C, F, H, W] out", checkpoint_class=CLASS, complete=complete)
+WAN_WAM = ModelFamily("wan_wam", "physis_ros.model.wan_wam:WanWAMModel", wan_wam_spec,
+                      "Wan world-action model: a Wan trunk (a diffusers directory's, or random) with action tokens "
+                      "joined to its video tokens; camera image, joint state (and a prompt) in, the action chunk "
+                      "and the predicted latent frames out", complete=complete)

@@ -103,6 +103,9 @@ class WanModel(ServableModel):
         p_t, p_h, p_w = self.trunk.config.patch_size
         self._grid = (io.frames // p_t, io.height // p_h, io.width // p_w)
         self._video_tokens = self._grid[0] * self._grid[1] * self._grid[2]
+        spec = config.spec
+        self._context = spec.context_tokens                     # conditioning tokens first in the hidden state
+        self._chunk = spec.tokens_per_chunk - spec.context_tokens   # then the tokens that write history K/V
         self._time = TimestepCache(self._time_of)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.to(device=device)
@@ -126,11 +129,15 @@ class WanModel(ServableModel):
     def _positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE cos, sin of the cache's chunks and the chunk itself, in order: [1, (window + sink + 1) * T, 1, hd]."""
         if self._rope is None:
-            c, io = self.config, self.config.wan
-            chunks = c.window + int(c.sink) + 1
-            shape = (1, 1, chunks * io.frames, io.height, io.width)
-            self._rope = rope_at(self.trunk.rope, torch.empty(shape, device="meta"), 0)
+            self._rope = self._video_positions()
         return self._rope
+
+    def _video_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The video tokens' RoPE cos, sin, chunk after chunk: [1, (window + sink + 1) * video tokens, 1, hd]."""
+        c, io = self.config, self.config.wan
+        chunks = c.window + int(c.sink) + 1
+        shape = (1, 1, chunks * io.frames, io.height, io.width)
+        return rope_at(self.trunk.rope, torch.empty(shape, device="meta"), 0)
 
     # ---- the stage contract ----------------------------------------------------------------------
     def encode(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -144,10 +151,9 @@ class WanModel(ServableModel):
             blk = self.blocks[str(b)]
         except KeyError:
             raise KeyError(f"block {b} is not hosted here (hosted: {sorted(self.hosted_blocks)})") from None
-        text_tokens = self.config.wan.text_tokens
-        text, video = h[:, :text_tokens].contiguous(), h[:, text_tokens:].contiguous()
+        text, video = h[:, :self._context].contiguous(), h[:, self._context:].contiguous()
         cos, sin = self._positions()
-        n = self._video_tokens
+        n = self._chunk
         offsets = [kv.history_tokens(i) for i in range(len(kv.slots))]     # a chunk sits after what it reads
         if len(set(offsets)) == 1:
             here = (cos[:, offsets[0]:offsets[0] + n], sin[:, offsets[0]:offsets[0] + n])
@@ -162,13 +168,13 @@ class WanModel(ServableModel):
         return torch.cat([text, video], dim=1)
 
     def head(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return head(self.trunk, h[:, self.config.wan.text_tokens:], self._time(t)[:, 0], self._grid)
+        return head(self.trunk, h[:, self._context:], self._time(t)[:, 0], self._grid)
 
     def new_kv_table(self, block: int, slots: int) -> KVTable:
         """K/V history of the video tokens, and the text's cross-attention K/V kept once per slot."""
         c = self.config
-        return KVTable(slots, self._video_tokens, c.window, c.sink, c.heads, c.head_dim, dtype=self.dtype,
-                       device=self.device, context_tokens=c.wan.text_tokens)
+        return KVTable(slots, self._chunk, c.window, c.sink, c.heads, c.head_dim, dtype=self.dtype,
+                       device=self.device, context_tokens=self._context)
 
     # ---- hosting blocks ----------------------------------------------------------------------------
     def new_block(self, b: int) -> nn.Module:

@@ -142,7 +142,7 @@ class Connection:
         out: dict[str, Any] = {"server_timing": timing}
         if chunk.actions is not None:
             out["actions"] = np.ascontiguousarray(chunk.actions, dtype=np.float32)
-        else:
+        if chunk.frames is not None:
             out["frames"] = np.ascontiguousarray(chunk.frames, dtype=np.float32)
         self.front.counts["infers"] += 1
         return pack(out)
@@ -335,9 +335,9 @@ class OpenpiFrontEnd:
                                "joint_names": list(s.joint_names), "inputs": {k: list(v) for k, v in
                                                                                m.observation_shapes.items()}}
         if m.produces == "actions":
-            horizon, dof = m.output_shape
+            horizon, dof = m.spec.actions_shape
             out.update(action_horizon=horizon, action_dim=dof)
-        else:
+        if m.spec.has_frames:
             out.update(frames_shape=list(m.spec.frames_shape))
         return out
 

@@ -94,13 +94,13 @@ class RosStream:
         s = self.config
         self.pub_chunk = self.pub_traj = self.pub_frames = self.pub_telemetry = None
         if self.model.produces == "actions":
-            horizon, dof = self.model.output_shape
+            horizon, dof = self.model.spec.actions_shape
             self.pub_chunk = self._publisher(ActionChunk, "action_chunk", qos.profile(s.qos.action_chunk))
             self.pub_traj = self._publisher(JointTrajectory, "joint_trajectory", qos.profile(s.qos.joint_trajectory))
             self.raw_chunk = ActionChunkRaw(self.name, s, horizon, dof)
             self.raw_traj = TrajectoryRaw(s, horizon, dof)
             self.horizon = horizon
-        else:
+        if self.model.spec.has_frames:
             self.pub_frames = self._publisher(PredictedFrames, "predicted_frames", qos.profile(s.qos.action_chunk))
         if s.telemetry:
             self.pub_telemetry = self._publisher(ChunkTelemetry, "telemetry", qos.profile(qos.TELEMETRY),
@@ -237,10 +237,11 @@ class RosStream:
             return
         if self.pub_chunk is not None:
             publish_ms = self._publish_actions(out, handover, start)
-        elif node.armed:
+        if self.pub_frames is not None and node.armed:
             self.pub_frames.publish(outputs.frames_msg(self.name, self.config, out.index, out.frames, stamp))
-            publish_ms = (time.perf_counter() - start) * 1e3
-            self.published += 1
+            if self.pub_chunk is None:
+                publish_ms = (time.perf_counter() - start) * 1e3
+                self.published += 1
         telemetry = outputs.telemetry_msg(rec, stamp, handover)
         node.pub_telemetry.publish(telemetry)
         if self.pub_telemetry is not None:
@@ -260,7 +261,7 @@ class RosStream:
         rec.late_points, rec.late = k, placement.late
         self.late_points += k
         self.late_chunks += placement.late
-        positions = out.output
+        positions = out.actions
         with self.stats_lock:
             expert = self.experts.pop(conv.stamp_ns(stamp), None)
         if expert is not None and not placement.late:

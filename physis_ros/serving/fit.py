@@ -38,9 +38,9 @@ def check_stream_model(key: str, stream: StreamConfig, model: ModelConfig) -> No
         if width is not None and width != n:
             raise ConfigError(f"{key}.joint_names", f"{n} joint names but model '{model.name}' takes {name} of "
                                                     f"{width} columns")
-    if model.produces == "actions" and model.output_shape[-1] != n:
+    if model.produces == "actions" and model.spec.actions_shape[-1] != n:
         raise ConfigError(f"{key}.joint_names", f"{n} joint names but model '{model.name}' outputs "
-                                                f"{model.output_shape[-1]} action columns")
+                                                f"{model.spec.actions_shape[-1]} action columns")
     horizon = model.control_horizon
     if stream.execution_horizon > horizon:
         raise ConfigError(f"{key}.execution_horizon", f"{stream.execution_horizon} steps but model '{model.name}' "

@@ -48,7 +48,8 @@ class Chunk:
     stamp_s: float                # stamp of the observation it used (the ``stamp_s`` given to observe), s
     telemetry: ChunkRecord        # timings, on the server clock (s) and in ms
     actions: np.ndarray | None    # a world-action model's actions, float32 [horizon, dof]; None for a world model
-    frames: np.ndarray | None     # a world model's predicted latent frames [F, C, h, w]; None for a world-action model
+    frames: np.ndarray | None     # predicted latent frames [F, C, h, w] (a world model's, or those a world-action
+                                  # model predicts beside its actions); None where the model predicts none
     tag: Any = None               # the front end's own stamp of that observation (a ROS header stamp), as given
 
 
@@ -272,10 +273,11 @@ class Session:
     def deliver(self, out: ChunkOutput) -> None:
         """A finished chunk (the engine's ``on_output`` callback): to ``on_chunk``, else to the queue."""
         output = np.asarray(out.output)
-        wam = self.model.produces == "actions"
-        frames = None if wam else np.ascontiguousarray(self.model.spec.frames_of(output))
+        spec = self.model.spec
+        actions = np.ascontiguousarray(spec.actions_of(output)) if spec.produces == "actions" else None
+        frames = np.ascontiguousarray(spec.frames_of(output)) if spec.has_frames else None
         chunk = Chunk(self.name, out.chunk, self.health.epoch, output, out.record.obs_stamp, out.record,
-                      output if wam else None, frames, out.tag)
+                      actions, frames, out.tag)
         self.health.delivered()
         with self.stats_lock:
             self.stats.add(out.record)
