@@ -27,6 +27,7 @@ import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -50,6 +51,11 @@ HEARTBEAT_S = 0.2
 POLL_BUSY_S = 0.0005  # with local stages ready, poll the sockets at most this often
 DATA_BURST = 32   # data messages accepted per loop turn: a flood cannot starve stages or heartbeats
 CTRL_BURST = 16
+# How long the loader thread (a model family's import, weights read and built) may hold the interpreter before
+# the stage loop gets it back: Python's default, 5 ms, is paid by every stage's step from one torch call to the
+# next while a load runs, and a running stream's chunk took over a second (reset by its bound) while another
+# stream's model was imported. No cost while the stage loop runs alone.
+GIL_SWITCH_S = 0.0002
 PEER_CONNECT_WAIT_S = 1.0   # at a stream's start, how long the next stages' sockets may take to connect
 
 
@@ -296,6 +302,7 @@ class Worker:
 
     # ---- main loop ---------------------------------------------------------------------------
     def serve(self) -> None:
+        sys.setswitchinterval(GIL_SWITCH_S)
         self.send_ctrl(p.Hello(worker=self.id, data=self.data_addr, pid=os.getpid(), device=self.device,
                                host=socket.gethostname()[:128]))
         log.info("up on %s:%s (pid %d), data at %s", socket.gethostname(), self.device, os.getpid(), self.data_addr)

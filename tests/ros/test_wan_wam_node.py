@@ -1,0 +1,74 @@
+"""physis-serve serves config/serve_wan_tiny.yaml (issue 57): tiny-wam's robot0 and the tiny Wan world-action
+model's wan_wam, both admitted at the file's SLOs and fed by nothing but physis-synthetic. wan_wam's chunks
+arrive as action chunks, trajectories and the latent frames it predicts (the same chunk indices on both
+topics), contiguous and finite; robot0 beside it keeps getting its chunks."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import yaml
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+from physis_ros.config import repo_config_dir
+from physis_ros.launcher import Child, serve_command, synthetic_command
+
+from rosprobe import NODE_ARGS, TAG, Probe, child_env, write_config
+
+pytestmark = pytest.mark.slow
+
+RELIABLE = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
+
+
+def shipped_streams() -> tuple[dict, dict]:
+    """The streams and engine of config/serve_wan_tiny.yaml, namespaced for this test process."""
+    params = yaml.safe_load((repo_config_dir() / "serve_wan_tiny.yaml").read_text())["/**"]["ros__parameters"]
+    streams = {name: {**s, "namespace": f"{TAG}_{s['namespace']}", "max_age_s": 5.0}
+               for name, s in params["streams"].items()}
+    return streams, params["engine"]
+
+
+def test_the_wan_config_serves_a_wan_wam_beside_tiny_wam_from_synthetic_robots(tmp_path):
+    from physis_ros.msg import ActionChunk, PredictedFrames
+
+    streams, engine = shipped_streams()
+    assert {"robot0", "wan_wam"} <= set(streams) and streams["wan_wam"]["model"] == "tiny-wan-wam"
+    config = write_config(tmp_path / "serve.yaml", streams, engine=engine, deterministic=False)
+    ns = {name: s["namespace"] for name, s in streams.items()}
+    probe = Probe()
+    probe.subscribe("wam", ActionChunk, f"/{ns['wan_wam']}/action_chunk", RELIABLE)
+    probe.subscribe("frames", PredictedFrames, f"/{ns['wan_wam']}/predicted_frames", RELIABLE)
+    probe.subscribe("robot0", ActionChunk, f"/{ns['robot0']}/action_chunk", RELIABLE)
+    env = child_env(uuid.uuid4().hex)
+    synthetic = Child("synthetic", synthetic_command(config, "--rate", "30", "--width", "48", "--height", "40"),
+                      env=env, log=tmp_path / "synthetic.log")
+    server = Child("server", serve_command(config, "--duration", "150", *NODE_ARGS), env=env, log=tmp_path / "serve.log")
+    try:
+        try:
+            probe.wait(lambda: (min(len(probe.get("wam")), len(probe.get("frames"))) >= 6
+                                and len(probe.get("robot0")) >= 6) or server.poll() is not None,
+                       150.0, "6 chunks of wan_wam (actions and frames) and of robot0")
+        except AssertionError:
+            raise AssertionError(f"server log:\n{server.tail(40)}") from None
+        assert server.poll() is None, server.tail(40)
+        chunks = [m for m, _ in probe.get("wam")]
+        frames = {m.chunk_index: m for m, _ in probe.get("frames")}
+    finally:
+        server.stop(30.0)
+        synthetic.stop(10.0)
+        probe.close()
+    indices = [m.chunk_index for m in chunks]
+    assert indices == list(range(indices[0], indices[0] + len(indices))), indices    # contiguous: no reset
+    for m in chunks:
+        assert (m.stream, m.horizon, m.dof) == ("wan_wam", 16, 7)
+        actions = np.asarray(m.actions, np.float32)
+        assert actions.shape == (16 * 7,) and np.isfinite(actions).all()
+    both = [i for i in indices if i in frames]
+    assert len(both) >= 5, (indices, sorted(frames))
+    for i in both:
+        f = frames[i]
+        assert (f.stream, f.frames, f.channels, f.height, f.width) == ("wan_wam", 2, 4, 8, 8)
+        latents = np.asarray(f.latents, np.float32)
+        assert latents.shape == (2 * 4 * 8 * 8,) and np.isfinite(latents).all() and latents.std() > 0
