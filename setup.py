@@ -17,6 +17,7 @@ wam=physis_ros.model.dit_family:WAM
 acwm=physis_ros.model.dit_family:ACWM
 wan=physis_ros.model.wan_family:WAN
 wan_wam=physis_ros.model.wan_family:WAN_WAM
+wan_acwm=physis_ros.model.wan_family:WAN_ACWM
 """
 
 PACKAGE = "physis_ros"

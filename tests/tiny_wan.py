@@ -1,5 +1,6 @@
 """Tiny Wan transformers that diffusers itself builds and saves, for the tests of the Wan family: every parameter
-random (the scale-shift tables included, which diffusers' init leaves near zero), seeded."""
+random (the scale-shift tables included, which diffusers' init leaves near zero), seeded; and diffusers' own
+attention processor with a mask and per-chunk conditioning, for whole-sequence recomputes of served Wan models."""
 
 from __future__ import annotations
 
@@ -27,3 +28,31 @@ def save_tiny_wan(path: Path, seed: int = 0, **config):
     model = tiny_wan(seed, **config)
     model.save_pretrained(path)
     return model
+
+
+class MaskedProcessor:
+    """diffusers' own Wan attention processor with an attention mask over the whole sequence (the block
+    passes none to its self-attention)."""
+
+    def __init__(self, mask):
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+        self.inner, self.mask = WanAttnProcessor(), mask
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        return self.inner(attn, hidden_states, encoder_hidden_states, self.mask, rotary_emb)
+
+
+class PerChunkCross:
+    """diffusers' own cross-attention processor, each chunk's tokens to that chunk's own conditioning."""
+
+    def __init__(self, contexts: list, per_chunk: int):
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+        self.inner, self.contexts, self.per_chunk = WanAttnProcessor(), contexts, per_chunk
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        import torch
+
+        parts = hidden_states.split(self.per_chunk, dim=1)
+        return torch.cat([self.inner(attn, part, ctx) for part, ctx in zip(parts, self.contexts)], dim=1)

@@ -39,7 +39,8 @@ GROUP = "physis_ros.models"
 # from here only where physis_ros is installed without its metadata (a colcon build installs the package
 # directory without a dist-info), so that the built-in families are found either way.
 BUILT_IN = {"wam": "physis_ros.model.dit_family:WAM", "acwm": "physis_ros.model.dit_family:ACWM",
-            "wan": "physis_ros.model.wan_family:WAN", "wan_wam": "physis_ros.model.wan_family:WAN_WAM"}
+            "wan": "physis_ros.model.wan_family:WAN", "wan_wam": "physis_ros.model.wan_family:WAN_WAM",
+            "wan_acwm": "physis_ros.model.wan_family:WAN_ACWM"}
 # A checkpoint directory's own model config (optional): a model YAML whose checkpoint is the directory.
 SIDECAR = "physis_model.yaml"
 
@@ -57,7 +58,8 @@ class ModelFamily:
     checkpoint directories (diffusers' layout) gives ``checkpoint_class``, the ``_class_name`` of the
     ``config.json`` it reads, and ``complete(mapping, directory)``: a model config mapping with what the
     checkpoint fixes filled in (the trunk's shape, the directory), ``directory`` None when the mapping names
-    it."""
+    it. A family whose frames can be decoded into pictures names the factory of its previewer (``preview``,
+    :meth:`previewer`)."""
 
     name: str
     build: Callable[..., ServableModel] | str
@@ -65,6 +67,17 @@ class ModelFamily:
     doc: str = ""
     checkpoint_class: str = ""
     complete: Callable[[dict[str, Any], Path | None], dict[str, Any]] | None = None
+    preview: str = ""
+
+    def previewer(self, config: ModelConfig) -> Callable[[Any], Any] | None:
+        """What turns a chunk's frames into a picture a person can look at, for ``config``: a callable from the
+        frames as published (``[F, C, H, W]`` float32) to an RGB image ``[H, W, 3]`` uint8; None where the
+        family decodes none. ``preview`` names its factory, ``"module:function"`` (``function(config)``),
+        imported only when asked for."""
+        if not self.preview:
+            return None
+        module, _, attr = self.preview.partition(":")
+        return getattr(importlib.import_module(module), attr)(config)
 
     def model_class(self) -> Callable[..., ServableModel]:
         if not isinstance(self.build, str):

@@ -215,6 +215,20 @@ class WanActionsIO:
 
 
 @dataclass(frozen=True)
+class WanWorldIO:
+    """A Wan action-conditioned world model's robot side (kind ``wan_acwm``): the camera image (encoded by the
+    Wan VAE into one conditioning latent frame), the joint state and the actions to imagine in as cross-attention
+    tokens; the predicted latent frames ``[C, F, H, W]`` out."""
+
+    image_size: int = field(default=64, metadata=bounded(
+        ge=8, doc="camera image side in pixels (square), a multiple of the VAE's spatial factor times the patch"))
+    image_channels: int = field(default=3, metadata=bounded(choices=(3,), doc="RGB: what the VAE encodes"))
+    state_dim: int = field(default=7, metadata=bounded(ge=1, doc="joint state entries one observation carries"))
+    action_horizon: int = field(default=16, metadata=bounded(ge=1, doc="rows of the action chunk to imagine"))
+    action_dim: int = field(default=7, metadata=bounded(ge=1, doc="columns of the action chunk to imagine"))
+
+
+@dataclass(frozen=True)
 class WanIO:
     """A Wan trunk read from a diffusers directory (kind ``wan``, :mod:`physis_ros.model.wan_family`): prompt
     embeddings in, latent video frames ``[C, F, H, W]`` out (the trunk's own latent layout)."""
@@ -236,6 +250,16 @@ class WanIO:
     actions: WanActionsIO | None = field(default=None, metadata=bounded(
         doc="kind wan_wam: the robot side of a world-action model (image and state in, actions out); "
             "absent for kind wan"))
+    world: WanWorldIO | None = field(default=None, metadata=bounded(
+        doc="kind wan_acwm: the robot side of an action-conditioned world model (image, state and the actions "
+            "to imagine in, latent frames out)"))
+    vae: str = field(default="", metadata=bounded(
+        doc="kind wan_acwm: the diffusers AutoencoderKLWan directory (config.json and its safetensors) that "
+            "encodes the camera image and decodes previews; empty: the checkpoint's vae/ (a pipeline directory), "
+            "else vae_config with random weights"))
+    vae_config: dict[str, Any] = field(default_factory=dict, metadata=bounded(
+        doc="kind wan_acwm without a VAE directory: the VAE's diffusers config (AutoencoderKLWan's keys: base_dim, "
+            "z_dim, dim_mult, ...), its weights random from init_seed"))
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ CONFIG = "config.json"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
 CLASS = "WanTransformer3DModel"
+VAE_CLASS = "AutoencoderKLWan"
+VAE_DIR = "vae"
 DEFAULT_STEPS = 4       # denoising steps of a directory without physis_model.yaml (a few-step robot model)
 
 
@@ -150,6 +152,8 @@ def complete(mapping: dict[str, Any], directory: Path | None) -> dict[str, Any]:
         return {**_trunk_shape(trunk), **mapping}
     root = Path(section["checkpoint"]).expanduser().resolve()
     section["checkpoint"] = str(root)
+    if mapping.get("kind") == "wan_acwm" and not section.get("vae") and (root / VAE_DIR / CONFIG).is_file():
+        section["vae"] = str(root / VAE_DIR)      # a pipeline directory's own VAE
     trunk = trunk_config(root)
     check_weights(root)
     out = {**mapping, "wan": section}
@@ -239,6 +243,9 @@ def wan_spec(config: ModelConfig) -> ModelSpec:
     io = config.wan
     if io.actions is not None:
         raise ConfigError("wan.actions", "belongs to a world-action model: give kind wan_wam, or leave it out")
+    if io.world is not None or io.vae or io.vae_config:
+        raise ConfigError("wan.world" if io.world is not None else "wan.vae",
+                          "belongs to a world model: give kind wan_acwm, or leave it out")
     if io.text_tokens < 1:
         raise ConfigError("wan.text_tokens", "a video trunk reads a prompt: give its rows (>= 1)")
     return _spec(config, trunk, {"prompt_embeds": (io.text_tokens, int(trunk["text_dim"]))},
@@ -259,6 +266,9 @@ def wan_wam_spec(config: ModelConfig) -> ModelSpec:
     io, act = config.wan, config.wan.actions
     if act is None:
         raise ConfigError("wan.actions", "kind wan_wam needs the robot side: horizon, dof, state_dim, image_size")
+    if io.world is not None or io.vae or io.vae_config:
+        raise ConfigError("wan.world" if io.world is not None else "wan.vae",
+                          "belongs to a world model (kind wan_acwm): leave it out")
     inputs = {"image": (act.image_channels, act.image_size, act.image_size), "state": (act.state_dim,)}
     if io.text_tokens:
         inputs["prompt_embeds"] = (io.text_tokens, int(trunk["text_dim"]))
@@ -269,6 +279,79 @@ def wan_wam_spec(config: ModelConfig) -> ModelSpec:
                                                                ("frames", frames)))
 
 
+# What a random-init VAE's ``wan.vae_config`` may give (the rest takes diffusers' defaults); latents_mean/std
+# default to 0/1 per latent channel (Wan2.1's own have 16 entries).
+VAE_KEYS = ("base_dim", "z_dim", "dim_mult", "num_res_blocks", "attn_scales", "temperal_downsample",
+            "latents_mean", "latents_std", "decoder_base_dim", "dropout")
+
+
+def vae_config_of(io) -> dict[str, Any]:
+    """The VAE's diffusers config: its directory's ``config.json`` (``wan.vae``), or ``wan.vae_config`` with
+    diffusers' defaults and latents normalised by 0/1 (ConfigError naming the key)."""
+    if io.vae:
+        path = Path(io.vae) / CONFIG
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError("wan.vae", f"{path}: not readable JSON ({exc}); give an AutoencoderKLWan directory "
+                                         f"(save_pretrained), or leave wan.vae out for a pipeline's vae/") from None
+        if not isinstance(config, dict) or config.get("_class_name") != VAE_CLASS:
+            got = config.get("_class_name") if isinstance(config, dict) else type(config).__name__
+            raise ConfigError("wan.vae", f"{path}: _class_name is {got!r}; an {VAE_CLASS} is needed")
+        if io.vae_config:
+            raise ConfigError("wan.vae_config", "a model with a VAE directory takes its config from it: leave "
+                                                "wan.vae_config out")
+        return config
+    if not io.vae_config:
+        raise ConfigError("wan.vae", "a Wan world model encodes the camera with a VAE: give its AutoencoderKLWan "
+                                     "directory (wan.vae; a pipeline checkpoint's vae/ is found), or wan.vae_config "
+                                     "for random weights")
+    unknown = sorted(set(io.vae_config) - set(VAE_KEYS))
+    if unknown:
+        raise ConfigError(f"wan.vae_config.{unknown[0]}", f"not a key of an AutoencoderKLWan config (known: "
+                                                          f"{', '.join(VAE_KEYS)})")
+    z_dim = io.vae_config.get("z_dim", 16)
+    if not isinstance(z_dim, int) or z_dim < 1:
+        raise ConfigError("wan.vae_config.z_dim", f"{z_dim!r}: a positive integer")
+    return {"_class_name": VAE_CLASS, "latents_mean": [0.0] * z_dim, "latents_std": [1.0] * z_dim,
+            **io.vae_config}
+
+
+def vae_scale(vae: dict[str, Any]) -> int:
+    """Pixels per latent row (and column) of the VAE: 2 per downsampling level."""
+    return 2 ** (len(vae.get("dim_mult", [1, 2, 4, 4])) - 1)
+
+
+def wan_acwm_spec(config: ModelConfig) -> ModelSpec:
+    """The spec of a Wan action-conditioned world model (:mod:`physis_ros.model.wan_acwm`): the camera image, the
+    joint state and the actions to imagine (and the prompt's embeddings, if it reads ``text_tokens``) in; the
+    latent frames ``[C, F, H, W]`` out. Its conditioning tokens are the prompt's, the camera's latent frame's
+    (the VAE's encoding, patched as the trunk patches video), the state's and the actions'."""
+    trunk, channels, video = _layout(config)
+    io, world = config.wan, config.wan.world
+    if world is None:
+        raise ConfigError("wan.world", "kind wan_acwm needs the robot side: image_size, state_dim, action_horizon, "
+                                       "action_dim")
+    if io.actions is not None:
+        raise ConfigError("wan.actions", "belongs to a world-action model (kind wan_wam): leave it out")
+    vae = vae_config_of(io)
+    if int(vae.get("z_dim", 16)) != channels:
+        raise ConfigError("wan.vae", f"the VAE's z_dim {vae.get('z_dim', 16)} is not the trunk's {channels} latent "
+                                     f"channels: give the trunk's own VAE")
+    _, p_h, p_w = (int(n) for n in trunk["patch_size"])
+    scale = vae_scale(vae)
+    if world.image_size % (scale * p_h) or world.image_size % (scale * p_w):
+        raise ConfigError("wan.world.image_size", f"{world.image_size} is not a multiple of the VAE's {scale} "
+                                                   f"pixels per latent times the trunk's patch {p_h}x{p_w}")
+    camera = (world.image_size // scale // p_h) * (world.image_size // scale // p_w)
+    inputs = {"image": (world.image_channels, world.image_size, world.image_size), "state": (world.state_dim,),
+              "actions": (world.action_horizon, world.action_dim)}
+    if io.text_tokens:
+        inputs["prompt_embeds"] = (io.text_tokens, int(trunk["text_dim"]))
+    return _spec(config, trunk, inputs, (channels, io.frames, io.height, io.width), "frames", video,
+                 io.text_tokens + camera + 1 + world.action_horizon)
+
+
 WAN = ModelFamily("wan", "physis_ros.model.wan_model:WanModel", wan_spec,
                   "Wan trunk from a diffusers WanTransformer3DModel directory: prompt embeddings in, latent video "
                   "frames [C, F, H, W] out", checkpoint_class=CLASS, complete=complete)
@@ -276,3 +359,7 @@ WAN_WAM = ModelFamily("wan_wam", "physis_ros.model.wan_wam:WanWAMModel", wan_wam
                       "Wan world-action model: a Wan trunk (a diffusers directory's, or random) with action tokens "
                       "joined to its video tokens; camera image, joint state (and a prompt) in, the action chunk "
                       "and the predicted latent frames out", complete=complete)
+WAN_ACWM = ModelFamily("wan_acwm", "physis_ros.model.wan_acwm:WanACWMModel", wan_acwm_spec,
+                       "Wan action-conditioned world model: a Wan trunk and its VAE; camera image (VAE-encoded), joint "
+                       "state and the actions to imagine in, latent frames [C, F, H, W] out (decoded previews)",
+                       complete=complete, preview="physis_ros.model.wan_acwm:previewer")

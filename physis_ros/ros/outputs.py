@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 from builtin_interfaces.msg import Time
+from sensor_msgs.msg import Image
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
@@ -44,6 +45,17 @@ def action_chunk_msg(stream_name: str, stream: StreamConfig, chunk: int, actions
         msg.inference_delay_steps = placement.delay_steps
         msg.late_points = placement.first_row
         msg.late = placement.late
+    return msg
+
+
+def picture_msg(picture: np.ndarray, stamp: Time, frame_id: str) -> Image:
+    """An RGB picture ``[H, W, 3]`` uint8 as a sensor_msgs/Image (rgb8)."""
+    msg = Image()
+    msg.header.stamp = stamp
+    msg.header.frame_id = frame_id
+    msg.height, msg.width = int(picture.shape[0]), int(picture.shape[1])
+    msg.encoding, msg.is_bigendian, msg.step = "rgb8", 0, 3 * msg.width
+    msg.data = np.ascontiguousarray(picture, dtype=np.uint8).tobytes()
     return msg
 
 

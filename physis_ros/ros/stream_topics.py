@@ -29,7 +29,9 @@ from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
 from physis_ros.ros import acceptance, outputs, qos
 from physis_ros.ros import conversions as conv
 from physis_ros.serving.config import stream_namespace, stream_topic
+from physis_ros.model.families import load_family
 from physis_ros.serving.fit import model_label
+from physis_ros.serving.preview import Previews
 from physis_ros.serving.intake import INPUT_KINDS, Sample
 from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
 from physis_ros.telemetry import percentile
@@ -102,6 +104,12 @@ class RosStream:
             self.horizon = horizon
         if self.model.spec.has_frames:
             self.pub_frames = self._publisher(PredictedFrames, "predicted_frames", qos.profile(s.qos.action_chunk))
+        self.pub_image = self.previews = None
+        family = load_family(self.model.kind)
+        if s.preview_hz > 0 and family.preview:
+            self.pub_image = self._publisher(Image, "predicted_image", qos.profile(s.qos.action_chunk))
+            self.previews = Previews(self.name, lambda: family.previewer(self.model), self._publish_preview,
+                                     s.preview_hz)
         if s.telemetry:
             self.pub_telemetry = self._publisher(ChunkTelemetry, "telemetry", qos.profile(qos.TELEMETRY),
                                                  lifecycle=False)
@@ -143,7 +151,14 @@ class RosStream:
             f" [{qos.describe(in_qos)}] -> {', '.join(p.topic_name for p in self._publishers)}; "
             f"joints {', '.join(s.joint_names)}; workers {', '.join(self.workers)}")
 
+    def _publish_preview(self, index: int, picture, stamp) -> None:
+        """A decoded picture of chunk ``index`` (the previews' thread), while the node is armed."""
+        if self.node.armed and not self.node.closing:
+            self.pub_image.publish(outputs.picture_msg(picture, stamp, self.config.frame_id))
+
     def destroy(self) -> None:
+        if self.previews is not None:
+            self.previews.close()
         for sub in self._subscriptions:
             self.node.destroy_subscription(sub)
         for pub in self._publishers:
@@ -155,7 +170,8 @@ class RosStream:
         self._publishers.clear()
 
     def subscriber_counts(self) -> dict[str, int]:
-        pubs = {"action_chunk": self.pub_chunk, "joint_trajectory": self.pub_traj, "predicted_frames": self.pub_frames}
+        pubs = {"action_chunk": self.pub_chunk, "joint_trajectory": self.pub_traj, "predicted_frames": self.pub_frames,
+                "predicted_image": self.pub_image}
         return {f"{k}_subscribers": p.get_subscription_count() for k, p in pubs.items() if p is not None}
 
     # ---- inputs (executor thread) -------------------------------------------------------------------
@@ -239,6 +255,8 @@ class RosStream:
             publish_ms = self._publish_actions(out, handover, start)
         if self.pub_frames is not None and node.armed:
             self.pub_frames.publish(outputs.frames_msg(self.name, self.config, out.index, out.frames, stamp))
+            if self.previews is not None:
+                self.previews.offer(out.index, out.frames, stamp)
             if self.pub_chunk is None:
                 publish_ms = (time.perf_counter() - start) * 1e3
                 self.published += 1

@@ -87,7 +87,10 @@ class TopicsConfig:
         "world models (ACWM): the actions to imagine, a physis_ros/ActionChunk or trajectory_msgs/JointTrajectory "
         "topic (actions_type); e.g. /robot0/action_chunk to imagine what a WAM stream of this server commands"))
     predicted_frames: str = field(default="predicted_frames", metadata=described(
-        "world models (ACWM): physis_ros/PredictedFrames output topic"))
+        "models that predict frames (an ACWM, a Wan WAM): physis_ros/PredictedFrames output topic"))
+    predicted_image: str = field(default="predicted_image", metadata=described(
+        "models whose frames can be decoded (a Wan world model's VAE): sensor_msgs/Image (rgb8) of the last "
+        "predicted frame, at most preview_hz times a second"))
     expert: str = field(default="expert_actions", metadata=described(
         "world-action models: an expert's physis_ros/ActionChunk for the same observation (header stamp = the "
         "camera image's), if one is known; telemetry then carries the tracking error against it"))
@@ -100,7 +103,7 @@ class TopicsConfig:
 
 
 TOPIC_KEYS = tuple(f.name for f in dataclasses.fields(TopicsConfig))
-OUTPUT_KEYS = ("action_chunk", "joint_trajectory", "predicted_frames", "telemetry")   # a stream publishes these
+OUTPUT_KEYS = ("action_chunk", "joint_trajectory", "predicted_frames", "predicted_image", "telemetry")   # a stream publishes these
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,10 @@ class StreamConfig:
     topics: TopicsConfig = field(default_factory=TopicsConfig)
     qos: StreamQoS = field(default_factory=StreamQoS)
     frame_id: str = field(default="", metadata=described("header.frame_id of the outputs"))
+    preview_hz: float = field(default=1.0, metadata=bounded(
+        ge=0.0, le=100.0, doc="pictures per second of the predicted frames on topics.predicted_image, for a model "
+                              "whose family decodes them (a Wan world model's VAE), decoded off the chunks' path "
+                              "(0: none)"))
     telemetry: bool = field(default=False, metadata=described(
         "also publish this stream's ChunkTelemetry on <namespace>/telemetry (topics.telemetry), to plot one robot"))
     cadence: str = field(default="timeline", metadata=bounded(

@@ -20,7 +20,7 @@ from physis_ros.model.stages import chunk_input, run_stage
 from physis_ros.model.wan import head
 from physis_ros.reference import ReferenceRollout
 
-from tiny_wan import save_tiny_wan
+from tiny_wan import MaskedProcessor, PerChunkCross, save_tiny_wan
 
 WAN = {"frames": 2, "height": 4, "width": 6, "text_tokens": 0}
 ACTIONS = {"horizon": 5, "dof": 3, "state_dim": 4, "image_size": 16, "image_channels": 3, "image_patch": 8}
@@ -55,32 +55,6 @@ def test_the_spec_packs_actions_then_frames_and_counts_every_token(saved):
     video = 2 * 2 * 3
     assert spec.context_tokens == 4 + 1 and spec.tokens_per_chunk == 5 + video + 5
     assert spec.kv_slot_tokens == WINDOW * (video + 5) and spec.frames_shape == (2, 4, 4, 6)
-
-
-class MaskedProcessor:
-    """diffusers' own Wan attention processor with an attention mask over the whole sequence (the block
-    passes none to its self-attention)."""
-
-    def __init__(self, mask: torch.Tensor):
-        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
-
-        self.inner, self.mask = WanAttnProcessor(), mask
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        return self.inner(attn, hidden_states, encoder_hidden_states, self.mask, rotary_emb)
-
-
-class PerChunkCross:
-    """diffusers' own cross-attention processor, each chunk's tokens to that chunk's own conditioning."""
-
-    def __init__(self, contexts: list[torch.Tensor], per_chunk: int):
-        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
-
-        self.inner, self.contexts, self.per_chunk = WanAttnProcessor(), contexts, per_chunk
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        parts = hidden_states.split(self.per_chunk, dim=1)
-        return torch.cat([self.inner(attn, part, ctx) for part, ctx in zip(parts, self.contexts)], dim=1)
 
 
 @torch.no_grad()
