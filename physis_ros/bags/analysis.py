@@ -50,6 +50,8 @@ class Outputs:
     telemetry: list[dict]
     diagnostics: int
     nonfinite_trajectories: dict[str, list[int]] = field(default_factory=dict)  # stream -> receive positions
+    # The latent frames a world-action model predicts beside its actions: stream -> chunk index -> [F, C, h, w]
+    frames: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,7 +85,8 @@ def load_outputs(recorded, serve: ServeInfo) -> Outputs:
     from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
 
     chunk_topics = {s.topics["action_chunk"]: s.name for s in serve.streams if s.produces == "actions"}
-    frame_topics = {s.topics["predicted_frames"]: s.name for s in serve.streams if s.produces != "actions"}
+    frame_topics = {s.topics["predicted_frames"]: s.name for s in serve.streams if "predicted_frames" in s.topics}
+    beside = {s.name for s in serve.streams if s.produces == "actions"}     # frames beside a WAM's actions
     traj_topics = {s.topics["joint_trajectory"]: s.name for s in serve.streams if s.produces == "actions"}
     outputs = Outputs({s.name: [] for s in serve.streams}, {s.name: [] for s in serve.streams}, [], 0)
     for topic, _, log_ns, raw in read_all(recorded):
@@ -100,6 +103,9 @@ def load_outputs(recorded, serve: ServeInfo) -> Outputs:
             shape = (int(m.frames), int(m.channels), int(m.height), int(m.width))
             if math.prod(shape) == latents.size:
                 latents = latents.reshape(shape)
+            if frame_topics[topic] in beside:
+                outputs.frames.setdefault(frame_topics[topic], {})[int(m.chunk_index)] = latents
+                continue
             outputs.chunks[frame_topics[topic]].append(
                 OutputChunk(m.stream, int(m.chunk_index), _ns(m.header.stamp), latents, log_ns, [],
                             "predicted_frames"))
@@ -192,7 +198,8 @@ def _check_finite(result: Analysis, name: str, got: list[OutputChunk], outputs: 
 def _check_fields(result: Analysis, stream: StreamInfo, got: list[OutputChunk]) -> None:
     """Each chunk names its stream and has its model's output shape (and, for actions, the joint names)."""
     name = stream.name
-    shape = tuple(stream.model_config.output_shape) if stream.model_config is not None else None
+    spec = stream.model_config.spec if stream.model_config is not None else None
+    shape = None if spec is None else spec.actions_shape if stream.produces == "actions" else spec.frames_shape
     if stream.produces == "actions":
         bad = [c.index for c in got if c.stream != name or c.joint_names != stream.joint_names
                or c.values.ndim != 2 or (shape is not None and c.values.shape != shape)]
@@ -330,28 +337,39 @@ def _compare_reference(result: Analysis, inputs, outputs: Outputs, serve: ServeI
     expected = reference_outputs(inputs, serve)
     exact = serve.bit_exact
     for name, refs in expected.items():
+        stream = serve.stream(name)
+        spec = stream.model_config.spec
         got = {c.index: c.values for c in outputs.chunks.get(name, [])}
+        frames = outputs.frames.get(name) if stream.produces == "actions" and spec.has_frames else None
         compared = mismatched = 0
         worst = 0.0
         first = None
-        for i, ref in enumerate(refs):
+        for i, full in enumerate(refs):
             if i not in got:
                 continue
             compared += 1
-            a = got[i]
-            if a.shape != ref.shape:
-                mismatched += 1
-                first = first if first is not None else i
-                continue
-            same = (a.tobytes() == ref.tobytes()) if exact else np.allclose(a, ref, rtol=1e-5, atol=1e-6)
-            if not same:
-                mismatched += 1
-                first = first if first is not None else i
-                diff = np.abs(a.astype(np.float64) - ref)
-                worst = max(worst, float(np.max(np.where(np.isnan(diff), np.inf, diff))))   # NaN: inf
+            # what each topic carries: the actions (or a world model's frames, [F, C, h, w]), and the frames a
+            # world-action model predicts beside its actions (a chunk without them differs)
+            pairs = [(got[i], spec.actions_of(full) if stream.produces == "actions" else spec.frames_of(full))]
+            if frames is not None:
+                pairs.append((frames.get(i), spec.frames_of(full)))
+            for a, ref in pairs:
+                if a is None or a.shape != ref.shape:
+                    mismatched += 1
+                    first = first if first is not None else i
+                    break
+                same = (a.tobytes() == np.ascontiguousarray(ref).tobytes()) if exact else np.allclose(
+                    a, ref, rtol=1e-5, atol=1e-6)
+                if not same:
+                    mismatched += 1
+                    first = first if first is not None else i
+                    diff = np.abs(a.astype(np.float64) - ref)
+                    worst = max(worst, float(np.max(np.where(np.isnan(diff), np.inf, diff))))   # NaN: inf
+                    break
         how = "bit-for-bit" if exact else "within rtol 1e-5 (engine batching on)"
         ok = compared > 0 and mismatched == 0
-        detail = (f"{compared} chunks equal the sequential reference {how}" if ok else
+        what = " (actions and predicted frames)" if frames is not None else ""
+        detail = (f"{compared} chunks{what} equal the sequential reference {how}" if ok else
                   f"{mismatched} of {compared} chunks differ from the reference ({how}); first chunk {first}, "
                   f"max |diff| {worst:.3g}" if compared else "no chunk to compare")
         result.add(f"{name}: equals reference", ok, detail)

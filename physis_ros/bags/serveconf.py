@@ -79,7 +79,8 @@ class StreamInfo:
 
     @property
     def output_roles(self) -> list[str]:
-        chunk = ["action_chunk", "joint_trajectory"] if self.produces == "actions" else ["predicted_frames"]
+        chunk = ["action_chunk", "joint_trajectory"] if self.produces == "actions" else []
+        chunk += ["predicted_frames"] if "predicted_frames" in self.topics else []
         return chunk + (["telemetry"] if "telemetry" in self.topics else [])
 
     @property
@@ -218,7 +219,7 @@ def stream_info(config: ServeConfig, name: str) -> StreamInfo:
         add("action_chunk", "action_chunk", ACTION_CHUNK_TYPE)
         add("joint_trajectory", "joint_trajectory", TRAJECTORY_TYPE)
         add("expert", "expert", ACTION_CHUNK_TYPE)   # optional input: what an expert does (tracking error)
-    else:
+    if model.spec.has_frames:                        # a world model's chunk, or what a WAM predicts beside it
         add("predicted_frames", "predicted_frames", FRAMES_TYPE)
     if s.telemetry:
         add("telemetry", "telemetry", TELEMETRY_TYPE)
