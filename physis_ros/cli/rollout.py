@@ -56,6 +56,18 @@ def rollout(model, source, streams: list[str], chunks: int, seed: int, recompute
             yield ReferenceChunk(s, c, out, (time.perf_counter() - start) * 1e3)
 
 
+def _prompt_only(directory: str) -> bool:
+    """Whether a checkpoint directory's model reads prompt embeddings alone (a video trunk: its rollout takes
+    --prompt-embeds), or cannot be read (the Wan rollout names what is wrong with it)."""
+    from physis_ros.config import ConfigError
+    from physis_ros.model import load_model_config
+
+    try:
+        return set(load_model_config(directory).spec.inputs) == {"prompt_embeds"}
+    except ConfigError:
+        return True
+
+
 @cli_main("physis-rollout")
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="physis-rollout", description=__doc__)
@@ -80,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     check_writable(args.json)
     check_writable(args.tensors, "--tensors")
     set_threads(args.threads)       # the reference's threads, as many as each worker's with --plan
-    if Path(args.model).is_dir():   # a diffusers Wan directory (cli/rollout_wan.py)
+    if Path(args.model).is_dir() and _prompt_only(args.model):   # a Wan video trunk: cli/rollout_wan.py
         return run_wan(args)
     import numpy as np
 
@@ -96,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             config = from_mapping(ModelConfig, {**to_mapping(config), "history": args.history or config.history,
                                                 "history_groups": args.history_groups or config.history_groups})
         model = build_model(config, device=args.device)
+        if args.recompute and not model.sequence_recompute:
+            fail(f"--recompute: model '{config.name}' is not recomputed through the stage contract (a Wan model is "
+                 f"checked against diffusers' own blocks over the whole sequence: tests/model/test_wan_*.py)")
     except (ConfigError, ValueError, RuntimeError) as exc:
         fail(f"{exc}" if not isinstance(exc, RuntimeError) else f"cannot build the model on --device "
              f"{args.device}: {exc}")

@@ -52,6 +52,10 @@ def derived_seed(*parts: object) -> int:
 class ServableModel(nn.Module, ABC):
     """Base class of a model the server can cut into stages."""
 
+    sequence_recompute = True
+    """Whether :mod:`physis_ros.recompute` can run it: its ``block`` attends through ``kv.attend_inputs`` and
+    ``kv.append`` alone (a whole sequence under a mask in place of the cache)."""
+
     def __init__(self, config: ModelConfig, hosted_blocks: Iterable[int] | None = None):
         super().__init__()
         self.config = config

@@ -25,6 +25,7 @@ from torch import nn
 
 from physis_ros.model.spec import ModelConfig
 from physis_ros.model.wan import seeded
+from physis_ros.model.wan_adapter import build_adapter
 from physis_ros.model.wan_family import WEIGHTS, vae_config_of
 from physis_ros.model.wan_model import WanModel
 
@@ -88,7 +89,7 @@ class WanACWMModel(WanModel):
                                   "actions": nn.Linear(world.action_dim, d),
                                   "action_pos": nn.Embedding(world.action_horizon, d)})
 
-        self.adapter = seeded(config.init_seed, "adapter", make).to(device=device, dtype=self.dtype)
+        self.adapter = build_adapter(config, make).to(device=device, dtype=self.dtype)
         self.adapter.eval().requires_grad_(False)
 
     def encode(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:

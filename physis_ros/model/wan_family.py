@@ -20,6 +20,7 @@ from typing import Any
 
 from physis_ros.config import ConfigError
 from physis_ros.model.families import ModelFamily
+from physis_ros.model.wan_adapter import check_adapter
 from physis_ros.model.spec import ModelConfig, ModelSpec
 
 CONFIG = "config.json"
@@ -272,6 +273,7 @@ def wan_wam_spec(config: ModelConfig) -> ModelSpec:
     inputs = {"image": (act.image_channels, act.image_size, act.image_size), "state": (act.state_dim,)}
     if io.text_tokens:
         inputs["prompt_embeds"] = (io.text_tokens, int(trunk["text_dim"]))
+    check_adapter(config)
     frames = (channels, io.frames, io.height, io.width)
     size = act.horizon * act.dof + channels * io.frames * io.height * io.width
     return _spec(config, trunk, inputs, (size,), "actions", video + act.horizon,
@@ -343,6 +345,7 @@ def wan_acwm_spec(config: ModelConfig) -> ModelSpec:
     if world.image_size % (scale * p_h) or world.image_size % (scale * p_w):
         raise ConfigError("wan.world.image_size", f"{world.image_size} is not a multiple of the VAE's {scale} "
                                                    f"pixels per latent times the trunk's patch {p_h}x{p_w}")
+    check_adapter(config)
     camera = (world.image_size // scale // p_h) * (world.image_size // scale // p_w)
     inputs = {"image": (world.image_channels, world.image_size, world.image_size), "state": (world.state_dim,),
               "actions": (world.action_horizon, world.action_dim)}

@@ -86,6 +86,8 @@ class CachedCrossAttention:
 class WanModel(ServableModel):
     """The servable model of a Wan checkpoint directory (see the module's docstring)."""
 
+    sequence_recompute = False      # its history is checked against diffusers' forward (wan_history.recompute)
+
     def __init__(self, config: ModelConfig, hosted_blocks: Iterable[int] | None = None,
                  device: torch.device | str = "cpu"):
         super().__init__(config, hosted_blocks)

@@ -32,13 +32,15 @@ import torch
 from torch import nn
 
 from physis_ros.model.spec import ModelConfig
-from physis_ros.model.wan import patchify, seeded
+from physis_ros.model.wan import patchify
+from physis_ros.model.wan_adapter import build_adapter
 from physis_ros.model.wan_model import WanModel
 
 
-def build_adapter(config: ModelConfig) -> nn.ModuleDict:
-    """The action adapter's modules (random init, seeded by the model's ``init_seed``)."""
-    io, act, d = config.wan, config.wan.actions, config.hidden
+def wam_adapter(config: ModelConfig) -> nn.ModuleDict:
+    """The action adapter's modules: the checkpoint's ``adapter.safetensors``, or random (seeded by the model's
+    ``init_seed``); names and shapes as :func:`physis_ros.model.wan_adapter.adapter_shapes` says."""
+    act, d = config.wan.actions, config.hidden
 
     def make() -> nn.ModuleDict:
         return nn.ModuleDict({
@@ -49,8 +51,7 @@ def build_adapter(config: ModelConfig) -> nn.ModuleDict:
             "action_out": nn.Linear(d, act.dof),
         })
 
-    assert io is not None
-    return seeded(config.init_seed, "adapter", make)
+    return build_adapter(config, make)
 
 
 def action_positions(table: torch.Tensor, chunks: int, grid: tuple[int, int, int], horizon: int) -> torch.Tensor:
@@ -75,7 +76,7 @@ class WanWAMModel(WanModel):
         super().__init__(config, hosted_blocks, device)
         act = config.wan.actions
         self._horizon, self._dof = act.horizon, act.dof
-        self.adapter = build_adapter(config).to(device=device, dtype=self.dtype).eval().requires_grad_(False)
+        self.adapter = wam_adapter(config).to(device=device, dtype=self.dtype).eval().requires_grad_(False)
 
     def _positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE cos, sin chunk after chunk: each chunk's video tokens at their frames, then its action tokens

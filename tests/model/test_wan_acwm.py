@@ -184,3 +184,23 @@ def test_a_vae_of_other_latent_channels_and_a_model_with_no_vae_are_refused(pipe
     with pytest.raises(ConfigError, match="encodes the camera with a VAE") as err:
         load_model_config(lone)
     assert err.value.key == "wan.vae"
+
+
+def test_the_adapter_saved_beside_the_pipeline_is_served(pipeline, tmp_path):
+    from physis_ros.model.wan_adapter import adapter_shapes, save_adapter
+
+    trained = build_model(load_model_config(pipeline))
+    assert {k: tuple(v.shape) for k, v in trained.adapter.state_dict().items()} == adapter_shapes(trained.config)
+    root = tmp_path / "with-adapter"
+    root.mkdir()
+    for name in ("transformer", "vae"):
+        (root / name).symlink_to(pipeline / name)
+    save_adapter(trained, root)
+    (root / "physis_model.yaml").write_text(yaml.safe_dump({**sidecar(), "init_seed": 11}))
+    served = build_model(load_model_config(root))
+    assert torch.equal(ReferenceRollout(served).step("w", observation(0)).output,
+                       ReferenceRollout(trained).step("w", observation(0)).output)
+    spec = (root / "adapter.json").read_text()
+    (root / "adapter.json").write_text(spec.replace('"action_dim": 3', '"action_dim": 4'))
+    with pytest.raises(ConfigError, match="adapter.json: world.action_dim is 4, but wan.world.action_dim is 3"):
+        load_model_config(root)

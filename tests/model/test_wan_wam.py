@@ -7,6 +7,8 @@ sampler; configs that do not fit are refused naming the field."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -209,3 +211,69 @@ def test_configs_that_do_not_fit_are_refused_naming_the_field(saved, tmp_path, c
     with pytest.raises(ConfigError) as err:
         load_model_config(directory)
     assert err.value.key == key, str(err.value)
+
+
+def pipeline_with_adapter(saved, root, source_model, **sidecar_changes):
+    """A pipeline directory: the saved trunk as transformer/, ``source_model``'s adapter beside it."""
+    from physis_ros.model.wan_adapter import save_adapter
+
+    root.mkdir()
+    (root / "transformer").symlink_to(saved, target_is_directory=True)
+    save_adapter(source_model, root)
+    (root / "physis_model.yaml").write_text(yaml.safe_dump({**sidecar(), "init_seed": 9, **sidecar_changes}))
+    return root
+
+
+def test_a_checkpoints_adapter_is_served_in_place_of_a_random_one(saved, tmp_path):
+    """A model directory with adapter.safetensors and adapter.json serves those weights (its own init_seed
+    would give others); the adapter's tensors are the ones adapter_shapes lists."""
+    from physis_ros.model.wan_adapter import adapter_shapes
+
+    trained = build_model(load_model_config(saved))                # init_seed 4: stands in for a trained one
+    root = pipeline_with_adapter(saved, tmp_path / "wam", trained)
+    served = build_model(load_model_config(root))
+    assert served.config.init_seed == 9 and served.config.wan.checkpoint == str(root)
+    assert {k: tuple(v.shape) for k, v in served.adapter.state_dict().items()} == adapter_shapes(served.config)
+    for name, value in trained.adapter.state_dict().items():
+        assert torch.equal(served.adapter.state_dict()[name], value), name
+    a = ReferenceRollout(served, seed=1).step("r", observation("r", 0)).output
+    b = ReferenceRollout(trained, seed=1).step("r", observation("r", 0)).output
+    assert torch.equal(a, b)
+    (root / "adapter.safetensors").unlink()
+    (root / "adapter.json").unlink()
+    random = build_model(load_model_config(root))
+    assert not torch.equal(random.adapter["action_out"].weight, trained.adapter["action_out"].weight)
+
+
+def test_a_mismatching_adapter_is_refused_naming_the_file_and_the_key_or_tensor(saved, tmp_path):
+    from safetensors.torch import save_file
+
+    trained = build_model(load_model_config(saved))
+    root = pipeline_with_adapter(saved, tmp_path / "wam", trained)
+    spec = json.loads((root / "adapter.json").read_text())
+
+    def refused(match: str) -> None:
+        with pytest.raises(ConfigError, match=match) as err:
+            load_model_config(root)
+        assert err.value.key == "wan.checkpoint" and "\n" not in str(err.value)
+
+    (root / "adapter.json").write_text(json.dumps({**spec, "actions": {**spec["actions"], "horizon": 6}}))
+    refused(r"adapter.json: actions.horizon is 6, but wan.actions.horizon is 5")
+    (root / "adapter.json").write_text(json.dumps({**spec, "hidden": 48}))
+    refused(r"adapter.json: hidden is 48, the model's is 24")
+    (root / "adapter.json").unlink()
+    refused(r"adapter.json: not readable JSON")
+    (root / "adapter.json").write_text(json.dumps(spec))
+    tensors = {k: v.clone() for k, v in trained.adapter.state_dict().items()}
+    save_file({**tensors, "action_out.weight": torch.zeros(3, 7)}, root / "adapter.safetensors")
+    refused(r"adapter.safetensors: tensor action_out.weight has shape \(3, 7\), the model needs \(3, 24\)")
+    save_file({k: v for k, v in tensors.items() if k != "state.bias"}, root / "adapter.safetensors")
+    refused(r"adapter.safetensors: tensor state.bias is missing")
+    save_file({**tensors, "extra.weight": torch.zeros(2)}, root / "adapter.safetensors")
+    refused(r"adapter.safetensors: tensor extra.weight is not part of a wan_wam adapter")
+    save_file(tensors, root / "adapter.safetensors")
+    data = (root / "adapter.safetensors").read_bytes()
+    (root / "adapter.safetensors").write_bytes(data[:-40])
+    refused(r"adapter.safetensors: tensor .* lies past the end of the file")
+    (root / "adapter.safetensors").write_bytes(data)
+    assert load_model_config(root).kind == "wan_wam"

@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -526,6 +527,71 @@ def test_a_world_model_imagines_exactly_what_the_policy_commands(live):
     assert contiguous(idx), f"a's chunk indices have a gap: {idx}"
     fb = m.feedback[-1]
     assert fb.state == "serving" and fb.chunks_lost == 0
+
+
+def wan_wam_directory(root):
+    """A Wan world-action model as a checkpoint directory holds it: diffusers' transformer/, the adapter's
+    safetensors and JSON, physis_model.yaml (tests/tiny_wan.py's trunk; the robot side of tiny-wam's)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_wan import save_tiny_wan
+
+    from physis_ros.model import build_model, load_model_config
+    from physis_ros.model.wan_adapter import save_adapter
+
+    save_tiny_wan(root / "transformer", num_layers=2)
+    (root / "physis_model.yaml").write_text(yaml.safe_dump({
+        "kind": "wan_wam", "steps": 2, "window": 2, "init_seed": 3,
+        "wan": {"frames": 2, "height": 4, "width": 4, "text_tokens": 0,
+                "actions": {"horizon": 16, "dof": 7, "state_dim": 7, "image_size": 32, "image_patch": 8}}}))
+    save_adapter(build_model(load_model_config(root)), root)
+    return root
+
+
+def test_a_goal_serves_a_wan_wam_directory_bit_for_bit_and_leaves(live, tmp_path):
+    """A ServeStream goal names a Wan world-action model's directory (model: DIR) and robot a's camera and
+    joints: its action chunks and predicted frames come with one chunk index each, equal to the sequential
+    reference fed the observations the server took (deterministic), bit for bit; cancelled, it leaves."""
+    from physis_ros.msg import ActionChunk, PredictedFrames
+    from physis_ros.model import build_model
+    from physis_ros.model.spec import load_model_config
+    from physis_ros.reference import ReferenceRollout
+    from physis_ros.ros.acceptance import accept_image, accept_joints
+    from physis_ros.ros.serve_action import stream_config_of
+
+    root = wan_wam_directory(tmp_path / "tiny-wan-wam")
+    ns, a = f"{TAG}_wanw", f"/{NS['a']}"
+    live.probe.subscribe("chunk/wanw", ActionChunk, f"/{ns}/action_chunk", RELIABLE)
+    live.probe.subscribe("frames/wanw", PredictedFrames, f"/{ns}/predicted_frames", RELIABLE)
+    w = live.goal("wanw", topic_namespace=ns, model=str(root), image_topic=f"{a}/camera/image_raw",
+                  joint_states_topic=f"{a}/joint_states", slo_interval_ms=160.0, control_rate_hz=50.0)
+    assert w.admitted, w.result().reason
+    assert live.listed()["wanw"]["model"] == "tiny-wan-wam"
+    chunks = 4
+    live.probe.wait(lambda: len(live.telemetry("wanw")) >= chunks and len(live.probe.get("frames/wanw")) >= chunks - 1
+                    and len(live.chunks("wanw")) >= chunks - 1, 40.0, f"{chunks} chunks of the Wan WAM")
+    cfg = load_model_config(root)
+    stream = stream_config_of(w.msg)
+    ref = ReferenceRollout(build_model(cfg), seed=0)
+    actions = {c.chunk_index: c for c in live.chunks("wanw")}
+    frames = {f.chunk_index: f for f, _ in live.probe.get("frames/wanw")}
+    sent = live.robots.sent[NS["a"]]
+    compared = 0
+    for t in live.telemetry("wanw")[:chunks]:
+        image, joints = sent[ns_of(t.observation_stamp)]
+        expected = ref.step("wanw", {"image": accept_image(image, stream, cfg),
+                                     "state": accept_joints(joints, stream)}).output.numpy()
+        if t.chunk_index not in actions or t.chunk_index not in frames:
+            continue
+        got_actions = np.asarray(actions[t.chunk_index].actions, np.float32).reshape(16, 7)
+        f = frames[t.chunk_index]
+        got_frames = np.frombuffer(f.latents, np.float32).reshape(f.frames, f.channels, f.height, f.width)
+        assert np.array_equal(got_actions, cfg.spec.actions_of(expected)), t.chunk_index
+        assert np.array_equal(got_frames, cfg.spec.frames_of(expected)), t.chunk_index
+        compared += 1
+    assert compared >= chunks - 1
+    r = w.cancel()
+    assert r.accepted and r.outcome == "cancelled", r
+    live.probe.wait(lambda: "wanw" not in live.listed(), 10.0, "the Wan stream to leave")
 
 
 def test_a_stream_that_joins_late_is_judged_from_its_admission(live):

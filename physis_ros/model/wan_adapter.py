@@ -1,0 +1,133 @@
+"""The robot adapter of a Wan world-action or world model (kinds ``wan_wam``, ``wan_acwm``) as a checkpoint
+directory holds it, beside the diffusers trunk (and VAE)::
+
+    my-model/
+      physis_model.yaml            # kind, steps, window, the wan: section (actions: or world:)
+      transformer/                 # diffusers WanTransformer3DModel (config.json, safetensors)
+      vae/                         # diffusers AutoencoderKLWan (a world model; optional for a WAM)
+      adapter.safetensors          # the adapter's tensors (ADAPTER_TENSORS below)
+      adapter.json                 # what they were made for: {"kind", "hidden", "actions" | "world": {...}}
+
+Without ``adapter.safetensors`` the adapter is random (seeded by ``init_seed``). With it, both files are
+checked when the config is loaded (torch-free: the JSON and the safetensors header): the kind, the trunk
+width and every field of the robot side must be the config's, and every tensor there with its shape, no
+other; a mismatch is refused in one line naming ``wan.checkpoint``, the file and the key or tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from physis_ros.config import ConfigError
+
+ADAPTER = "adapter.safetensors"
+ADAPTER_SPEC = "adapter.json"
+SECTION = {"wan_wam": "actions", "wan_acwm": "world"}
+
+
+def adapter_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the adapter of ``config`` (kind wan_wam or wan_acwm) with its shape."""
+    d, io = config.hidden, config.wan
+    if config.kind == "wan_wam":
+        a = io.actions
+        return {"image.weight": (d, a.image_channels, a.image_patch, a.image_patch), "image.bias": (d,),
+                "state.weight": (d, a.state_dim), "state.bias": (d,),
+                "action_in.weight": (d, a.dof), "action_in.bias": (d,),
+                "action_pos.weight": (a.horizon, d),
+                "action_out.weight": (a.dof, d), "action_out.bias": (a.dof,)}
+    w = io.world
+    return {"state.weight": (d, w.state_dim), "state.bias": (d,),
+            "actions.weight": (d, w.action_dim), "actions.bias": (d,),
+            "action_pos.weight": (w.action_horizon, d)}
+
+
+def adapter_spec(config) -> dict[str, Any]:
+    """What ``adapter.json`` says of the adapter of ``config``."""
+    section = SECTION[config.kind]
+    return {"kind": config.kind, "hidden": config.hidden,
+            section: dataclasses.asdict(getattr(config.wan, section))}
+
+
+def adapter_file(config) -> Path | None:
+    """The checkpoint's ``adapter.safetensors``, or None (no checkpoint, or none there: a random adapter)."""
+    if not config.wan.checkpoint:
+        return None
+    path = Path(config.wan.checkpoint) / ADAPTER
+    return path if path.is_file() else None
+
+
+def check_adapter(config) -> None:
+    """The checkpoint's adapter files against ``config`` (see the module's docstring); nothing to check
+    without them."""
+    path = adapter_file(config)
+    if path is None:
+        return
+    from physis_ros.model.wan import WanLoadError, read_header
+
+    def bad(problem: str) -> ConfigError:
+        return ConfigError("wan.checkpoint", problem)
+
+    spec_path = path.parent / ADAPTER_SPEC
+    try:
+        given = json.loads(spec_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise bad(f"{spec_path}: not readable JSON ({exc}); an adapter's weights come with what they were made "
+                  f"for (save_adapter writes both)") from None
+    want = adapter_spec(config)
+    section = SECTION[config.kind]
+    for key in ("kind", "hidden"):
+        if not isinstance(given, dict) or given.get(key) != want[key]:
+            got = given.get(key) if isinstance(given, dict) else given
+            raise bad(f"{spec_path}: {key} is {got!r}, the model's is {want[key]!r}")
+    for key, value in want[section].items():
+        got = (given.get(section) or {}).get(key) if isinstance(given.get(section), dict) else None
+        if got != value:
+            raise bad(f"{spec_path}: {section}.{key} is {got!r}, but wan.{section}.{key} is {value!r}")
+    try:
+        header = read_header(path)
+    except WanLoadError as exc:
+        raise bad(str(exc)) from None
+    for name, shape in adapter_shapes(config).items():
+        if name not in header:
+            raise bad(f"{path}: tensor {name} is missing (the adapter needs it, shape {shape})")
+        if header[name][0] != shape:
+            raise bad(f"{path}: tensor {name} has shape {header[name][0]}, the model needs {shape}")
+    extra = sorted(set(header) - set(adapter_shapes(config)))
+    if extra:
+        raise bad(f"{path}: tensor {extra[0]} is not part of a {config.kind} adapter")
+
+
+def adapter_weights(config):
+    """The checkpoint's adapter tensors (float32 CPU tensors by name), or None for a random adapter."""
+    path = adapter_file(config)
+    if path is None:
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+def build_adapter(config, make):
+    """The adapter module ``make()`` builds, with the checkpoint's weights (``adapter.safetensors``) or random
+    ones seeded by ``init_seed`` (the same on every worker)."""
+    from physis_ros.model.wan import seeded
+
+    module = seeded(config.init_seed, "adapter", make)
+    weights = adapter_weights(config)
+    if weights is not None:
+        module.load_state_dict(weights, strict=True)
+    return module
+
+
+def save_adapter(model, directory: str | Path) -> None:
+    """Write ``model``'s adapter (a Wan WAM's or world model's ``adapter`` module) into ``directory`` as
+    ``adapter.safetensors`` and ``adapter.json``: what a training run leaves beside the trunk."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    tensors = {k: v.detach().float().contiguous().cpu() for k, v in model.adapter.state_dict().items()}
+    save_file(tensors, directory / ADAPTER)
+    (directory / ADAPTER_SPEC).write_text(json.dumps(adapter_spec(model.config), indent=2) + "\n")
