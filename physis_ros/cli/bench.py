@@ -1,6 +1,6 @@
 """``physis-bench SUBCOMMAND``: benchmarks that write JSON (and plots).
 
-    physis-bench pipeline | timeshare | soak | streams | ros | admission | handoff | hop | goals | churn
+    physis-bench pipeline | timeshare | soak | streams | ros | admission | handoff | hop | goals | churn | wan
                  | admission-accuracy | openpi | block-overhead  [options]
     (physis-bench SUB --help)
 
@@ -47,11 +47,14 @@ SUBCOMMANDS = {
                           "Server.join with admission on: admitted / feasible, admitted meeting the SLO",
     "block-overhead": "our stage path over one real-shape Wan block vs diffusers' own WanTransformerBlock forward "
                       "(CPU, fp32 and bf16, interleaved pairs, median ratio and spread)",
+    "wan": "the Wan streams beside tiny-wam in one run: pipeline (stage vs sequential, cost model's prediction) and "
+           "time-sharing (batching on vs off) per model, rounds interleaved",
 }
 
 # subcommand -> its module in physis_ros.bench where the two names differ (a module is not named like another
 # layer's module of another concept: scheduling/admission.py, runtime/streams.py)
-MODULES = {"admission": "admission_goals", "streams": "streams_live", "block-overhead": "block_overhead"}
+MODULES = {"admission": "admission_goals", "streams": "streams_live", "block-overhead": "block_overhead",
+           "wan": "wan_streams"}
 
 # flag (argparse dest) -> (lowest value, whether the bound is excluded)
 BOUNDS = {

@@ -72,3 +72,30 @@ def test_physis_rollout_plan_and_workers_write_what_the_reference_writes(directo
     assert set(ref) == set(served) == {"sigmas"} | {f"{k}.{c}" for k in ("noise", "output") for c in range(3)}
     for name in ref:
         assert torch.equal(ref[name], served[name]), name
+
+
+def test_wan_wam_streams_of_one_checkpoint_share_batched_forwards(tmp_path):
+    """Three streams of one Wan world-action model on one worker with batching on: their stages run in
+    batched forwards of one block's weights (same-weight batching across streams), and every chunk equals the
+    sequential reference within the fp32 tolerance of a batch (1e-5 of the largest value)."""
+    cfg = load_model_config("tiny-wan-wam")
+    streams = ["a", "b", "c"]
+
+    def robots(stream: str, chunk: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([streams.index(stream), chunk, 9])
+        return {"image": rng.random((3, 32, 32), dtype=np.float32), "state": rng.standard_normal(7).astype(np.float32)}
+
+    chunks = 4
+    out = run_chunks(cfg, EngineConfig(plan="sequential", workers=1, batching="on", heartbeat_timeout_s=20.0),
+                     streams, chunks, robots)
+    ref = {(r.stream, r.index): r.output.numpy()
+           for r in reference_rollout(build_model(cfg), robots, streams, chunks)}
+    batched = 0
+    for s in streams:
+        assert [o.chunk for o in out[s]] == list(range(chunks))
+        for o in out[s]:
+            want = ref[(s, o.chunk)]
+            assert o.output.shape == want.shape == (16 * 7 + 4 * 2 * 8 * 8,)
+            assert np.abs(o.output - want).max() <= 1e-5 * np.abs(want).max(), (s, o.chunk)
+            batched += sum(b > 1 for b in o.record.batch_sizes)
+    assert batched > 0, "no stage ran in a batch of more than one stream"
