@@ -56,3 +56,35 @@ class PerChunkCross:
 
         parts = hidden_states.split(self.per_chunk, dim=1)
         return torch.cat([self.inner(attn, part, ctx) for part, ctx in zip(parts, self.contexts)], dim=1)
+
+
+class StagedStreams:
+    """Streams of ``model`` run stage by stage through ``run_stage`` (the workers' code) over K/V tables of
+    their own, the tasks of the streams given to :meth:`run` batched in each call (time-sharing): chunk ``c`` of
+    stream ``s`` reads ``observe(s, c)`` and the noise of ``seed``; ``outputs[s]`` collects each chunk."""
+
+    def __init__(self, model, streams: list[str], observe, seed: int):
+        cfg = model.config
+        self.model, self.observe, self.seed = model, observe, seed
+        self.clean = cfg.clean_pass
+        self.per_stream = 1 if self.clean else cfg.steps
+        self.tables = [model.new_kv_table(b, self.per_stream * len(streams)) for b in range(cfg.blocks)]
+        self.index = {s: i for i, s in enumerate(streams)}
+        self.chunk = dict.fromkeys(streams, 0)
+        self.outputs: dict[str, list] = {s: [] for s in streams}
+
+    def run(self, streams: list[str]) -> None:
+        from physis_ros.model.kv import KVBatch
+        from physis_ros.model.stages import chunk_input, run_stage
+
+        model, cfg = self.model, self.model.config
+        states = {s: chunk_input(model.observation_tensors(self.observe(s, self.chunk[s])),
+                                 model.noise(self.seed, s, self.chunk[s])) for s in streams}
+        for k in list(range(cfg.steps, 0, -1)) + ([0] if self.clean else []):
+            for b in range(cfg.blocks):
+                slots = [self.index[s] * self.per_stream + (0 if self.clean else k - 1) for s in streams]
+                states = dict(zip(streams, run_stage(model, b, [k] * len(streams), [states[s] for s in streams],
+                                                     KVBatch(self.tables[b], slots))))
+        for s in streams:
+            self.outputs[s].append(states[s]["x"][0])
+            self.chunk[s] += 1

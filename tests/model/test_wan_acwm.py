@@ -17,6 +17,7 @@ from physis_ros.model.families import load_family
 from physis_ros.model.kv import KVBatch
 from physis_ros.model.stages import chunk_input, run_stage
 from physis_ros.model.wan import head
+from physis_ros.model.wan_history import chunk_mask
 from physis_ros.reference import ReferenceRollout
 
 from tiny_wan import MaskedProcessor, PerChunkCross, save_tiny_wan
@@ -87,9 +88,7 @@ def recompute(model, chunks: int, seed: int) -> list[torch.Tensor]:
     trunk, cfg = model.trunk, model.config
     frames, height, width = WAN["frames"], WAN["height"], WAN["width"]
     video = frames * (height // 2) * (width // 2)
-    ids = torch.arange(chunks).repeat_interleave(video)
-    gap = ids[:, None] - ids[None, :]
-    mask = (gap >= 0) & (gap <= cfg.window)
+    mask = chunk_mask(chunks, video, cfg.window)
     contexts = [model.encode(model.observation_tensors(observation(c))) for c in range(chunks)]
     rope = trunk.rope(torch.zeros(1, 4, chunks * frames, height, width))
     blocks = [model.blocks[str(b)] for b in range(cfg.blocks)]

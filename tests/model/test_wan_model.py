@@ -16,13 +16,11 @@ import yaml
 
 from physis_ros.config import ConfigError
 from physis_ros.model import build_model, load_model_config
-from physis_ros.model.kv import KVBatch
-from physis_ros.model.stages import chunk_input, run_stage
 from physis_ros.model.wan import sample
 from physis_ros.model.wan_history import recompute
 from physis_ros.reference import ReferenceRollout
 
-from tiny_wan import save_tiny_wan, tiny_wan
+from tiny_wan import StagedStreams, save_tiny_wan, tiny_wan
 
 IO = {"frames": 2, "height": 8, "width": 6, "text_tokens": 7}
 STEPS = 3
@@ -149,30 +147,11 @@ def test_stages_one_at_a_time_and_time_shared_batches_equal_the_reference(saved,
     _, path = saved
     write_sidecar(path, rule=rule)
     model = build_model(load_model_config(path))
-    cfg = model.config
     ref = ReferenceRollout(model, seed=2)
     prompts = {"a": prompt_embeds(5), "b": prompt_embeds(6)}
     expected = {s: [ref.step(s, {"prompt_embeds": prompts[s]}).output for _ in range(3)] for s in prompts}
-    clean = cfg.clean_pass
-    per_stream = 1 if clean else cfg.steps
-    tables = [model.new_kv_table(b, per_stream * 2) for b in range(cfg.blocks)]
-    index = {s: i for i, s in enumerate(prompts)}
-    chunk = dict.fromkeys(prompts, 0)
-    outputs: dict[str, list] = {s: [] for s in prompts}
-
-    def slot(s: str, k: int) -> int:
-        return index[s] * per_stream + (0 if clean else k - 1)
-
-    def run(streams):
-        states = {s: chunk_input(model.observation_tensors({"prompt_embeds": prompts[s]}),
-                                 model.noise(2, s, chunk[s])) for s in streams}
-        for k in list(range(cfg.steps, 0, -1)) + ([0] if clean else []):
-            for b in range(cfg.blocks):
-                kv = KVBatch(tables[b], [slot(s, k) for s in streams])
-                states = dict(zip(streams, run_stage(model, b, [k] * len(streams), [states[s] for s in streams], kv)))
-        for s in streams:
-            outputs[s].append(states[s]["x"][0])
-            chunk[s] += 1
+    staged = StagedStreams(model, list(prompts), lambda s, c: {"prompt_embeds": prompts[s]}, seed=2)
+    run, outputs = staged.run, staged.outputs
 
     run(["b"])
     assert torch.equal(outputs["b"][0], expected["b"][0])

@@ -17,12 +17,11 @@ import yaml
 from physis_ros.config import ConfigError
 from physis_ros.model import build_model, load_model_config
 from physis_ros.model.handoff import Handoff
-from physis_ros.model.kv import KVBatch
-from physis_ros.model.stages import chunk_input, run_stage
 from physis_ros.model.wan import head
+from physis_ros.model.wan_history import chunk_mask
 from physis_ros.reference import ReferenceRollout
 
-from tiny_wan import MaskedProcessor, PerChunkCross, save_tiny_wan
+from tiny_wan import MaskedProcessor, PerChunkCross, StagedStreams, save_tiny_wan
 
 WAN = {"frames": 2, "height": 4, "width": 6, "text_tokens": 0}
 ACTIONS = {"horizon": 5, "dof": 3, "state_dim": 4, "image_size": 16, "image_channels": 3, "image_patch": 8}
@@ -69,9 +68,7 @@ def recompute(model, stream: str, chunks: int, seed: int) -> list[torch.Tensor]:
     frames, height, width = WAN["frames"], WAN["height"], WAN["width"]
     video = (frames // 1) * (height // 2) * (width // 2)
     per_chunk = video + h_rows
-    ids = torch.arange(chunks).repeat_interleave(per_chunk)
-    gap = ids[:, None] - ids[None, :]
-    mask = (gap >= 0) & (gap <= cfg.window)
+    mask = chunk_mask(chunks, per_chunk, cfg.window)
     contexts = []
     for c in range(chunks):
         obs = {k: torch.from_numpy(v)[None] for k, v in observation(stream, c).items()}
@@ -136,24 +133,10 @@ def test_chunks_equal_a_full_recompute_through_diffusers_blocks(saved):
 
 def test_stages_one_at_a_time_and_time_shared_batches_equal_the_reference(saved):
     model = build_model(load_model_config(saved))
-    cfg = model.config
     ref = ReferenceRollout(model, seed=2)
     expected = {s: [ref.step(s, observation(s, c)).output for c in range(3)] for s in ("a", "b")}
-    tables = [model.new_kv_table(b, cfg.steps * 2) for b in range(cfg.blocks)]
-    index, chunk = {"a": 0, "b": 1}, {"a": 0, "b": 0}
-    outputs: dict[str, list] = {"a": [], "b": []}
-
-    def run(streams):
-        states = {s: chunk_input(model.observation_tensors(observation(s, chunk[s])), model.noise(2, s, chunk[s]))
-                  for s in streams}
-        for k in range(cfg.steps, 0, -1):
-            for b in range(cfg.blocks):
-                kv = KVBatch(tables[b], [index[s] * cfg.steps + k - 1 for s in streams])
-                states = dict(zip(streams, run_stage(model, b, [k] * len(streams), [states[s] for s in streams], kv)))
-        for s in streams:
-            outputs[s].append(states[s]["x"][0])
-            chunk[s] += 1
-
+    staged = StagedStreams(model, ["a", "b"], observation, seed=2)
+    run, outputs = staged.run, staged.outputs
     run(["b"])
     assert torch.equal(outputs["b"][0], expected["b"][0])
     for _ in range(2):
