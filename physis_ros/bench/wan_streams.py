@@ -114,6 +114,14 @@ def run(args: argparse.Namespace) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models:
         fail("--models: give at least one model")
+    from physis_ros.config import ConfigError
+    from physis_ros.model import load_model_config
+
+    for model in models:           # every name checked before the first run
+        try:
+            load_model_config(model)
+        except ConfigError as exc:
+            fail(f"--models {model}: {exc}")
     rounds: dict[str, list[dict]] = {m: [] for m in models}
     with tempfile.TemporaryDirectory(prefix="physis-bench-wan-") as tmp:
         for r in range(args.rounds):

@@ -157,6 +157,33 @@ def check_checkpoint(path: str | Path) -> None:
         raise WanLoadError(f"{files[extra[0]]}: tensor {extra[0]} is not part of the model the config describes")
 
 
+def check_vae(path: str | Path) -> None:
+    """An ``AutoencoderKLWan`` directory checked from its headers as :func:`check_checkpoint` checks a
+    transformer's: WanLoadError naming the file and the tensor."""
+    from diffusers import AutoencoderKLWan
+
+    directory = Path(path)
+    config_path = directory / CONFIG
+    try:
+        init = {k: v for k, v in json.loads(config_path.read_text()).items() if not k.startswith("_")}
+        with torch.device("meta"):
+            expected = {n: tuple(t.shape) for n, t in AutoencoderKLWan.from_config(init).state_dict().items()}
+    except Exception as exc:   # noqa: BLE001 (unreadable JSON, diffusers' own checks of the config)
+        raise WanLoadError(f"{config_path}: not a config diffusers can build ({exc})") from None
+    files = weight_map(directory)
+    headers = {file: read_header(file) for file in sorted(set(files.values()))}
+    for name, shape in expected.items():
+        found = headers[files[name]].get(name) if name in files else None
+        if found is None:
+            raise WanLoadError(f"{files.get(name, directory / WEIGHTS)}: tensor {name} is missing (the VAE needs "
+                               f"it, shape {shape})")
+        if found[0] != shape:
+            raise WanLoadError(f"{files[name]}: tensor {name} has shape {found[0]}, the VAE needs {shape}")
+    extra = sorted(set(files) - set(expected))
+    if extra:
+        raise WanLoadError(f"{files[extra[0]]}: tensor {extra[0]} is not part of the VAE its config describes")
+
+
 def keep_fp32() -> tuple[str, ...]:
     """The module names whose parameters diffusers keeps in fp32 whatever the model's dtype (the time
     embedder, the norms, the scale-shift tables)."""

@@ -102,25 +102,25 @@ def trunk_of(io) -> dict[str, Any]:
     return trunk
 
 
-def check_weights(checkpoint: Path) -> None:
-    """The checkpoint's weights checked from their headers (every file there and whole, every tensor of its
-    shape: :func:`physis_ros.model.wan.check_checkpoint`), once per version of its files: ConfigError naming
-    ``wan.checkpoint``, the file and the tensor, when the config is loaded rather than when a worker builds a
-    block."""
-    directory = transformer_dir(checkpoint)
+def check_weights(checkpoint: Path, key: str = "wan.checkpoint", what: str = "transformer") -> None:
+    """A directory's weights checked from their headers (every file there and whole, every tensor of its
+    shape: :func:`physis_ros.model.wan.check_checkpoint` for the ``transformer``, ``check_vae`` for a ``vae``),
+    once per version of its files: ConfigError naming ``key``, the file and the tensor, when the config is loaded
+    rather than when a worker builds the model."""
+    directory = transformer_dir(checkpoint) if what == "transformer" else Path(checkpoint)
     stats = [(f.name, f.stat()) for f in directory.iterdir() if f.is_file()]
     stamp = tuple(sorted((name, st.st_mtime_ns, st.st_size) for name, st in stats))
     try:
-        _checked(str(directory), stamp)
+        _checked(str(directory), what, stamp)
     except WanLoadError as exc:
-        raise ConfigError("wan.checkpoint", str(exc)) from None
+        raise ConfigError(key, str(exc)) from None
 
 
 @functools.lru_cache(maxsize=32)
-def _checked(directory: str, stamp: tuple) -> None:
-    from physis_ros.model.wan import check_checkpoint
+def _checked(directory: str, what: str, stamp: tuple) -> None:
+    from physis_ros.model.wan import check_checkpoint, check_vae
 
-    check_checkpoint(directory)
+    (check_checkpoint if what == "transformer" else check_vae)(directory)
 
 
 def _trunk_shape(trunk: dict[str, Any]) -> dict[str, int]:
@@ -303,6 +303,7 @@ def vae_config_of(io) -> dict[str, Any]:
         if io.vae_config:
             raise ConfigError("wan.vae_config", "a model with a VAE directory takes its config from it: leave "
                                                 "wan.vae_config out")
+        check_weights(Path(io.vae), "wan.vae", "vae")
         return config
     if not io.vae_config:
         raise ConfigError("wan.vae", "a Wan world model encodes the camera with a VAE: give its AutoencoderKLWan "

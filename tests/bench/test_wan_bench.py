@@ -30,6 +30,9 @@ def test_wan_bench_writes_each_models_ratios_predictions_and_plot(tmp_path):
     assert png.stat().st_size > 10_000
 
 
-def test_wan_bench_refuses_no_models(capsys):
+def test_wan_bench_refuses_no_models_and_unknown_ones_before_any_run(capsys):
     assert bench.main(["wan", "--models", ",", "--rounds", "1"]) == 2
     assert "--models: give at least one model" in capsys.readouterr().err
+    assert bench.main(["wan", "--models", "tiny-wam,nope", "--rounds", "1"]) == 2
+    err = capsys.readouterr()
+    assert "--models nope: " in err.err and "unknown model preset 'nope'" in err.err and "[round" not in err.out

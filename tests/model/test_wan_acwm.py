@@ -203,3 +203,35 @@ def test_the_adapter_saved_beside_the_pipeline_is_served(pipeline, tmp_path):
     (root / "adapter.json").write_text(spec.replace('"action_dim": 3', '"action_dim": 4'))
     with pytest.raises(ConfigError, match="adapter.json: world.action_dim is 4, but wan.world.action_dim is 3"):
         load_model_config(root)
+
+
+def test_a_broken_vae_directory_is_refused_when_the_config_is_loaded(pipeline, tmp_path):
+    """The VAE's weights are checked from their header like the trunk's: a tensor of another shape, a missing
+    one, a truncated file, each refused in one line naming wan.vae, the file and the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(pipeline / "vae" / "diffusion_pytorch_model.safetensors")
+    name = sorted(tensors)[0]
+    root = tmp_path / "broken"
+    root.mkdir()
+    (root / "transformer").symlink_to(pipeline / "transformer")
+    (root / "vae").mkdir()
+    (root / "vae" / "config.json").write_bytes((pipeline / "vae" / "config.json").read_bytes())
+    (root / "physis_model.yaml").write_text(yaml.safe_dump(sidecar()))
+    weights = root / "vae" / "diffusion_pytorch_model.safetensors"
+
+    def refused(match: str) -> None:
+        with pytest.raises(ConfigError, match=match) as err:
+            load_model_config(root)
+        assert err.value.key == "wan.vae" and "\n" not in str(err.value)
+
+    save_file({**tensors, name: torch.zeros(3)}, weights)
+    refused(rf"diffusion_pytorch_model.safetensors: tensor {name} has shape \(3,\), the VAE needs")
+    save_file({k: v for k, v in tensors.items() if k != name}, weights)
+    refused(rf"tensor {name} is missing")
+    save_file(tensors, weights)
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    refused("diffusion_pytorch_model.safetensors")
+    weights.write_bytes(data)
+    assert load_model_config(root).wan.vae == str(root / "vae")
