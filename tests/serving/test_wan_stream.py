@@ -76,3 +76,63 @@ def test_a_wan_stream_beside_tiny_wam_equals_the_reference(wan):
         assert np.array_equal(got.output, expected), got.index
         assert np.array_equal(got.frames, expected.swapaxes(0, 1)) and got.frames.shape == (1, 4, 4, 4)
     assert [c.index for c in chunks] == [0, 1, 2]
+
+
+def test_a_wan_wam_directory_joins_beside_a_robot_and_a_broken_one_is_refused(tmp_path):
+    """A Wan world-action model's directory (transformer/, adapter files) through the Server API beside a
+    tiny-wam robot: a directory whose adapter does not fit, and one no family reads, are refused naming the
+    file; the good one's chunks carry actions [16, 7] and frames [F, C, H, W], each the sequential reference's
+    part for the observations its source gave, bit for bit."""
+    from physis_ros.model.wan_adapter import save_adapter
+
+    root = tmp_path / "wam"
+    save_tiny_wan(root / "transformer", num_layers=2)
+    (root / "physis_model.yaml").write_text(yaml.safe_dump({
+        "kind": "wan_wam", "steps": 2, "window": 2,
+        "wan": {"frames": 2, "height": 4, "width": 4, "text_tokens": 0,
+                "actions": {"horizon": 16, "dof": 7, "state_dim": 7, "image_size": 32, "image_patch": 8}}}))
+    model = build_model(load_model_config(root))
+    save_adapter(model, root)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("transformer", "physis_model.yaml", "adapter.safetensors"):
+        (broken / name).symlink_to(root / name)
+    (broken / "adapter.json").write_text((root / "adapter.json").read_text().replace('"dof": 7', '"dof": 6'))
+    (tmp_path / "empty").mkdir()
+
+    def source(c: int):
+        rng = np.random.default_rng([c, 5])
+        return {"image": rng.random((3, 32, 32), dtype=np.float32),
+                "state": rng.standard_normal(7).astype(np.float32)}, time.time()
+
+    joints = [f"j{i}" for i in range(7)]
+    config = {"model": "tiny-wam", "engine": {"workers": 2}, "admission": {"profiles": PROFILES},
+              "deterministic": True}
+    with Server.from_config(config) as server:
+        robot = server.join("r0", joint_names=joints)
+        for directory, words in ((broken, "adapter.json: actions.dof is 6, but wan.actions.dof is 7"),
+                                 (tmp_path / "empty", "is not a checkpoint directory")):
+            with pytest.raises(Rejected) as err:
+                server.join("bad", model=str(directory), joint_names=joints)
+            assert err.value.reason == "unknown-model" and words in err.value.detail, err.value
+        observed = {}
+
+        def recorded(c: int):
+            obs, stamp = source(c)
+            observed[c] = obs
+            return obs, stamp
+
+        wam = server.join("wam", model=str(root), joint_names=joints, source=recorded)
+        chunks = [wam.next_chunk(timeout_s=60.0) for _ in range(3)]
+        frame = np.zeros((48, 64, 3), dtype=np.uint8)
+        robot.observe(images={"camera": frame}, state=np.zeros(7), stamp_s=time.time())
+        assert robot.next_chunk(timeout_s=60.0).actions.shape == (16, 7)
+        assert set(server.streams()) == {"r0", "wam"}
+        server.leave("wam")
+    ref = ReferenceRollout(model, seed=0)
+    spec = model.config.spec
+    for c, got in enumerate(chunks):
+        expected = ref.step("wam", observed[c]).output.numpy()
+        assert got.index == c and got.actions.shape == (16, 7) and got.frames.shape == (2, 4, 4, 4)
+        assert np.array_equal(got.actions, spec.actions_of(expected)), c
+        assert np.array_equal(got.frames, spec.frames_of(expected)), c
