@@ -334,6 +334,23 @@ def test_a_world_model_imagines_the_actions_it_is_sent_and_answers_frames(server
         close(policy)
 
 
+def test_a_wan_world_action_model_answers_its_actions_and_the_frames_it_predicts(server, front):
+    """tiny-wan-wam over openpi: the reply holds ``actions`` [16, 7] and ``frames`` [F, C, H, W], the metadata
+    both shapes; the actions are what a tiny-wam client reads (a strict consumer's check passes)."""
+    policy = WebsocketClientPolicy(url(front, "name=wanwam&model=tiny-wan-wam"))
+    try:
+        meta = policy.get_server_metadata()
+        assert meta["produces"] == "actions" and (meta["action_horizon"], meta["action_dim"]) == (16, 7)
+        assert meta["frames_shape"] == [2, 4, 8, 8] and meta["model"] == "tiny-wan-wam"
+        for k in range(2):
+            reply = policy.infer(observation(k))
+            check_reply(reply, k)
+            assert reply["frames"].shape == (2, 4, 8, 8) and reply["frames"].dtype == np.float32
+            assert np.isfinite(reply["frames"]).all() and reply["frames"].std() > 0
+    finally:
+        close(policy)
+
+
 def test_cadence_timeline_holds_a_client_to_its_booking(server, front):
     """``cadence=timeline``: each observation waits for the stream's booked release; replies still come, one
     chunk per observation, in order."""
