@@ -7,8 +7,10 @@ acceptance rule (:mod:`physis_ros.ros.acceptance`) on the executor thread and pa
 image by stamp (:class:`~physis_ros.serving.intake.StreamInput`). Outputs by what the model produces:
 a world-action model's chunk goes out as ``action_chunk`` and, for the rows still ahead of the robot
 on its control timeline, ``joint_trajectory`` (pre-serialized, :mod:`physis_ros.ros.raw`; what is
-late and how the chunk meets the previous one is measured here, :mod:`physis_ros.timeline`); a
-world model's as ``predicted_frames``; both only while the node is armed (lifecycle active).
+late and how the chunk meets the previous one is measured here, :mod:`physis_ros.timeline`); predicted
+frames (a world model's chunk, or what a Wan WAM predicts beside its actions) as ``predicted_frames``, and,
+where the model's family decodes them, a picture at most ``preview_hz`` times a second as ``predicted_image``
+(:mod:`physis_ros.serving.preview`); all only while the node is armed (lifecycle active).
 Telemetry always flows.
 """
 
