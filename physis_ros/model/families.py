@@ -74,19 +74,19 @@ class ModelFamily:
         frames as published (``[F, C, H, W]`` float32) to an RGB image ``[H, W, 3]`` uint8; None where the
         family decodes none. ``preview`` names its factory, ``"module:function"`` (``function(config)``),
         imported only when asked for."""
-        if not self.preview:
-            return None
-        module, _, attr = self.preview.partition(":")
-        return getattr(importlib.import_module(module), attr)(config)
+        return _imported(self.preview)(config) if self.preview else None
 
     def model_class(self) -> Callable[..., ServableModel]:
-        if not isinstance(self.build, str):
-            return self.build
-        module, _, attr = self.build.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return _imported(self.build) if isinstance(self.build, str) else self.build
 
     def make(self, config: ModelConfig, *, hosted_blocks: Any = None, device: Any = "cpu") -> ServableModel:
         return self.model_class()(config, hosted_blocks=hosted_blocks, device=device)
+
+
+def _imported(ref: str) -> Any:
+    """The object ``"module:attr"`` names, its module imported now."""
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def _registered() -> dict[str, list[EntryPoint]]:

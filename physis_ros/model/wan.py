@@ -74,7 +74,7 @@ def read_tensors(files: dict[str, Path], names: Iterable[str]) -> dict[str, torc
     return out
 
 
-def _load(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+def load_tensors(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
     """``tensors`` into ``module``: every parameter present and of its shape, nothing left over."""
     expected = module.state_dict()
     missing = sorted(set(expected) - set(tensors))
@@ -132,29 +132,38 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+def check_headers(expected: dict[str, tuple[int, ...]], files: dict[str, Path], missing_at: Path, needs: str,
+                  whole: str, headers: dict[Path, dict] | None = None) -> None:
+    """The tensors ``files`` names (tensor -> the safetensors file holding it) against ``expected`` from the files'
+    headers alone (``headers`` if already read): every expected tensor there with its shape, no other.
+    WanLoadError naming the file (``missing_at`` for a tensor no file holds) and the tensor; ``needs`` says who
+    needs a tensor, ``whole`` what an extra one is not part of."""
+    if headers is None:
+        headers = {file: read_header(file) for file in sorted(set(files.values()))}
+    for name, shape in expected.items():
+        if name not in files:
+            raise WanLoadError(f"{missing_at}: tensor {name} is missing ({needs} needs it, shape {shape})")
+        found = headers[files[name]].get(name)
+        if found is None:
+            raise WanLoadError(f"{files[name]}: tensor {name} is missing (the index names this file for it)")
+        if found[0] != shape:
+            raise WanLoadError(f"{files[name]}: tensor {name} has shape {found[0]}, {needs} needs {shape}")
+    extra = sorted(set(files) - set(expected))
+    if extra:
+        raise WanLoadError(f"{files[extra[0]]}: tensor {extra[0]} is not part of {whole}")
+
+
 def check_checkpoint(path: str | Path) -> None:
     """The checkpoint directory ``path`` as a worker will read it, checked from its headers alone: every file
     the index names is there and whole, every tensor the config needs is in its file with its shape, nothing
     else. WanLoadError naming the file and the tensor otherwise."""
     directory = transformer_dir(path)
     config = read_config(directory)
-    files = weight_map(directory)
-    headers = {file: read_header(file) for file in sorted(set(files.values()))}
     try:
         expected = expected_shapes(config)
     except Exception as exc:   # noqa: BLE001 (diffusers' own checks of the config)
         raise WanLoadError(f"{directory / CONFIG}: not a config diffusers can build ({exc})") from None
-    for name, shape in expected.items():
-        if name not in files:
-            raise WanLoadError(f"{directory}: tensor {name} is missing (the config needs it, shape {shape})")
-        found = headers[files[name]].get(name)
-        if found is None:
-            raise WanLoadError(f"{files[name]}: tensor {name} is missing (the index names this file for it)")
-        if found[0] != shape:
-            raise WanLoadError(f"{files[name]}: tensor {name} has shape {found[0]}, the config needs {shape}")
-    extra = sorted(set(files) - set(expected))
-    if extra:
-        raise WanLoadError(f"{files[extra[0]]}: tensor {extra[0]} is not part of the model the config describes")
+    check_headers(expected, weight_map(directory), directory, "the config", "the model the config describes")
 
 
 def check_vae(path: str | Path) -> None:
@@ -170,18 +179,9 @@ def check_vae(path: str | Path) -> None:
             expected = {n: tuple(t.shape) for n, t in AutoencoderKLWan.from_config(init).state_dict().items()}
     except Exception as exc:   # noqa: BLE001 (unreadable JSON, diffusers' own checks of the config)
         raise WanLoadError(f"{config_path}: not a config diffusers can build ({exc})") from None
-    files = weight_map(directory)
-    headers = {file: read_header(file) for file in sorted(set(files.values()))}
-    for name, shape in expected.items():
-        found = headers[files[name]].get(name) if name in files else None
-        if found is None:
-            raise WanLoadError(f"{files.get(name, directory / WEIGHTS)}: tensor {name} is missing (the VAE needs "
-                               f"it, shape {shape})")
-        if found[0] != shape:
-            raise WanLoadError(f"{files[name]}: tensor {name} has shape {found[0]}, the VAE needs {shape}")
-    extra = sorted(set(files) - set(expected))
-    if extra:
-        raise WanLoadError(f"{files[extra[0]]}: tensor {extra[0]} is not part of the VAE its config describes")
+    single = directory / WEIGHTS
+    check_headers(expected, weight_map(directory), directory if not single.is_file() else single, "the VAE",
+                  "the VAE its config describes")
 
 
 def keep_fp32() -> tuple[str, ...]:
@@ -238,7 +238,7 @@ class WanTrunk:
         prefix = f"blocks.{b}."
         names = [n for n in self.files if n.startswith(prefix)]
         tensors = read_tensors(self.files, names)
-        _load(block, {n[len(prefix):]: v for n, v in tensors.items()}, f"block {b}")
+        load_tensors(block, {n[len(prefix):]: v for n, v in tensors.items()}, f"block {b}")
         return cast(block, self.dtype, prefix).eval().requires_grad_(False)
 
 
@@ -257,7 +257,7 @@ def load_wan(path: str | Path, blocks: Iterable[int] | None = None, dtype: torch
     except Exception as exc:   # noqa: BLE001 (diffusers' own checks of the config)
         raise WanLoadError(f"{directory / CONFIG}: not a config diffusers can build ({exc})") from None
     names = [n for n in files if not n.startswith("blocks.")]
-    _load(trunk, read_tensors(files, names), f"{directory}: the trunk")
+    load_tensors(trunk, read_tensors(files, names), f"{directory}: the trunk")
     loaded = WanTrunk(config, cast(trunk, dtype).eval().requires_grad_(False), {}, files, dtype)
     for b in range(loaded.num_layers) if blocks is None else sorted(set(blocks)):
         loaded.blocks[b] = loaded.build_block(b)

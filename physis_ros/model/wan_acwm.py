@@ -24,15 +24,15 @@ import torch
 from torch import nn
 
 from physis_ros.model.spec import ModelConfig
-from physis_ros.model.wan import seeded
+from physis_ros.model.wan import WanLoadError, load_tensors, seeded
 from physis_ros.model.wan_adapter import build_adapter
 from physis_ros.model.wan_family import WEIGHTS, vae_config_of
 from physis_ros.model.wan_model import WanModel
 
 
 def load_vae(config: ModelConfig) -> nn.Module:
-    """The model's ``AutoencoderKLWan`` in fp32 (as Wan pipelines keep it): its directory's weights (ValueError
-    naming the file), or random from ``init_seed``."""
+    """The model's ``AutoencoderKLWan`` in fp32 (as Wan pipelines keep it): its directory's weights (WanLoadError
+    naming the file and the tensor), or random from ``init_seed``."""
     from diffusers import AutoencoderKLWan
 
     io = config.wan
@@ -44,12 +44,10 @@ def load_vae(config: ModelConfig) -> nn.Module:
     path = Path(io.vae) / WEIGHTS
     vae = AutoencoderKLWan.from_config(vae_config)
     try:
-        missing, unexpected = vae.load_state_dict(load_file(path), strict=False)
+        tensors = load_file(path)
     except (OSError, RuntimeError, ValueError) as exc:
-        raise ValueError(f"{path}: not the weights of this VAE ({str(exc).splitlines()[0][:200]})") from None
-    if missing or unexpected:
-        raise ValueError(f"{path}: " + (f"tensor {missing[0]} missing" if missing else f"unexpected tensor "
-                                                                                       f"{unexpected[0]}"))
+        raise WanLoadError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0][:200]})") from None
+    load_tensors(vae, tensors, str(path))
     return vae.eval()
 
 

@@ -65,7 +65,7 @@ def check_adapter(config) -> None:
     path = adapter_file(config)
     if path is None:
         return
-    from physis_ros.model.wan import WanLoadError, read_header
+    from physis_ros.model.wan import WanLoadError, check_headers, read_header
 
     def bad(problem: str) -> ConfigError:
         return ConfigError("wan.checkpoint", problem)
@@ -88,16 +88,10 @@ def check_adapter(config) -> None:
             raise bad(f"{spec_path}: {section}.{key} is {got!r}, but wan.{section}.{key} is {value!r}")
     try:
         header = read_header(path)
+        check_headers(adapter_shapes(config), dict.fromkeys(header, path), path, "the model",
+                      f"a {config.kind} adapter", {path: header})
     except WanLoadError as exc:
         raise bad(str(exc)) from None
-    for name, shape in adapter_shapes(config).items():
-        if name not in header:
-            raise bad(f"{path}: tensor {name} is missing (the adapter needs it, shape {shape})")
-        if header[name][0] != shape:
-            raise bad(f"{path}: tensor {name} has shape {header[name][0]}, the model needs {shape}")
-    extra = sorted(set(header) - set(adapter_shapes(config)))
-    if extra:
-        raise bad(f"{path}: tensor {extra[0]} is not part of a {config.kind} adapter")
 
 
 def adapter_weights(config):
