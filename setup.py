@@ -43,6 +43,11 @@ def _data_files():
         (os.path.join(share, "config", "profiles"), _files("config/profiles/*.json")),
         (os.path.join(share, "config", "checkpoints"), _files("config/checkpoints/*")),
     ]
+    # checkpoint directories (a Wan model's transformer/, vae/, adapter and physis_model.yaml), every level
+    for root, _dirs, _names in sorted(os.walk(os.path.join(HERE, "config", "checkpoints"))):
+        rel = os.path.relpath(root, HERE)
+        if rel != os.path.join("config", "checkpoints"):
+            entries.append((os.path.join(share, rel), _files(os.path.join(rel, "*"))))
     return [(dest, files) for dest, files in entries if files]
 
 

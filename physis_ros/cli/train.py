@@ -1,4 +1,4 @@
-"""``physis-train``: train a world-action model (tiny-wam) to imitate the scripted expert on the synthetic scene.
+"""``physis-train``: train a world-action model (tiny-wam, tiny-wan-wam) to imitate the scripted expert on the synthetic scene.
 
 The expert (physis_ros.observations.ScriptedExpert) looks at where the target disc is in the camera
 image, maps it to a joint pose, and moves the 7 joints from their current state towards it. The model
@@ -10,8 +10,15 @@ the same denoising step), so the checkpoint is served by the unchanged server. D
 After training the checkpoint is loaded back and its tracking error (RMS, rad, against the expert on
 held-out streams, run through the sequential reference) is compared with the random-init model's.
 
+A Wan world-action model (tiny-wan-wam) is written as a checkpoint directory (``--out DIR``: diffusers'
+``transformer/`` and ``vae/``, the adapter, ``physis_model.yaml``; ``model: DIR`` serves it). It learns the
+expert's actions and, in the same chunk, the scene's video over the chunk as its VAE encodes it
+(physis_ros/train/frames.py); the loss is the mean of the two parts' velocity MSEs.
+
     physis-train --out config/checkpoints/tiny-wam-demo.safetensors [--steps 1000] [--seed 0]
                  [--batch 32] [--threads 1] [--json curve.json]
+    physis-train --model tiny-wan-wam --out config/checkpoints/tiny-wan-wam-demo --steps 600 --episodes 64 \
+                 --json config/checkpoints/tiny-wan-wam-demo.json
 
 The shipped config/checkpoints/tiny-wam-demo.safetensors was made by
 
@@ -46,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     d = TrainSettings()
     p = ArgumentParser(prog=PROG, description=__doc__)
-    p.add_argument("--out", required=True, help="checkpoint to write (.safetensors)")
+    p.add_argument("--out", required=True, help="checkpoint to write (.safetensors; a directory for a Wan model)")
     p.add_argument("--model", type=model_arg, default="tiny-wam", help="preset name or model YAML path (a WAM)")
     p.add_argument("--steps", type=positive_int, default=d.steps, help="optimiser steps")
     p.add_argument("--seed", type=nonneg_int, default=d.seed, help="data order, steps and noise")
@@ -61,9 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the settings, loss curve and tracking errors here")
     args = p.parse_args(argv)
     out = Path(args.out)
-    if out.suffix != ".safetensors":
-        fail(f"--out {out} must end in .safetensors (the server recognises checkpoints by that suffix)")
-    check_writable(out, "--out")
     check_writable(args.json)
 
     import torch
@@ -81,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         expert_for(config)
     except (ConfigError, ValueError) as exc:
         fail(str(exc))
+    directory = config.wan is not None          # a Wan model is a checkpoint directory
+    if directory and out.suffix:
+        fail(f"--out {out}: a Wan model is written as a checkpoint directory; give a path without a suffix")
+    if not directory and out.suffix != ".safetensors":
+        fail(f"--out {out} must end in .safetensors (the server recognises checkpoints by that suffix)")
+    check_writable(out / "physis_model.yaml" if directory else out, "--out")
     if args.chunks < config.window + 1:
         fail(f"--chunks {args.chunks} is shorter than one training sequence (window + 1 = {config.window + 1})")
     settings = TrainSettings(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
@@ -91,11 +101,20 @@ def main(argv: list[str] | None = None) -> int:
         result = train(config, settings, progress=print_progress)
     except FloatingPointError as exc:
         fail(str(exc), EXIT_FAILED)
-    save_checkpoint(result.model, out)
+    if directory:
+        from physis_ros.model.wan_adapter import save_directory
+
+        save_directory(result.model, out, out.name, f"{config.name} trained by physis-train on the scripted "
+                                                    f"expert ({settings.steps} steps, seed {settings.seed})")
+        written = [f for f in out.rglob("*") if f.is_file()]
+    else:
+        save_checkpoint(result.model, out)
+        written = [out]
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(out, 0o666 & ~umask)     # safetensors writes 0600; a server running as another user reads it
-    size = out.stat().st_size
+    for f in written:
+        os.chmod(f, 0o666 & ~umask)   # safetensors writes 0600; a server running as another user reads it
+    size = sum(f.stat().st_size for f in written)
     print(f"wrote {out} ({size / 2**20:.2f} MiB) after {result.seconds:.1f} s; loss {result.losses[0]:.4f} "
           f"(first) -> {sum(result.losses[-50:]) / len(result.losses[-50:]):.4f} (mean of the last 50 steps)")
     summary = {"command": " ".join([PROG, *(sys.argv[1:] if argv is None else argv)]), "model": config.name,
@@ -103,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                **result.summary()}
     if args.eval_chunks:
         start = time.perf_counter()
-        trained = load_checkpoint(out)
+        trained = build_model(load_model_config(str(out))) if directory else load_checkpoint(out)
         random_model = build_model(config)
         summary["tracking_error"] = evaluation = {}
         for kind in ("tracking", "free"):

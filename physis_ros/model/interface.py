@@ -124,6 +124,10 @@ class ServableModel(nn.Module, ABC):
     def release_blocks(self, blocks: Iterable[int]) -> None:
         """Stop hosting blocks (their weights are freed once nothing else holds them)."""
 
+    def clear_timestep_caches(self) -> None:
+        """Forget what the model memoised per timestep (its time modulation); training calls it whenever the
+        weights change. Nothing memoised here."""
+
     def action_rows(self) -> int | None:
         """How many rows of an output chunk's actions (``spec.actions_of``) are control steps, which the
         hand-off between chunks applies to (:mod:`physis_ros.model.handoff`); None: the output has no

@@ -112,7 +112,8 @@ class WanIO:
     vae: str = field(default="", metadata=bounded(
         doc="kind wan_acwm: the diffusers AutoencoderKLWan directory (config.json and its safetensors) that "
             "encodes the camera image and decodes previews; empty: the checkpoint's vae/ (a pipeline directory), "
-            "else vae_config with random weights"))
+            "else vae_config with random weights. Kind wan_wam (optional): the VAE whose latents its predicted "
+            "frames are (what physis-train encodes the scene's video with)"))
     vae_config: dict[str, Any] = field(default_factory=dict, metadata=bounded(
-        doc="kind wan_acwm without a VAE directory: the VAE's diffusers config (AutoencoderKLWan's keys: base_dim, "
-            "z_dim, dim_mult, ...), its weights random from init_seed"))
+        doc="kinds wan_acwm and wan_wam without a VAE directory: the VAE's diffusers config (AutoencoderKLWan's "
+            "keys: base_dim, z_dim, dim_mult, ...), its weights random from init_seed"))

@@ -66,10 +66,15 @@ class LatentScale:
         return z * self.std.to(z.device) + self.mean.to(z.device)
 
 
+def video_latent(vae: nn.Module, scale: LatentScale, video: torch.Tensor) -> torch.Tensor:
+    """Videos ``[B, 3, T, S, S]`` in [0, 1] -> their normalised latent frames ``[B, z, F, S/8, S/8]`` (the mode;
+    Wan's causal VAE encodes the first frame alone and every 4 after it into one latent frame: T = 1 + 4 (F - 1))."""
+    return scale.normalise(vae.encode(video.float() * 2.0 - 1.0).latent_dist.mode())
+
+
 def camera_latent(vae: nn.Module, scale: LatentScale, image: torch.Tensor) -> torch.Tensor:
     """Camera images ``[B, 3, S, S]`` in [0, 1] -> their normalised latent frame ``[B, z, 1, S/8, S/8]``."""
-    pixels = (image.float() * 2.0 - 1.0).unsqueeze(2)
-    return scale.normalise(vae.encode(pixels).latent_dist.mode())
+    return video_latent(vae, scale, image.unsqueeze(2))
 
 
 class WanACWMModel(WanModel):

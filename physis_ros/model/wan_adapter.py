@@ -125,3 +125,39 @@ def save_adapter(model, directory: str | Path) -> None:
     tensors = {k: v.detach().float().contiguous().cpu() for k, v in model.adapter.state_dict().items()}
     save_file(tensors, directory / ADAPTER)
     (directory / ADAPTER_SPEC).write_text(json.dumps(adapter_spec(model.config), indent=2) + "\n")
+
+
+def save_directory(model, directory: str | Path, name: str, description: str) -> Path:
+    """Write ``model`` (a Wan WAM or world model hosting every block, e.g. after training) as a checkpoint
+    directory the ``wan_wam``/``wan_acwm`` families read: ``transformer/`` and ``vae/`` (where the model has
+    one) by diffusers' own ``save_pretrained``, the adapter (:func:`save_adapter`) and ``physis_model.yaml``
+    (the model's config without what the directory holds: the trunk's shape, the VAE)."""
+    import yaml
+    from diffusers import WanTransformer3DModel
+
+    config = model.config
+    if set(model.hosted_blocks) != set(range(config.blocks)):
+        raise ValueError(f"model '{config.name}' hosts blocks {sorted(model.hosted_blocks)}; saving needs all "
+                         f"{config.blocks}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    full = WanTransformer3DModel.from_config(model.trunk_config)
+    state = dict(model.trunk.state_dict())
+    for b in range(config.blocks):
+        state.update({f"blocks.{b}.{k}": v for k, v in model.blocks[str(b)].state_dict().items()})
+    full.load_state_dict(state, strict=True)
+    full.save_pretrained(directory / "transformer")
+    io = config.wan
+    if io.vae or io.vae_config:
+        from physis_ros.model.wan_acwm import load_vae
+
+        load_vae(config).save_pretrained(directory / "vae")
+    save_adapter(model, directory)
+    mapping = {k: v for k, v in dataclasses.asdict(config).items()
+               if k not in ("hidden", "heads", "blocks", "ffn", "wam", "acwm", "wan") and v is not None}
+    section = {k: v for k, v in dataclasses.asdict(io).items()
+               if k not in ("checkpoint", "trunk", "vae", "vae_config") and v is not None}
+    mapping.update(name=name, description=description, wan=section)
+    (directory / "physis_model.yaml").write_text(yaml.safe_dump(mapping, sort_keys=False))
+    return directory
+

@@ -153,7 +153,8 @@ def complete(mapping: dict[str, Any], directory: Path | None) -> dict[str, Any]:
         return {**_trunk_shape(trunk), **mapping}
     root = Path(section["checkpoint"]).expanduser().resolve()
     section["checkpoint"] = str(root)
-    if mapping.get("kind") == "wan_acwm" and not section.get("vae") and (root / VAE_DIR / CONFIG).is_file():
+    if (mapping.get("kind") in ("wan_acwm", "wan_wam") and not section.get("vae") and not section.get("vae_config")
+            and (root / VAE_DIR / CONFIG).is_file()):
         section["vae"] = str(root / VAE_DIR)      # a pipeline directory's own VAE
     trunk = trunk_config(root)
     check_weights(root)
@@ -267,9 +268,10 @@ def wan_wam_spec(config: ModelConfig) -> ModelSpec:
     io, act = config.wan, config.wan.actions
     if act is None:
         raise ConfigError("wan.actions", "kind wan_wam needs the robot side: horizon, dof, state_dim, image_size")
-    if io.world is not None or io.vae or io.vae_config:
-        raise ConfigError("wan.world" if io.world is not None else "wan.vae",
-                          "belongs to a world model (kind wan_acwm): leave it out")
+    if io.world is not None:
+        raise ConfigError("wan.world", "belongs to a world model (kind wan_acwm): leave it out")
+    if io.vae or io.vae_config:          # optional: the VAE whose latents the predicted frames are
+        check_vae(vae_config_of(io), channels)
     inputs = {"image": (act.image_channels, act.image_size, act.image_size), "state": (act.state_dim,)}
     if io.text_tokens:
         inputs["prompt_embeds"] = (io.text_tokens, int(trunk["text_dim"]))
@@ -320,6 +322,19 @@ def vae_config_of(io) -> dict[str, Any]:
             **io.vae_config}
 
 
+def check_vae(vae: dict[str, Any], channels: int) -> None:
+    """The VAE's latents must be the trunk's video (ConfigError naming ``wan.vae``)."""
+    if int(vae.get("z_dim", 16)) != channels:
+        raise ConfigError("wan.vae", f"the VAE's z_dim {vae.get('z_dim', 16)} is not the trunk's {channels} latent "
+                                     f"channels: give the trunk's own VAE")
+
+
+def vae_frames(vae: dict[str, Any], latent_frames: int) -> int:
+    """Video frames the VAE encodes into ``latent_frames`` (its causal first frame alone, then 2 per temporal
+    downsampling level each)."""
+    return 1 + 2 ** sum(bool(d) for d in vae.get("temperal_downsample", [False, True, True])) * (latent_frames - 1)
+
+
 def vae_scale(vae: dict[str, Any]) -> int:
     """Pixels per latent row (and column) of the VAE: 2 per downsampling level."""
     return 2 ** (len(vae.get("dim_mult", [1, 2, 4, 4])) - 1)
@@ -338,9 +353,7 @@ def wan_acwm_spec(config: ModelConfig) -> ModelSpec:
     if io.actions is not None:
         raise ConfigError("wan.actions", "belongs to a world-action model (kind wan_wam): leave it out")
     vae = vae_config_of(io)
-    if int(vae.get("z_dim", 16)) != channels:
-        raise ConfigError("wan.vae", f"the VAE's z_dim {vae.get('z_dim', 16)} is not the trunk's {channels} latent "
-                                     f"channels: give the trunk's own VAE")
+    check_vae(vae, channels)
     _, p_h, p_w = (int(n) for n in trunk["patch_size"])
     scale = vae_scale(vae)
     if world.image_size % (scale * p_h) or world.image_size % (scale * p_w):

@@ -117,11 +117,20 @@ class WanModel(ServableModel):
     def device(self) -> torch.device:
         return self.trunk.proj_out.weight.device
 
+    @property
+    def trunk_config(self) -> dict:
+        """The trunk's diffusers config (``WanTransformer3DModel``'s keys), as its directory's ``config.json``
+        gives it or its random-init ``wan.trunk``."""
+        return {k: v for k, v in self._source.config.items() if not k.startswith("_")}
+
     def _apply(self, fn, recurse=True):     # .to(): the cached time embeddings and RoPE table are stale
         if hasattr(self, "_time"):
             self._time.values.clear()
             self._rope = None
         return super()._apply(fn, recurse)
+
+    def clear_timestep_caches(self) -> None:
+        self._time.values.clear()
 
     def _time_of(self, t: torch.Tensor) -> torch.Tensor:
         """[1, 7, D]: the head's modulation, then the blocks' six, for one noise level ``t`` in [0, 1]."""

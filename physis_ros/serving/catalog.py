@@ -31,6 +31,7 @@ import yaml
 
 from physis_ros.config import ConfigError, repo_config_dir, to_mapping
 from physis_ros.model.checkpoint import CheckpointError, read_checkpoint_config
+from physis_ros.model.families import SIDECAR
 from physis_ros.model.spec import load_model_config
 from physis_ros.model.spec import ModelConfig
 from physis_ros.serving.capacity import Rejected
@@ -43,12 +44,17 @@ from physis_ros.scheduling.settings import GB
 
 
 def bundled_checkpoint(ref: str) -> Path | None:
-    """A checkpoint shipped in ``config/checkpoints/``, named by its stem (``tiny-wam-demo``), so that a
-    config can name it wherever the server runs from (source tree or installed share)."""
+    """A checkpoint shipped in ``config/checkpoints/``, named by its stem (``tiny-wam-demo``: a safetensors
+    file) or its directory's name (``tiny-wan-wam-demo``: a checkpoint directory with its
+    ``physis_model.yaml``), so that a config can name it wherever the server runs from (source tree or
+    installed share)."""
     if not ref or "/" in ref or Path(ref).suffix:
         return None
-    path = repo_config_dir() / "checkpoints" / f"{ref}.safetensors"
-    return path if path.is_file() else None
+    root = repo_config_dir() / "checkpoints"
+    path = root / f"{ref}.safetensors"
+    if path.is_file():
+        return path
+    return root / ref if (root / ref / SIDECAR).is_file() else None
 
 
 def model_config_of(ref: str) -> tuple[ModelConfig, str | None]:

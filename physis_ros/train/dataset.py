@@ -10,6 +10,9 @@ kinds of episode teach the policy both what the server's synthetic robots send a
 - ``pushed``: the same, with the arm pushed to a new pose every ``PUSH_EVERY`` chunks (so that the
   policy also sees states far from the target, not only the first chunk of each episode).
 
+A world-action model that also predicts frames (a Wan WAM) gets each chunk's video as its VAE encodes it
+beside the expert's actions (:mod:`physis_ros.train.frames`); its training target is the packed chunk.
+
 A *sequence* is ``window + 1`` consecutive chunks of one episode, all at one denoising step ``k``
 (the noisy-KV computation of DESIGN.md section 2 relates chunks only at the same step).
 Sampling is a pure function of a :class:`torch.Generator`, so a seed fixes the whole data order.
@@ -24,6 +27,7 @@ import torch
 
 from physis_ros.model.spec import ModelConfig
 from physis_ros.observations import ScriptedExpert, SyntheticScene, TrackingScene
+from physis_ros.train.frames import FrameTargets
 
 SCENES = ("free", "tracking", "pushed")
 PUSH_EVERY = 8
@@ -40,25 +44,41 @@ def make_scene(kind: str, config: ModelConfig, expert: ScriptedExpert | None = N
 
 
 def expert_for(config: ModelConfig) -> ScriptedExpert:
-    """The scripted expert whose chunks have ``config``'s shape (a WAM whose state is its joints)."""
-    if config.produces != "actions" or config.wam is None:
+    """The scripted expert whose chunks have ``config``'s shape (a WAM that sees the camera and whose state is
+    its joints)."""
+    if config.produces != "actions":
         raise ValueError(f"model '{config.name}' produces {config.produces}; the scripted expert trains models "
-                         f"that produce actions (a 'wam:' I/O section)")
-    if config.wam.state_dim != config.wam.dof:
-        raise ValueError(f"model '{config.name}' has state_dim {config.wam.state_dim} != dof {config.wam.dof}; "
+                         f"that produce actions (a world-action model)")
+    horizon, dof = config.spec.actions_shape
+    shapes = config.observation_shapes
+    if set(shapes) != {"image", "state"}:
+        raise ValueError(f"model '{config.name}' takes {', '.join(sorted(shapes))}; the scripted scene gives a "
+                         f"camera image and the joint state only")
+    if shapes["state"] != (dof,):
+        raise ValueError(f"model '{config.name}' has state_dim {shapes['state'][0]} != dof {dof}; "
                          f"the scripted expert moves the joints it observes")
-    return ScriptedExpert(horizon=config.wam.horizon)
+    return ScriptedExpert(horizon=horizon)
 
 
 @dataclass
 class Episodes:
-    """Demonstrations: ``images`` [E, C, *image], ``states`` [E, C, dof], ``actions`` [E, C, H, dof]."""
+    """Demonstrations: ``images`` [E, C, *image], ``states`` [E, C, dof], ``actions`` [E, C, H, dof] and, for a
+    model that predicts frames, ``frames`` [E, C, *frames] (else None)."""
 
     streams: list[str]
     kinds: list[str]
     images: torch.Tensor
     states: torch.Tensor
     actions: torch.Tensor
+    frames: torch.Tensor | None = None
+
+    def targets(self, e: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The training targets of chunks ``idx`` [B, S] of episodes ``e`` [B, 1]: the expert's actions
+        [B, S, H, dof], or with frames the packed chunk (actions, then frames, flat) [B, S, N]."""
+        actions = self.actions[e, idx]
+        if self.frames is None:
+            return actions
+        return torch.cat([actions.flatten(2), self.frames[e, idx].flatten(2)], dim=2)
 
     @property
     def chunks(self) -> int:
@@ -72,15 +92,19 @@ def build_episodes(config: ModelConfig, streams: list[str], chunks: int, kinds: 
     """Episodes ``streams[i]`` of kind ``kinds[i]``, chunks ``0..chunks-1`` each (deterministic)."""
     expert = expert_for(config)
     scenes = {kind: make_scene(kind, config, expert) for kind in set(kinds)}
-    images, states, actions = [], [], []
+    video = FrameTargets(config) if config.spec.has_frames else None
+    images, states, actions, frames = [], [], [], []
     for stream, kind in zip(streams, kinds, strict=True):
         scene = scenes[kind]
         obs = [scene.observation(stream, c) for c in range(chunks)]
         images.append(np.stack([o["image"] for o in obs]))
         states.append(np.stack([o["state"] for o in obs]))
         actions.append(np.stack([scene.expert(stream, c, expert) for c in range(chunks)]))
+        if video is not None:
+            frames.append(video.latents(scene, stream, chunks))
     return Episodes(list(streams), list(kinds), torch.from_numpy(np.stack(images)),
-                    torch.from_numpy(np.stack(states)), torch.from_numpy(np.stack(actions)))
+                    torch.from_numpy(np.stack(states)), torch.from_numpy(np.stack(actions)),
+                    torch.stack(frames) if video is not None else None)
 
 
 def training_episodes(config: ModelConfig, episodes: int, chunks: int, prefix: str = "train") -> Episodes:
@@ -91,8 +115,9 @@ def training_episodes(config: ModelConfig, episodes: int, chunks: int, prefix: s
 
 @dataclass
 class Batch:
-    """``obs[s]``: observation tensors of sequence position ``s`` ([B, ...]); ``x0`` the expert chunks
-    [B, S, H, dof]; ``eps`` their noise; ``k`` the denoising step of each sequence [B]."""
+    """``obs[s]``: observation tensors of sequence position ``s`` ([B, ...]); ``x0`` the target chunks
+    [B, S, *output] (:meth:`Episodes.targets`); ``eps`` their noise; ``k`` the denoising step of each
+    sequence [B]."""
 
     obs: list[dict[str, torch.Tensor]]
     x0: torch.Tensor
@@ -109,7 +134,7 @@ def sample_batch(data: Episodes, batch: int, length: int, steps: int, gen: torch
     start = torch.randint(0, data.chunks - length + 1, (batch,), generator=gen)
     k = torch.randint(1, steps + 1, (batch,), generator=gen)
     idx = start[:, None] + torch.arange(length)[None]                      # [B, S]
-    x0 = data.actions[e[:, None], idx]                                     # [B, S, H, dof]
+    x0 = data.targets(e[:, None], idx)                                     # [B, S, *output]
     eps = torch.randn(x0.shape, generator=gen)
     images, states = data.images[e[:, None], idx], data.states[e[:, None], idx]
     obs = [{"image": images[:, s], "state": states[:, s]} for s in range(length)]

@@ -33,7 +33,7 @@ def tracking_error(model: ServableModel, *, kind: str = "tracking", streams=EVAL
             for stream in streams:
                 obs = scene.observation(stream, c)
                 target = scene.expert(stream, c, expert).astype(np.float64)
-                out = ref.step(stream, obs).output.numpy().astype(np.float64)
+                out = config.spec.actions_of(ref.step(stream, obs).output.numpy()).astype(np.float64)
                 err = out - target
                 sq += float((err ** 2).sum())
                 hold_sq += float(((obs["state"][None].astype(np.float64) - target) ** 2).sum())

@@ -9,10 +9,15 @@ and neither changes the arithmetic:
 
 - :class:`ListKV` stands in for :class:`~physis_ros.model.kv.KVBatch`: the previous chunks' K/V
   are kept in a Python list (the window and sink rule of :class:`~physis_ros.model.kv.KVTable`)
-  instead of being copied into a preallocated table, so autograd sees no in-place writes.
-- The model memoises its adaLN modulation per timestep; :func:`sequence_velocities` clears that memo
+  instead of being copied into a preallocated table, so autograd sees no in-place writes; a
+  model's conditioning K/V (a Wan block's cross-attention) is projected on every call, not kept.
+- The model memoises its time modulation per timestep; :func:`sequence_velocities` clears that memo
   before each forward, so within one forward the modulation of a timestep is computed once (and
   differentiated through), and never survives an optimiser step.
+
+Any model on the stage contract trains through these pieces: the tiny DiT families and the Wan
+world-action model (:mod:`physis_ros.model.wan_wam`, whose blocks place cached keys at their RoPE
+positions through ``cached_keys``).
 
 :func:`rollout` runs the whole denoising loop with these pieces; ``tests/train`` checks that it
 equals :class:`~physis_ros.reference.ReferenceRollout` (what the server computes).
@@ -24,12 +29,12 @@ from collections.abc import Sequence
 
 import torch
 
-from physis_ros.model.dit import DiTModel
+from physis_ros.model.interface import ServableModel
 from physis_ros.model.presets import build_model
 from physis_ros.model.spec import ModelConfig
 
 
-def trainable_model(config: ModelConfig, device: torch.device | str = "cpu") -> DiTModel:
+def trainable_model(config: ModelConfig, device: torch.device | str = "cpu") -> ServableModel:
     """The model of ``config`` with its seeded init (the weights of ``build_model(config)``), gradients
     on. Its ``state_dict`` is the served model's, so :func:`~physis_ros.model.checkpoint.save_checkpoint`
     writes a servable checkpoint."""
@@ -43,21 +48,37 @@ class ListKV:
     All samples of a batch are at the same position of their sequences, so every sample has the same
     number of cached chunks and no padding mask is needed. Keeps at most ``window`` chunks, plus the
     first chunk for good when ``sink`` (the rule of :class:`~physis_ros.model.kv.KVTable`).
+    ``batch``: the samples of a call (``slots`` are ``0 .. batch-1``).
     """
 
-    def __init__(self, window: int, sink: bool = False):
+    def __init__(self, window: int, sink: bool = False, batch: int = 1):
         if window < 1:
             raise ValueError(f"window must be >= 1 chunk, got {window}")
         self.window = window
         self.sink = sink
+        self.slots = list(range(batch))
+        self.table = self          # what a block asks the table for (its conditioning K/V: :meth:`context`)
         self.chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def attend_inputs(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def history_tokens(self, i: int) -> int:
+        """Tokens of K/V every sample reads before its own."""
+        return sum(ck.shape[1] for ck, _ in self.chunks)
+
+    def attend_inputs(self, k: torch.Tensor, v: torch.Tensor, cached_keys=None
+                      ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """As :meth:`KVBatch.attend_inputs`: the cached chunks' keys (through ``cached_keys``, one sample at a
+        time, where given) and values, then the call's own."""
         if not self.chunks:
             return k, v, None
-        keys = torch.cat([ck for ck, _ in self.chunks] + [k], dim=1)
+        keys = torch.cat([ck for ck, _ in self.chunks], dim=1)
+        if cached_keys is not None:
+            keys = torch.stack([cached_keys(sample) for sample in keys])
         values = torch.cat([cv for _, cv in self.chunks] + [v], dim=1)
-        return keys, values, None
+        return torch.cat([keys, k], dim=1), values, None
+
+    def context(self, slot: int, tokens: torch.Tensor, project):
+        """A sample's conditioning K/V (:meth:`KVTable.context`), projected again on every call."""
+        return project(tokens)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.chunks.append((k, v))
@@ -65,13 +86,13 @@ class ListKV:
             del self.chunks[1 if self.sink else 0]
 
 
-def new_kvs(model: DiTModel) -> list[ListKV]:
-    """One empty :class:`ListKV` per block of ``model``."""
+def new_kvs(model: ServableModel, batch: int = 1) -> list[ListKV]:
+    """One empty :class:`ListKV` per block of ``model``, for calls of ``batch`` samples."""
     c = model.config
-    return [ListKV(c.window, c.sink) for _ in range(c.blocks)]
+    return [ListKV(c.window, c.sink, batch) for _ in range(c.blocks)]
 
 
-def chunk_velocity(model: DiTModel, cond: torch.Tensor, x: torch.Tensor, t: torch.Tensor,
+def chunk_velocity(model: ServableModel, cond: torch.Tensor, x: torch.Tensor, t: torch.Tensor,
                    kvs: Sequence[ListKV]) -> torch.Tensor:
     """One denoising step of one chunk (per sample): the velocity the head predicts for noisy chunks
     ``x`` at timesteps ``t``; every block reads then appends its ``kvs[b]`` (as the server's stage
@@ -82,7 +103,7 @@ def chunk_velocity(model: DiTModel, cond: torch.Tensor, x: torch.Tensor, t: torc
     return model.head(h, t)
 
 
-def sequence_velocities(model: DiTModel, obs: Sequence[dict[str, torch.Tensor]], x: torch.Tensor,
+def sequence_velocities(model: ServableModel, obs: Sequence[dict[str, torch.Tensor]], x: torch.Tensor,
                         k: torch.Tensor) -> torch.Tensor:
     """Velocities of a batch of chunk sequences, each sequence at one denoising step.
 
@@ -93,7 +114,7 @@ def sequence_velocities(model: DiTModel, obs: Sequence[dict[str, torch.Tensor]],
     """
     model.clear_timestep_caches()   # the weights may have changed since the last call
     t = model.timesteps.timestep(k).to(dtype=x.dtype)
-    kvs = new_kvs(model)
+    kvs = new_kvs(model, x.shape[0])
     out = []
     for s, o in enumerate(obs):
         out.append(chunk_velocity(model, model.encode(o), x[:, s], t, kvs))
@@ -102,7 +123,7 @@ def sequence_velocities(model: DiTModel, obs: Sequence[dict[str, torch.Tensor]],
 
 
 @torch.no_grad()
-def rollout(model: DiTModel, observations: Sequence[dict[str, torch.Tensor]], seed: int, stream: str
+def rollout(model: ServableModel, observations: Sequence[dict[str, torch.Tensor]], seed: int, stream: str
             ) -> list[torch.Tensor]:
     """The sequential reference loop of one stream written with :class:`ListKV` and
     :func:`chunk_velocity` (the training computation): chunk outputs [*output_shape], one per

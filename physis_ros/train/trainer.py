@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from physis_ros.model.dit import DiTModel
+from physis_ros.model.interface import ServableModel
 from physis_ros.model.spec import ModelConfig
 from physis_ros.train.dataset import Episodes, sample_batch, training_episodes
 from physis_ros.train.noisy_kv import sequence_velocities, trainable_model
@@ -43,7 +43,7 @@ class TrainSettings:
 
 @dataclass
 class TrainResult:
-    model: DiTModel
+    model: ServableModel
     losses: list[float]
     seconds: float
     settings: TrainSettings
@@ -63,12 +63,19 @@ def lr_at(step: int, settings: TrainSettings) -> float:
     return settings.lr * 0.5 * (1.0 + math.cos(math.pi * (step - settings.warmup) / span))
 
 
-def flow_matching_loss(model: DiTModel, batch) -> torch.Tensor:
-    """MSE between the predicted and the true velocity ``eps - x0`` over every chunk of the batch."""
-    t = model.timesteps.timestep(batch.k).view(-1, 1, 1, 1)
+def flow_matching_loss(model: ServableModel, batch) -> torch.Tensor:
+    """MSE between the predicted and the true velocity ``eps - x0`` over every chunk of the batch; for a chunk of
+    several parts (actions and frames), the mean of each part's MSE, so that each counts alike whatever its
+    size."""
+    t = model.timesteps.timestep(batch.k).view(-1, *[1] * (batch.x0.dim() - 1))
     x_t = t * batch.eps + (1.0 - t) * batch.x0
     v = sequence_velocities(model, batch.obs, x_t, batch.k)
-    return torch.nn.functional.mse_loss(v, batch.eps - batch.x0)
+    spec = model.config.spec
+    if not spec.has_frames:
+        return torch.nn.functional.mse_loss(v, batch.eps - batch.x0)
+    err = (v - (batch.eps - batch.x0)).square()
+    n = spec.actions_shape[0] * spec.actions_shape[1]
+    return 0.5 * (err[..., :n].mean() + err[..., n:].mean())
 
 
 def train(config: ModelConfig, settings: TrainSettings, *, data: Episodes | None = None,

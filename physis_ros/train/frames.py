@@ -1,0 +1,51 @@
+"""What a world-action model's predicted frames are trained towards: the scene's video over each chunk, encoded
+by the model's VAE.
+
+A Wan world-action model (:mod:`physis_ros.model.wan_wam`) denoises an action chunk and latent video frames
+``[C, F, H, W]`` together. Its frames are the normalised latents of its VAE (``wan.vae`` or ``wan.vae_config``):
+the scene's camera rendered at the VAE's size (``H`` x the VAE's pixels per latent) over the chunk's span, from
+the chunk's own observation to the next one's (``1 + 4 (F - 1)`` video frames for Wan's causal VAE, evenly
+spaced), encoded as :func:`~physis_ros.model.wan_acwm.video_latent` does (the mode). A model whose output has
+no frames needs none.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from physis_ros.model.spec import ModelConfig
+from physis_ros.observations import SyntheticScene
+
+
+class FrameTargets:
+    """The latent frames of the scene's video for chunks of ``config``'s model (see the module's docstring)."""
+
+    def __init__(self, config: ModelConfig):
+        from physis_ros.model.wan_acwm import LatentScale, load_vae
+        from physis_ros.model.wan_family import vae_config_of, vae_frames, vae_scale
+
+        io = config.wan
+        if io is None or not (io.vae or io.vae_config):
+            raise ValueError(f"model '{config.name}' predicts frames but has no VAE to make their targets: give "
+                             f"wan.vae (an AutoencoderKLWan directory) or wan.vae_config")
+        vae = vae_config_of(io)
+        self.frames = vae_frames(vae, io.frames)
+        self.size = (io.height * vae_scale(vae), io.width * vae_scale(vae))
+        self.vae = load_vae(config).requires_grad_(False)
+        self.scale = LatentScale(self.vae)
+
+    def video(self, scene: SyntheticScene, stream: str, chunk: int) -> np.ndarray:
+        """The camera over chunk ``chunk``'s span: ``[3, T, S, S]`` in [0, 1]."""
+        start, span = chunk / scene.rate_hz, 1.0 / scene.rate_hz
+        times = [start + span * i / max(1, self.frames - 1) for i in range(self.frames)]
+        phase = scene.phase(stream)
+        return np.stack([scene.image((3, *self.size), t, phase) for t in times], axis=1)
+
+    @torch.no_grad()
+    def latents(self, scene: SyntheticScene, stream: str, chunks: int) -> torch.Tensor:
+        """Chunks ``0 .. chunks-1`` of ``stream``: ``[chunks, C, F, H, W]`` float32."""
+        from physis_ros.model.wan_acwm import video_latent
+
+        video = torch.from_numpy(np.stack([self.video(scene, stream, c) for c in range(chunks)]))
+        return video_latent(self.vae, self.scale, video).float()

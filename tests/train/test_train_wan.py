@@ -1,0 +1,125 @@
+"""physis-train on a Wan world-action model (tiny-wan-wam): the training computation is the server's (diffusers'
+own blocks through the served K/V rule), its frame targets are the VAE's encoding of the scene's video, the
+checkpoint directory it writes is served bit for bit as the model it trained, and the shipped one tracks the
+expert."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from physis_ros.cli.train import main as train_main
+from physis_ros.model import KVBatch, build_model, load_model_config
+from physis_ros.observations import SyntheticScene, TrackingScene
+from physis_ros.reference import ReferenceRollout
+from physis_ros.serving.catalog import model_config_of
+from physis_ros.train.dataset import sample_batch, training_episodes
+from physis_ros.train.frames import FrameTargets
+from physis_ros.train.noisy_kv import rollout, sequence_velocities, trainable_model
+from physis_ros.train.trainer import TrainSettings, flow_matching_loss, train
+
+@pytest.fixture(scope="module")
+def config():
+    return load_model_config("tiny-wan-wam")
+
+
+def test_training_rollout_equals_the_served_reference_bit_for_bit(config):
+    """Diffusers' blocks through ListKV (keys placed at their RoPE positions, the prompt-free cross-attention
+    projected per call) give the server's chunks, past a full window."""
+    served, trainable = build_model(config), trainable_model(config)
+    scene = TrackingScene(config.observation_shapes)
+    obs = [scene.observation("r0", c) for c in range(config.window + 3)]
+    ref = ReferenceRollout(served, seed=3)
+    expected = [ref.step("r0", o).output for o in obs]
+    got = rollout(trainable, [served.observation_tensors(o) for o in obs], seed=3, stream="r0")
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_sequence_velocities_equal_the_servers_kv_tables_and_carry_gradients(config):
+    served, trainable = build_model(config), trainable_model(config)
+    data = training_episodes(config, 2, 5)
+    batch = sample_batch(data, 2, config.window + 2, config.steps, torch.Generator().manual_seed(4))
+    assert batch.x0.shape == (2, config.window + 2, *config.output_shape)
+    t = served.timesteps.timestep(batch.k).view(-1, 1, 1)
+    x = t * batch.eps + (1 - t) * batch.x0
+    together = sequence_velocities(trainable, batch.obs, x, batch.k)
+    with torch.no_grad():
+        for i in range(2):
+            tables = [served.new_kv_table(b, 1) for b in range(config.blocks)]
+            ti = served.timesteps.timestep(batch.k[i:i + 1])
+            for s, o in enumerate(batch.obs):
+                h = served.embed(served.encode({n: o[n][i:i + 1] for n in o}), x[i:i + 1, s], ti)
+                for b in range(config.blocks):
+                    h = served.block(b, h, ti, KVBatch(tables[b], [0]))
+                assert torch.allclose(served.head(h, ti), together[i:i + 1, s], atol=1e-5)
+    loss = flow_matching_loss(trainable, batch)
+    loss.backward()
+    adapter = dict(trainable.adapter.named_parameters())
+    assert adapter["action_out.weight"].grad is not None and adapter["action_out.weight"].grad.abs().sum() > 0
+    assert trainable.blocks["0"].attn1.to_k.weight.grad.abs().sum() > 0      # history K/V is learned through
+
+
+def test_frame_targets_are_the_vaes_encoding_of_the_chunks_video(config):
+    """The first latent frame is the chunk's own camera (Wan's causal VAE encodes it alone); the video ends at
+    the next chunk's camera; different chunks differ."""
+    from physis_ros.model.wan_acwm import camera_latent
+
+    targets = FrameTargets(config)
+    assert targets.frames == 5 and targets.size == (64, 64)
+    scene = SyntheticScene(config.observation_shapes)
+    latents = targets.latents(scene, "s0", 3)
+    assert latents.shape == (3, 4, 2, 8, 8) and torch.isfinite(latents).all()
+    video = targets.video(scene, "s0", 1)
+    assert np.array_equal(video[:, -1], targets.video(scene, "s0", 2)[:, 0])
+    phase = scene.phase("s0")
+    assert np.array_equal(video[:, 0], scene.image((3, 64, 64), 0.1, phase))
+    with torch.no_grad():
+        alone = camera_latent(targets.vae, targets.scale, torch.from_numpy(video[None, :, 0]))
+    assert torch.allclose(alone[0, :, 0], latents[1, :, 0], atol=1e-5)
+    assert (latents[0] - latents[2]).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_training_is_deterministic_and_the_loss_falls(config):
+    settings = TrainSettings(steps=30, batch=8, episodes=4, chunks=6, lr=2e-3, warmup=3, seed=1)
+    data = training_episodes(config, settings.episodes, settings.chunks)
+    a, b = train(config, settings, data=data), train(config, settings, data=data)
+    assert a.losses == b.losses
+    assert np.mean(a.losses[-5:]) < 0.5 * np.mean(a.losses[:3]), a.losses
+
+
+def test_cli_writes_a_directory_served_as_the_model_it_trained(config, tmp_path):
+    out, curve = tmp_path / "wan-demo", tmp_path / "curve.json"
+    code = train_main(["--model", "tiny-wan-wam", "--out", str(out), "--steps", "2", "--batch", "2",
+                       "--episodes", "2", "--chunks", "4", "--eval-chunks", "1", "--json", str(curve)])
+    assert code == 0
+    for name in ("physis_model.yaml", "adapter.safetensors", "adapter.json", "transformer/config.json",
+                 "transformer/diffusion_pytorch_model.safetensors", "vae/config.json"):
+        assert (out / name).is_file(), name
+    loaded, checkpoint = model_config_of(str(out))
+    assert checkpoint is None and loaded.kind == "wan_wam" and loaded.name == "wan-demo"
+    assert loaded.wan.vae == str((out / "vae").resolve())
+    for field in ("steps", "window", "timestep_shift", "hidden", "heads", "blocks", "output_shape"):
+        assert getattr(loaded, field) == getattr(config, field), field
+    data = json.loads(curve.read_text())
+    assert len(data["losses"]) == 2 and set(data["tracking_error"]) == {"tracking", "free"}
+    # the directory serves the trained weights: its chunks are not the random preset's, and the same
+    # directory loaded twice gives the same chunks
+    obs = TrackingScene(config.observation_shapes).observation("r", 0)
+    a = ReferenceRollout(build_model(loaded), 0).step("r", obs).output
+    b = ReferenceRollout(build_model(load_model_config(str(out))), 0).step("r", obs).output
+    c = ReferenceRollout(build_model(config), 0).step("r", obs).output
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--model", "tiny-wan-wam", "--out", "x.safetensors"], "checkpoint directory"),
+    (["--model", "tiny-wan-acwm", "--out", "x"], "trains models that produce actions"),
+])
+def test_cli_errors_are_one_line(args, text, capsys):
+    assert train_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("physis-train: error:") and text in err[0]
