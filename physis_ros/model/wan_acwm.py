@@ -4,8 +4,8 @@ a Wan trunk and its VAE (diffusers' ``AutoencoderKLWan``), served through the st
 
 - ``encode``: the conditioning tokens every block cross-attends to: the prompt's (none when ``text_tokens`` is
   0); the camera image's, encoded by the VAE into one latent frame (its mode, normalised by the VAE's
-  ``latents_mean``/``latents_std`` as Wan pipelines do) and patched by the trunk's own patch embedding; the
-  joint state's (one token); the actions to imagine (one token per row: an embedding plus the row's learned
+  ``latents_mean``/``latents_std`` as Wan pipelines do), patched by the trunk's own patch embedding, plus each
+  patch's learned position (cross-attention has none of its own); the joint state's (one token); the actions to imagine (one token per row: an embedding plus the row's learned
   position);
 - ``embed``, ``block``, ``head``: the video trunk's: the noisy future latent frames ``[C, F, H, W]`` as video
   tokens after the conditioning, diffusers' blocks over them, the trunk's head.
@@ -26,7 +26,7 @@ from torch import nn
 from physis_ros.model.spec import ModelConfig
 from physis_ros.model.wan import WanLoadError, load_tensors, seeded
 from physis_ros.model.wan_adapter import build_adapter
-from physis_ros.model.wan_family import WEIGHTS, vae_config_of
+from physis_ros.model.wan_family import WEIGHTS, camera_tokens, vae_config_of
 from physis_ros.model.wan_model import WanModel
 
 
@@ -84,11 +84,13 @@ class WanACWMModel(WanModel):
                  device: torch.device | str = "cpu"):
         super().__init__(config, hosted_blocks, device)
         world, d = config.wan.world, config.hidden
+        camera = camera_tokens(config)
         self.vae = load_vae(config).to(device=device).requires_grad_(False)
         self._scale = LatentScale(self.vae)
 
         def make() -> nn.ModuleDict:
-            return nn.ModuleDict({"state": nn.Linear(world.state_dim, d),
+            return nn.ModuleDict({"camera_pos": nn.Embedding(camera, d),
+                                  "state": nn.Linear(world.state_dim, d),
                                   "actions": nn.Linear(world.action_dim, d),
                                   "action_pos": nn.Embedding(world.action_horizon, d)})
 
@@ -97,7 +99,7 @@ class WanACWMModel(WanModel):
 
     def encode(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         latent = camera_latent(self.vae, self._scale, obs["image"]).to(self.dtype)
-        camera = self.trunk.patch_embedding(latent).flatten(2).transpose(1, 2)
+        camera = self.trunk.patch_embedding(latent).flatten(2).transpose(1, 2) + self.adapter["camera_pos"].weight
         state = self.adapter["state"](obs["state"]).unsqueeze(1)
         actions = self.adapter["actions"](obs["actions"]) + self.adapter["action_pos"].weight
         tokens = [camera, state, actions]

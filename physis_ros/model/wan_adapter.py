@@ -34,12 +34,16 @@ def adapter_shapes(config) -> dict[str, tuple[int, ...]]:
     if config.kind == "wan_wam":
         a = io.actions
         return {"image.weight": (d, a.image_channels, a.image_patch, a.image_patch), "image.bias": (d,),
+                "image_pos.weight": ((a.image_size // a.image_patch) ** 2, d),
                 "state.weight": (d, a.state_dim), "state.bias": (d,),
                 "action_in.weight": (d, a.dof), "action_in.bias": (d,),
                 "action_pos.weight": (a.horizon, d),
                 "action_out.weight": (a.dof, d), "action_out.bias": (a.dof,)}
+    from physis_ros.model.wan_family import camera_tokens    # (wan_family checks adapters with this module)
+
     w = io.world
-    return {"state.weight": (d, w.state_dim), "state.bias": (d,),
+    return {"camera_pos.weight": (camera_tokens(config), d),
+            "state.weight": (d, w.state_dim), "state.bias": (d,),
             "actions.weight": (d, w.action_dim), "actions.bias": (d,),
             "action_pos.weight": (w.action_horizon, d)}
 

@@ -340,6 +340,14 @@ def vae_scale(vae: dict[str, Any]) -> int:
     return 2 ** (len(vae.get("dim_mult", [1, 2, 4, 4])) - 1)
 
 
+def camera_tokens(config: ModelConfig) -> int:
+    """A world model's camera tokens: its VAE latent frame of the image, patched as the trunk patches video."""
+    trunk, world = trunk_of(config.wan), config.wan.world
+    _, p_h, p_w = (int(n) for n in trunk["patch_size"])
+    scale = vae_scale(vae_config_of(config.wan))
+    return (world.image_size // scale // p_h) * (world.image_size // scale // p_w)
+
+
 def wan_acwm_spec(config: ModelConfig) -> ModelSpec:
     """The spec of a Wan action-conditioned world model (:mod:`physis_ros.model.wan_acwm`): the camera image, the
     joint state and the actions to imagine (and the prompt's embeddings, if it reads ``text_tokens``) in; the
@@ -360,7 +368,7 @@ def wan_acwm_spec(config: ModelConfig) -> ModelSpec:
         raise ConfigError("wan.world.image_size", f"{world.image_size} is not a multiple of the VAE's {scale} "
                                                    f"pixels per latent times the trunk's patch {p_h}x{p_w}")
     check_adapter(config)
-    camera = (world.image_size // scale // p_h) * (world.image_size // scale // p_w)
+    camera = camera_tokens(config)
     inputs = {"image": (world.image_channels, world.image_size, world.image_size), "state": (world.state_dim,),
               "actions": (world.action_horizon, world.action_dim)}
     if io.text_tokens:

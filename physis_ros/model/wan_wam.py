@@ -3,8 +3,9 @@
 stage contract as the video trunk (:class:`~physis_ros.model.wan_model.WanModel`).
 
 - ``encode``: the conditioning tokens every block cross-attends to, ``[B, L + P + 1, D]``: the prompt's (the
-  trunk's text embedder; none when ``text_tokens`` is 0), the camera image's (a patch embedding, ``P`` tokens)
-  and the joint state's (one token);
+  trunk's text embedder; none when ``text_tokens`` is 0), the camera image's (a patch embedding plus each
+  patch's learned position, ``P`` tokens: cross-attention has no positions of its own, so without it a block
+  cannot tell where in the image a patch is) and the joint state's (one token);
 - ``embed``: the packed noisy chunk (actions ``[horizon, dof]``, then the latent ``[C, F, H, W]``) -> the hidden
   state ``[conditioning; video tokens; action tokens]``. An action token is its noisy row's embedding plus its
   row's learned position plus the state token (the action embedder reads the joint state and the noisy actions);
@@ -45,6 +46,7 @@ def wam_adapter(config: ModelConfig) -> nn.ModuleDict:
     def make() -> nn.ModuleDict:
         return nn.ModuleDict({
             "image": nn.Conv2d(act.image_channels, d, act.image_patch, stride=act.image_patch),
+            "image_pos": nn.Embedding((act.image_size // act.image_patch) ** 2, d),
             "state": nn.Linear(act.state_dim, d),
             "action_in": nn.Linear(act.dof, d),
             "action_pos": nn.Embedding(act.horizon, d),
@@ -97,7 +99,7 @@ class WanWAMModel(WanModel):
 
     # ---- the stage contract ----------------------------------------------------------------------
     def encode(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
-        image = self.adapter["image"](obs["image"]).flatten(2).transpose(1, 2)
+        image = self.adapter["image"](obs["image"]).flatten(2).transpose(1, 2) + self.adapter["image_pos"].weight
         state = self.adapter["state"](obs["state"]).unsqueeze(1)
         tokens = [image, state]
         if self.config.wan.text_tokens:

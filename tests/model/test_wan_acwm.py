@@ -75,7 +75,8 @@ def test_the_camera_is_conditioned_through_diffusers_own_vae_encoding(pipeline):
     image = torch.from_numpy(obs["image"])[None]
     latent = vae.encode((image * 2 - 1)[:, :, None]).latent_dist.mode()
     mean, std = (torch.tensor(VAE[k]).view(1, 4, 1, 1, 1) for k in ("latents_mean", "latents_std"))
-    want = model.trunk.patch_embedding((latent - mean) / std).flatten(2).transpose(1, 2)
+    want = model.trunk.patch_embedding((latent - mean) / std).flatten(2).transpose(1, 2) \
+        + model.adapter["camera_pos"].weight
     cond = model.encode(model.observation_tensors(obs))
     assert cond.shape == (1, 4 + 1 + 5, 24) and torch.equal(cond[:, :4], want)
 

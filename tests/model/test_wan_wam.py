@@ -72,8 +72,8 @@ def recompute(model, stream: str, chunks: int, seed: int) -> list[torch.Tensor]:
     contexts = []
     for c in range(chunks):
         obs = {k: torch.from_numpy(v)[None] for k, v in observation(stream, c).items()}
-        contexts.append(torch.cat([adapter["image"](obs["image"]).flatten(2).transpose(1, 2),
-                                   adapter["state"](obs["state"])[:, None]], dim=1))
+        contexts.append(torch.cat([adapter["image"](obs["image"]).flatten(2).transpose(1, 2)
+                                   + adapter["image_pos"].weight, adapter["state"](obs["state"])[:, None]], dim=1))
     cos, sin = trunk.rope(torch.zeros(1, 4, chunks * frames, height, width))
     last = (frames - 1) * (height // 2) * (width // 2)     # an action token sits at its chunk's last frame, (0, 0)
     rope = tuple(torch.cat([p for c in range(chunks) for p in (
