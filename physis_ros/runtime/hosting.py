@@ -81,10 +81,9 @@ class StageHost:
         self._loader.shutdown(wait=True, cancel_futures=True)
 
     # ---- loading -------------------------------------------------------------------------------
-    def check(self, msg: p.StartStream) -> ModelConfig:
-        """ValueError unless the stream's stages and routes make sense for its model."""
-        host = self.models.get(msg.model.id)
-        cfg = host.config if host is not None else from_mapping(ModelConfig, msg.model.config)
+    @staticmethod
+    def check(msg: p.StartStream, cfg: ModelConfig) -> ModelConfig:
+        """ValueError unless the stream's stages and routes make sense for its model ``cfg``."""
         stages = set(msg.stages)
         clean = cfg.clean_pass          # a row 0 of clean-pass stages, and each block's rows together
         bad = sorted(s for s in stages if not ((0 if clean else 1) <= s[0] <= cfg.steps and 0 <= s[1] < cfg.blocks))
@@ -103,14 +102,19 @@ class StageHost:
 
     def prepare(self, msg: p.StartStream) -> list[Future]:
         """Start loading whatever the stream needs that is not hosted (or loading) yet; the futures to
-        wait for before :meth:`start_stream` (none if everything is here)."""
-        self.check(msg)
+        wait for before :meth:`start_stream` (none if everything is here). A model not hosted yet is read and
+        checked on the loader thread, as its weights are: its config may import its family and read its files'
+        headers, which must not hold up the stages and heartbeats of this thread."""
         ref, futures = msg.model, []
-        if ref.id not in self.models:
+        host = self.models.get(ref.id)
+        if host is not None:
+            self.check(msg, host.config)
+        else:
             if ref.id not in self._new_model:
                 self._new_model[ref.id] = self._loader.submit(self._build_model, ref)
-            futures.append(self._new_model[ref.id])
-        host = self.models.get(ref.id)
+            model = self._new_model[ref.id]
+            futures.append(model)
+            futures.append(self._loader.submit(lambda: self.check(msg, model.result().config)))
         for b in sorted({b for _, b in msg.stages}):
             if host is not None and b in host.model.hosted_blocks:
                 continue

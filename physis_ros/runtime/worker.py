@@ -273,7 +273,11 @@ class Worker:
             self.starting.clear()
             return
         for stream, (msg, pending) in list(self.starting.items()):
-            if all(f.done() for f in pending) and not self.host.loading_for(msg):
+            failed = next((f.exception() for f in pending if f.done() and f.exception() is not None), None)
+            if failed is not None:      # its stages did not fit its model (checked on the loader)
+                del self.starting[stream]
+                self._failed(msg, failed)
+            elif all(f.done() for f in pending) and not self.host.loading_for(msg):
                 del self.starting[stream]
                 try:
                     self.send_ctrl(p.Ack(req=msg.req, worker=self.id, **self._start(msg)))

@@ -142,6 +142,20 @@ def test_control_requests_are_typed_and_failures_answered(worker, engine_end):
     assert isinstance(replies[10], p.Ack) and replies[10].stats.kv_bytes > 0
 
 
+def test_a_new_models_stages_are_checked_on_the_loader_and_a_misfit_answered(worker, engine_end):
+    """A model the worker does not host yet is read (its config, its family) and checked on the loader thread,
+    not in the loop that runs stages and heartbeats; stages it does not have fail that stream's start."""
+    other = p.ModelRef(id="tiny-wam-other", config=to_mapping(CFG))
+    worker.handle_control(wire.Received(p.StartStream(req=11, stream="robot2", epoch=0, model=other, stages=[(9, 0)],
+                                                      routes=[p.Route((9, 0), worker.data_addr)])))
+    replies, deadline = {}, time.monotonic() + 60.0
+    while 11 not in replies and time.monotonic() < deadline:
+        worker.finish_starts()
+        replies.update({m.req: m for m in engine_end.received(50) if isinstance(m, (p.Ack, p.Failed))})
+    assert isinstance(replies[11], p.Failed) and "do not exist" in replies[11].error
+    assert "robot2" not in worker.starting
+
+
 def test_every_physis_logger_is_forwarded_to_the_engine_once(engine_end):
     """Spawned workers run with --no-log-stderr: physis.hops (and any physis.*) lines must reach the engine."""
     import logging
