@@ -1,4 +1,5 @@
-"""``physis-train``: train a world-action model (tiny-wam, tiny-wan-wam) to imitate the scripted expert on the synthetic scene.
+"""``physis-train``: train a world-action model (tiny-wam, tiny-wan-wam) to imitate the scripted expert on the
+synthetic scene.
 
 The expert (physis_ros.observations.ScriptedExpert) looks at where the target disc is in the camera
 image, maps it to a joint pose, and moves the 7 joints from their current state towards it. The model
@@ -17,8 +18,11 @@ expert's actions and, in the same chunk, the scene's video over the chunk as its
 
     physis-train --out config/checkpoints/tiny-wam-demo.safetensors [--steps 1000] [--seed 0]
                  [--batch 32] [--threads 1] [--json curve.json]
-    physis-train --model tiny-wan-wam --out config/checkpoints/tiny-wan-wam-demo --steps 600 --episodes 64 \
-                 --json config/checkpoints/tiny-wan-wam-demo.json
+
+The shipped config/checkpoints/tiny-wan-wam-demo/ (served as wan_wam by config/serve_wan_tiny.yaml) was made by
+
+    physis-train --model tiny-wan-wam --out config/checkpoints/tiny-wan-wam-demo --steps 800 --lr 2e-3 \
+                 --episodes 64 --json config/checkpoints/tiny-wan-wam-demo.json
 
 The shipped config/checkpoints/tiny-wam-demo.safetensors was made by
 
@@ -75,14 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     from physis_ros.config import ConfigError
     from physis_ros.model import build_model, load_model_config
     from physis_ros.model.checkpoint import load_checkpoint, save_checkpoint
-    from physis_ros.train.dataset import expert_for
+    from tqdm import tqdm
+
+    from physis_ros.train.dataset import check_trainable, training_episodes
     from physis_ros.train.evaluate import tracking_error
-    from physis_ros.train.trainer import print_progress, train
+    from physis_ros.train.trainer import train
 
     set_threads(args.threads)
     try:
         config = load_model_config(args.model)
-        expert_for(config)
+        check_trainable(config)
     except (ConfigError, ValueError) as exc:
         fail(str(exc))
     directory = config.wan is not None          # a Wan model is a checkpoint directory
@@ -97,10 +103,21 @@ def main(argv: list[str] | None = None) -> int:
                              episodes=args.episodes, chunks=args.chunks)
     print(f"{PROG}: {config.name}, {settings.steps} steps x {settings.batch} sequences of {config.window + 1} "
           f"chunks, seed {settings.seed}, {args.threads} threads", file=sys.stderr, flush=True)
-    try:
-        result = train(config, settings, progress=print_progress)
-    except FloatingPointError as exc:
-        fail(str(exc), EXIT_FAILED)
+    what = "demonstrations" + (" (each chunk's video through the VAE)" if config.spec.has_frames else "")
+    started = time.perf_counter()
+    with tqdm(total=settings.episodes, desc=what, unit="episode", file=sys.stderr, mininterval=1.0) as bar:
+        data = training_episodes(config, settings.episodes, settings.chunks, progress=bar.update)
+    data_seconds = time.perf_counter() - started
+    with tqdm(total=settings.steps, desc="training", unit="step", file=sys.stderr, mininterval=1.0) as bar:
+        def progress(step: int, loss: float, _seconds: float) -> None:
+            bar.update(step - bar.n)
+            bar.set_postfix(loss=f"{loss:.5f}", refresh=False)
+
+        try:
+            result = train(config, settings, data=data, progress=progress, progress_every=10)
+        except FloatingPointError as exc:
+            bar.close()
+            fail(str(exc), EXIT_FAILED)
     if directory:
         from physis_ros.model.wan_adapter import save_directory
 
@@ -115,10 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     for f in written:
         os.chmod(f, 0o666 & ~umask)   # safetensors writes 0600; a server running as another user reads it
     size = sum(f.stat().st_size for f in written)
-    print(f"wrote {out} ({size / 2**20:.2f} MiB) after {result.seconds:.1f} s; loss {result.losses[0]:.4f} "
-          f"(first) -> {sum(result.losses[-50:]) / len(result.losses[-50:]):.4f} (mean of the last 50 steps)")
+    print(f"wrote {out} ({size / 2**20:.2f} MiB) after {data_seconds:.1f} s of demonstrations and "
+          f"{result.seconds:.1f} s of training; loss {result.losses[0]:.4f} (first) -> "
+          f"{sum(result.losses[-50:]) / len(result.losses[-50:]):.4f} (mean of the last 50 steps)")
     summary = {"command": " ".join([PROG, *(sys.argv[1:] if argv is None else argv)]), "model": config.name,
                "threads": args.threads, "torch": torch.__version__, "checkpoint": str(out), "bytes": size,
+               "data_seconds": round(data_seconds, 2),
                **result.summary()}
     if args.eval_chunks:
         start = time.perf_counter()

@@ -5,8 +5,8 @@ a Wan trunk and its VAE (diffusers' ``AutoencoderKLWan``), served through the st
 - ``encode``: the conditioning tokens every block cross-attends to: the prompt's (none when ``text_tokens`` is
   0); the camera image's, encoded by the VAE into one latent frame (its mode, normalised by the VAE's
   ``latents_mean``/``latents_std`` as Wan pipelines do), patched by the trunk's own patch embedding, plus each
-  patch's learned position (cross-attention has none of its own); the joint state's (one token); the actions to imagine (one token per row: an embedding plus the row's learned
-  position);
+  patch's learned position (cross-attention has none of its own); the joint state's (one token); the actions
+  to imagine (one token per row: an embedding plus the row's learned position);
 - ``embed``, ``block``, ``head``: the video trunk's: the noisy future latent frames ``[C, F, H, W]`` as video
   tokens after the conditioning, diffusers' blocks over them, the trunk's head.
 

@@ -20,6 +20,7 @@ Sampling is a pure function of a :class:`torch.Generator`, so a seed fixes the w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,26 +45,41 @@ def make_scene(kind: str, config: ModelConfig, expert: ScriptedExpert | None = N
 
 
 def expert_for(config: ModelConfig) -> ScriptedExpert:
-    """The scripted expert whose chunks have ``config``'s shape (a WAM that sees the camera and whose state is
-    its joints)."""
-    if config.produces != "actions":
-        raise ValueError(f"model '{config.name}' produces {config.produces}; the scripted expert trains models "
-                         f"that produce actions (a world-action model)")
-    horizon, dof = config.spec.actions_shape
+    """The scripted expert whose chunks have ``config``'s shape: a world-action model that sees the camera and
+    whose state is its joints, or an action-conditioned world model that also takes the actions to imagine
+    (the expert's chunk for the same observation). ValueError saying why a model is neither."""
     shapes = config.observation_shapes
-    if set(shapes) != {"image", "state"}:
+    if config.produces == "actions":
+        horizon, dof = config.spec.actions_shape
+        wanted = {"image", "state"}
+    elif "actions" in shapes:
+        horizon, dof = shapes["actions"]
+        wanted = {"image", "state", "actions"}
+    else:
+        raise ValueError(f"model '{config.name}' produces {config.produces} from no actions; the scripted expert "
+                         f"trains models that produce actions, or world models that imagine them")
+    if set(shapes) != wanted:
         raise ValueError(f"model '{config.name}' takes {', '.join(sorted(shapes))}; the scripted scene gives a "
-                         f"camera image and the joint state only")
+                         f"camera image and the joint state (and the expert's actions to imagine) only")
     if shapes["state"] != (dof,):
         raise ValueError(f"model '{config.name}' has state_dim {shapes['state'][0]} != dof {dof}; "
                          f"the scripted expert moves the joints it observes")
     return ScriptedExpert(horizon=horizon)
 
 
+def check_trainable(config: ModelConfig) -> None:
+    """ValueError unless :func:`build_episodes` can make ``config``'s training data: the expert fits it, and a
+    model that predicts frames has a VAE to make their targets."""
+    expert_for(config)
+    if config.spec.has_frames:
+        FrameTargets.check(config)
+
+
 @dataclass
 class Episodes:
     """Demonstrations: ``images`` [E, C, *image], ``states`` [E, C, dof], ``actions`` [E, C, H, dof] and, for a
-    model that predicts frames, ``frames`` [E, C, *frames] (else None)."""
+    model that predicts frames, ``frames`` [E, C, *frames] (else None). ``world``: the model imagines the
+    actions (an input) and predicts only the frames."""
 
     streams: list[str]
     kinds: list[str]
@@ -71,10 +87,14 @@ class Episodes:
     states: torch.Tensor
     actions: torch.Tensor
     frames: torch.Tensor | None = None
+    world: bool = False
 
     def targets(self, e: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The training targets of chunks ``idx`` [B, S] of episodes ``e`` [B, 1]: the expert's actions
-        [B, S, H, dof], or with frames the packed chunk (actions, then frames, flat) [B, S, N]."""
+        [B, S, H, dof]; with frames the packed chunk (actions, then frames, flat) [B, S, N]; a world model's
+        frames [B, S, *frames]."""
+        if self.world:
+            return self.frames[e, idx]
         actions = self.actions[e, idx]
         if self.frames is None:
             return actions
@@ -88,8 +108,10 @@ class Episodes:
         return len(self.streams)
 
 
-def build_episodes(config: ModelConfig, streams: list[str], chunks: int, kinds: list[str]) -> Episodes:
-    """Episodes ``streams[i]`` of kind ``kinds[i]``, chunks ``0..chunks-1`` each (deterministic)."""
+def build_episodes(config: ModelConfig, streams: list[str], chunks: int, kinds: list[str],
+                   progress: Callable[[int], object] | None = None) -> Episodes:
+    """Episodes ``streams[i]`` of kind ``kinds[i]``, chunks ``0..chunks-1`` each (deterministic);
+    ``progress(1)`` after each."""
     expert = expert_for(config)
     scenes = {kind: make_scene(kind, config, expert) for kind in set(kinds)}
     video = FrameTargets(config) if config.spec.has_frames else None
@@ -102,15 +124,18 @@ def build_episodes(config: ModelConfig, streams: list[str], chunks: int, kinds: 
         actions.append(np.stack([scene.expert(stream, c, expert) for c in range(chunks)]))
         if video is not None:
             frames.append(video.latents(scene, stream, chunks))
+        if progress is not None:
+            progress(1)
     return Episodes(list(streams), list(kinds), torch.from_numpy(np.stack(images)),
                     torch.from_numpy(np.stack(states)), torch.from_numpy(np.stack(actions)),
-                    torch.stack(frames) if video is not None else None)
+                    torch.stack(frames) if video is not None else None, config.produces == "frames")
 
 
-def training_episodes(config: ModelConfig, episodes: int, chunks: int, prefix: str = "train") -> Episodes:
+def training_episodes(config: ModelConfig, episodes: int, chunks: int, prefix: str = "train",
+                      progress: Callable[[int], object] | None = None) -> Episodes:
     """``episodes`` episodes, alternating ``free`` and ``pushed``, streams ``<prefix>-<i>``."""
     kinds = [("free", "pushed")[i % 2] for i in range(episodes)]
-    return build_episodes(config, [f"{prefix}-{i}" for i in range(episodes)], chunks, kinds)
+    return build_episodes(config, [f"{prefix}-{i}" for i in range(episodes)], chunks, kinds, progress)
 
 
 @dataclass
@@ -138,4 +163,8 @@ def sample_batch(data: Episodes, batch: int, length: int, steps: int, gen: torch
     eps = torch.randn(x0.shape, generator=gen)
     images, states = data.images[e[:, None], idx], data.states[e[:, None], idx]
     obs = [{"image": images[:, s], "state": states[:, s]} for s in range(length)]
+    if data.world:                                                         # the actions to imagine
+        actions = data.actions[e[:, None], idx]
+        for s, o in enumerate(obs):
+            o["actions"] = actions[:, s]
     return Batch(obs, x0, eps, k)

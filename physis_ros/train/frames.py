@@ -21,14 +21,20 @@ from physis_ros.observations import SyntheticScene
 class FrameTargets:
     """The latent frames of the scene's video for chunks of ``config``'s model (see the module's docstring)."""
 
-    def __init__(self, config: ModelConfig):
-        from physis_ros.model.wan_acwm import LatentScale, load_vae
-        from physis_ros.model.wan_family import vae_config_of, vae_frames, vae_scale
-
+    @staticmethod
+    def check(config: ModelConfig) -> None:
+        """ValueError unless ``config`` has a VAE to make its frames' targets."""
         io = config.wan
         if io is None or not (io.vae or io.vae_config):
             raise ValueError(f"model '{config.name}' predicts frames but has no VAE to make their targets: give "
                              f"wan.vae (an AutoencoderKLWan directory) or wan.vae_config")
+
+    def __init__(self, config: ModelConfig):
+        from physis_ros.model.wan_acwm import LatentScale, load_vae
+        from physis_ros.model.wan_family import vae_config_of, vae_frames, vae_scale
+
+        self.check(config)
+        io = config.wan
         vae = vae_config_of(io)
         self.frames = vae_frames(vae, io.frames)
         self.size = (io.height * vae_scale(vae), io.width * vae_scale(vae))
@@ -43,9 +49,18 @@ class FrameTargets:
         return np.stack([scene.image((3, *self.size), t, phase) for t in times], axis=1)
 
     @torch.no_grad()
-    def latents(self, scene: SyntheticScene, stream: str, chunks: int) -> torch.Tensor:
-        """Chunks ``0 .. chunks-1`` of ``stream``: ``[chunks, C, F, H, W]`` float32."""
+    def encode(self, video: torch.Tensor) -> torch.Tensor:
+        """Videos ``[B, 3, T, S, S]`` in [0, 1] -> normalised latents ``[B, C, F, H, W]`` float32."""
         from physis_ros.model.wan_acwm import video_latent
 
-        video = torch.from_numpy(np.stack([self.video(scene, stream, c) for c in range(chunks)]))
         return video_latent(self.vae, self.scale, video).float()
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents ``[B, C, F, H, W]`` -> videos ``[B, 3, T, S, S]`` in [0, 1]."""
+        video = self.vae.decode(self.scale.denormalise(latents.float())).sample
+        return ((video + 1.0) / 2.0).clamp(0.0, 1.0)
+
+    def latents(self, scene: SyntheticScene, stream: str, chunks: int) -> torch.Tensor:
+        """Chunks ``0 .. chunks-1`` of ``stream``: ``[chunks, C, F, H, W]`` float32."""
+        return self.encode(torch.from_numpy(np.stack([self.video(scene, stream, c) for c in range(chunks)])))

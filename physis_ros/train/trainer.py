@@ -16,7 +16,6 @@ build and thread count two runs give bit-identical losses and weights.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -71,7 +70,7 @@ def flow_matching_loss(model: ServableModel, batch) -> torch.Tensor:
     x_t = t * batch.eps + (1.0 - t) * batch.x0
     v = sequence_velocities(model, batch.obs, x_t, batch.k)
     spec = model.config.spec
-    if not spec.has_frames:
+    if not spec.has_frames or spec.actions_shape is None:      # one part: the actions, or a world model's frames
         return torch.nn.functional.mse_loss(v, batch.eps - batch.x0)
     err = (v - (batch.eps - batch.x0)).square()
     n = spec.actions_shape[0] * spec.actions_shape[1]
@@ -110,5 +109,3 @@ def train(config: ModelConfig, settings: TrainSettings, *, data: Episodes | None
     return TrainResult(model, losses, time.perf_counter() - start, settings)
 
 
-def print_progress(step: int, loss: float, seconds: float) -> None:
-    print(f"step {step:>6}  loss {loss:.5f}  {seconds:7.1f} s", file=sys.stderr, flush=True)

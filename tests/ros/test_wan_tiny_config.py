@@ -40,7 +40,7 @@ def test_the_wan_config_serves_a_wan_wam_and_a_wan_world_model_beside_tiny_wam(t
     from physis_ros.msg import ActionChunk, PredictedFrames
 
     streams, engine = shipped_streams()
-    assert set(streams) == {"robot0", "wan_wam", "wan_wm"} and streams["wan_wam"]["model"] == "tiny-wan-wam"
+    assert set(streams) == {"robot0", "wan_wam", "wan_wm"} and streams["wan_wam"]["model"] == "tiny-wan-wam-demo"
     assert streams["wan_wm"]["topics"]["actions"] == "/wan_wam/action_chunk"
     streams["wan_wm"]["topics"]["actions"] = f"/{streams['wan_wam']['namespace']}/action_chunk"
     streams["wan_wm"]["preview_hz"] = 4.0

@@ -144,7 +144,7 @@ def test_cli_writes_a_servable_checkpoint_and_the_curve(config, tmp_path, capsys
 @pytest.mark.parametrize("args, text", [
     (["--out", "x.pt"], "must end in .safetensors"),
     (["--out", "x.safetensors", "--steps", "0"], "--steps"),
-    (["--out", "x.safetensors", "--model", "tiny-acwm"], "trains models that produce actions"),
+    (["--out", "x.safetensors", "--model", "tiny-acwm"], "has no VAE to make their targets"),
     ([], "--out"),
 ])
 def test_cli_errors_are_one_line(args, text, capsys):

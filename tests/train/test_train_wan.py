@@ -6,6 +6,7 @@ expert."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,9 +18,15 @@ from physis_ros.observations import SyntheticScene, TrackingScene
 from physis_ros.reference import ReferenceRollout
 from physis_ros.serving.catalog import model_config_of
 from physis_ros.train.dataset import sample_batch, training_episodes
+from physis_ros.train.evaluate import tracking_error
 from physis_ros.train.frames import FrameTargets
 from physis_ros.train.noisy_kv import rollout, sequence_velocities, trainable_model
 from physis_ros.train.trainer import TrainSettings, flow_matching_loss, train
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "config" / "checkpoints" / "tiny-wan-wam-demo"
+TARGET_RATIO = 0.3
+
 
 @pytest.fixture(scope="module")
 def config():
@@ -117,9 +124,21 @@ def test_cli_writes_a_directory_served_as_the_model_it_trained(config, tmp_path)
 
 @pytest.mark.parametrize("args, text", [
     (["--model", "tiny-wan-wam", "--out", "x.safetensors"], "checkpoint directory"),
-    (["--model", "tiny-wan-acwm", "--out", "x"], "trains models that produce actions"),
+    (["--model", "wan2.1-1.3b", "--out", "x"], "from no actions"),
 ])
 def test_cli_errors_are_one_line(args, text, capsys):
     assert train_main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("physis-train: error:") and text in err[0]
+
+
+def test_shipped_wan_wam_is_bundled_and_tracks_the_expert(config):
+    assert (SHIPPED / "physis_model.yaml").is_file(), "ship it: see physis_ros/cli/train.py for the command"
+    assert sum(f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file()) < 10 * 2**20
+    trained_config, _ = model_config_of("tiny-wan-wam-demo")        # the bundled name
+    assert trained_config.kind == "wan_wam" and trained_config.output_shape == config.output_shape
+    trained = build_model(trained_config)
+    for kind in ("tracking", "free"):
+        ours = tracking_error(trained, kind=kind, streams=("eval-0", "eval-1"), chunks=4)
+        rand = tracking_error(build_model(config), kind=kind, streams=("eval-0", "eval-1"), chunks=4)
+        assert ours["rms"] <= TARGET_RATIO * rand["rms"], (kind, ours, rand)
