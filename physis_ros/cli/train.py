@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-chunks", type=nonneg_int, default=16,
                    help="chunks per held-out stream for the tracking error (0: skip the evaluation)")
     p.add_argument("--json", help="write the settings, loss curve and tracking errors here")
+    p.add_argument("--vae-steps", type=nonneg_int, default=0,
+                   help="a Wan model with a random VAE (wan.vae_config): first train the VAE this many steps on the "
+                        "scene's video and write it to OUT/vae (0: keep the VAE as configured)")
+    p.add_argument("--vae-episodes", type=positive_int, default=16, help="episodes of video the VAE trains on")
+    p.add_argument("--vae-lr", type=positive_float, default=2e-3, help="the VAE's Adam learning rate")
+    p.add_argument("--figure", help="a world model: write true vs predicted frames of held-out chunks here (.png)")
     args = p.parse_args(argv)
     out = Path(args.out)
     check_writable(args.json)
@@ -99,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     check_writable(out / "physis_model.yaml" if directory else out, "--out")
     if args.chunks < config.window + 1:
         fail(f"--chunks {args.chunks} is shorter than one training sequence (window + 1 = {config.window + 1})")
+    if args.vae_steps and not (directory and config.wan.vae_config and not config.wan.vae):
+        fail(f"--vae-steps: model '{config.name}' has no random VAE to train (a Wan model with wan.vae_config)")
+    if args.figure and config.produces != "frames":
+        fail(f"--figure: model '{config.name}' produces {config.produces}; pictures are of a world model's frames")
+    check_writable(args.figure, "--figure")
+    if args.vae_steps:
+        config = train_vae_first(config, out / "vae", args)
     settings = TrainSettings(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                              episodes=args.episodes, chunks=args.chunks)
     print(f"{PROG}: {config.name}, {settings.steps} steps x {settings.batch} sequences of {config.window + 1} "
@@ -139,7 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                "threads": args.threads, "torch": torch.__version__, "checkpoint": str(out), "bytes": size,
                "data_seconds": round(data_seconds, 2),
                **result.summary()}
-    if args.eval_chunks:
+    if args.eval_chunks and config.produces == "frames":
+        start = time.perf_counter()
+        summary["world_error"] = evaluate_world(build_model(load_model_config(str(out))), build_model(config),
+                                                args)
+        summary["eval_seconds"] = round(time.perf_counter() - start, 2)
+    elif args.eval_chunks:
         start = time.perf_counter()
         trained = build_model(load_model_config(str(out))) if directory else load_checkpoint(out)
         random_model = build_model(config)
@@ -155,6 +173,61 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, summary)
     return 0
+
+
+def train_vae_first(config, directory: Path, args):
+    """Train ``config``'s random VAE on the scene's video (``--vae-*``), write it to ``directory`` and return the
+    config naming it (``wan.vae``)."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+
+    from physis_ros.model.wan_acwm import load_vae
+    from physis_ros.observations import SyntheticScene
+    from physis_ros.train.frames import FrameTargets
+    from physis_ros.train.vae import VAESettings, train_vae
+
+    video, scene = FrameTargets(config), SyntheticScene(config.observation_shapes)
+    clips = torch.from_numpy(np.stack([video.video(scene, f"vae-{e}", c) for e in range(args.vae_episodes)
+                                       for c in range(args.chunks)]))
+    settings = VAESettings(steps=args.vae_steps, lr=args.vae_lr, seed=args.seed)
+    vae = load_vae(config)
+    with tqdm(total=settings.steps, desc=f"VAE on {len(clips)} clips", unit="step", file=sys.stderr,
+              mininterval=1.0) as bar:
+        def progress(step: int, mse: float) -> None:
+            bar.update(1)
+            bar.set_postfix(mse=f"{mse:.5f}", refresh=False)
+
+        try:
+            losses = train_vae(vae, clips, settings, progress)
+        except FloatingPointError as exc:
+            bar.close()
+            fail(str(exc), EXIT_FAILED)
+    vae.save_pretrained(directory)
+    print(f"wrote the VAE to {directory}: reconstruction MSE {losses[0]:.5f} (first) -> "
+          f"{sum(losses[-20:]) / len(losses[-20:]):.5f} (mean of the last 20 steps)", file=sys.stderr)
+    return dataclasses.replace(config, wan=dataclasses.replace(config.wan, vae=str(directory.resolve()),
+                                                               vae_config={}))
+
+
+def evaluate_world(trained, random_model, args) -> dict:
+    """A world model's frames against the scene's video, trained and random, beside copying the last frame."""
+    from physis_ros.train.evaluate import world_error, world_figure
+
+    out = {}
+    for name, model in (("trained", trained), ("random", random_model)):
+        e = world_error(model, chunks=args.eval_chunks)
+        samples = e.pop("samples")
+        out[name] = e
+        print(f"frames against the true video ({e['chunks']} chunks), {name}: latent MSE {e['latent_mse']:.5f} "
+              f"(copying the last frame {e['copy_latent_mse']:.5f}), pixel MSE {e['pixel_mse']:.6f} (copying "
+              f"{e['copy_pixel_mse']:.6f})")
+        if name == "trained" and args.figure:
+            world_figure(samples, args.figure, f"{trained.config.name}: held-out chunks, decoded by its VAE")
+            print(f"wrote {args.figure}")
+    return out
 
 
 if __name__ == "__main__":

@@ -152,7 +152,8 @@ def save_directory(model, directory: str | Path, name: str, description: str) ->
     full.load_state_dict(state, strict=True)
     full.save_pretrained(directory / "transformer")
     io = config.wan
-    if io.vae or io.vae_config:
+    written = io.vae and Path(io.vae).resolve() == (directory / "vae").resolve()     # a VAE trained into it
+    if (io.vae or io.vae_config) and not written:
         from physis_ros.model.wan_acwm import load_vae
 
         load_vae(config).save_pretrained(directory / "vae")

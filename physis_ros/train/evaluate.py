@@ -40,3 +40,66 @@ def tracking_error(model: ServableModel, *, kind: str = "tracking", streams=EVAL
                 worst = max(worst, float(np.abs(err).max()))
                 n += err.size
     return {"rms": (sq / n) ** 0.5, "hold_rms": (hold_sq / n) ** 0.5, "max_abs": worst, "actions": n}
+
+
+def world_error(model: ServableModel, *, streams=EVAL_STREAMS, chunks: int = 8, seed: int = 0) -> dict:
+    """An action-conditioned world model's frames against the scene's video on held-out ``streams`` (chunks
+    ``0..chunks-1``, each imagining the expert's chunk for its observation, run as the server runs it):
+
+    - ``latent_mse``: its predicted latents against the VAE's encoding of the true video
+      (:class:`~physis_ros.train.frames.FrameTargets`), and ``copy_latent_mse``: the encoding of the chunk's camera
+      held for the whole span (copying the last frame) against the same;
+    - ``pixel_mse``: its latents decoded by the VAE against the true video (pixels in [0, 1]), and
+      ``copy_pixel_mse``: the chunk's camera held, against the same (no VAE in the way);
+    - ``samples``: (stream, chunk, true video, decoded prediction) of the first stream, for pictures.
+    """
+    from physis_ros.train.frames import FrameTargets
+
+    config = model.config
+    expert = expert_for(config)
+    scene = make_scene("free", config, expert)
+    video = FrameTargets(config)
+    ref = ReferenceRollout(model, seed)
+    sums = {"latent_mse": 0.0, "copy_latent_mse": 0.0, "pixel_mse": 0.0, "copy_pixel_mse": 0.0}
+    samples = []
+    with torch.no_grad():
+        for stream in streams:
+            truth = video.latents(scene, stream, chunks)
+            for c in range(chunks):
+                obs = {**scene.observation(stream, c), "actions": scene.expert(stream, c, expert)}
+                predicted = ref.step(stream, obs).output[None].float()
+                clip = torch.from_numpy(video.video(scene, stream, c))[None]          # [1, 3, T, S, S]
+                held = clip[:, :, :1].expand_as(clip)
+                decoded = video.decode(predicted)
+                sums["latent_mse"] += float((predicted - truth[c:c + 1]).square().mean())
+                sums["copy_latent_mse"] += float((video.encode(held) - truth[c:c + 1]).square().mean())
+                sums["pixel_mse"] += float((decoded - clip).square().mean())
+                sums["copy_pixel_mse"] += float((held - clip).square().mean())
+                if stream == streams[0]:
+                    samples.append((stream, c, clip[0].numpy(), decoded[0].numpy()))
+    n = len(streams) * chunks
+    return {**{k: v / n for k, v in sums.items()}, "chunks": n, "samples": samples}
+
+
+def world_figure(samples: list, path, title: str) -> None:
+    """A picture of :func:`world_error`'s ``samples``: per chunk (a row), the camera at the chunk's start (what
+    copying the last frame predicts), the true camera at the chunk's end, and the model's predicted end frame
+    decoded by its VAE."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = samples[:4]
+    fig, axes = plt.subplots(len(rows), 3, figsize=(7.5, 2.5 * len(rows)), squeeze=False)
+    for r, (stream, chunk, clip, decoded) in enumerate(rows):
+        for ax, image, label in zip(axes[r], (clip[:, 0], clip[:, -1], decoded[:, -1]),
+                                    ("camera now (copied)", "true, end of chunk", "predicted, end of chunk")):
+            ax.imshow(np.clip(image.transpose(1, 2, 0), 0.0, 1.0), interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_title(f"{label}\n{stream}, chunk {chunk}" if r == 0 else f"{stream}, chunk {chunk}", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -142,3 +142,82 @@ def test_shipped_wan_wam_is_bundled_and_tracks_the_expert(config):
         ours = tracking_error(trained, kind=kind, streams=("eval-0", "eval-1"), chunks=4)
         rand = tracking_error(build_model(config), kind=kind, streams=("eval-0", "eval-1"), chunks=4)
         assert ours["rms"] <= TARGET_RATIO * rand["rms"], (kind, ours, rand)
+
+
+# ----------------------------------------------------------------------------- the world model (tiny-wan-acwm)
+
+@pytest.fixture(scope="module")
+def world():
+    return load_model_config("tiny-wan-acwm")
+
+
+def test_a_world_model_imagines_the_experts_chunk_and_learns_the_videos_latents(world):
+    from physis_ros.observations import ScriptedExpert
+
+    data = training_episodes(world, 2, 5)
+    assert data.world and data.frames.shape == (2, 5, 4, 2, 8, 8)
+    batch = sample_batch(data, 3, world.window + 1, world.steps, torch.Generator().manual_seed(2))
+    assert batch.x0.shape == (3, world.window + 1, *world.output_shape)
+    assert set(batch.obs[0]) == {"image", "state", "actions"} and batch.obs[0]["image"].shape == (3, 3, 64, 64)
+    scene = SyntheticScene(world.observation_shapes)
+    chunk = scene.expert(data.streams[0], 1, ScriptedExpert(horizon=16))
+    assert np.array_equal(data.actions[0, 1].numpy(), chunk)
+    assert torch.equal(data.frames[0], FrameTargets(world).latents(scene, data.streams[0], 5))
+    # one training step's loss is the frames' velocity MSE, with gradients into the trunk and the adapter
+    model = trainable_model(world)
+    loss = flow_matching_loss(model, batch)
+    loss.backward()
+    assert model.adapter["actions"].weight.grad.abs().sum() > 0 and model.adapter["camera_pos"].weight.grad is not None
+
+
+def test_the_vae_learns_the_scenes_video_and_normalises_its_latents(world):
+    from physis_ros.model.wan_acwm import LatentScale, load_vae, video_latent
+    from physis_ros.train.vae import VAESettings, train_vae
+
+    targets, scene = FrameTargets(world), SyntheticScene(world.observation_shapes)
+    clips = torch.from_numpy(np.stack([targets.video(scene, f"v{e}", c) for e in range(2) for c in range(4)]))
+    vae = load_vae(world)
+
+    def error() -> float:
+        with torch.no_grad():
+            return float((vae.decode(vae.encode(clips * 2 - 1).latent_dist.mode()).sample - (clips * 2 - 1))
+                         .square().mean())
+
+    before = error()
+    losses = train_vae(vae, clips, VAESettings(steps=25, batch=4, lr=2e-3))
+    assert len(losses) == 25 and error() < 0.5 * before
+    with torch.no_grad():
+        latents = video_latent(vae, LatentScale(vae), clips)
+    per_channel = latents.transpose(0, 1).flatten(1)
+    assert torch.allclose(per_channel.mean(1), torch.zeros(4), atol=1e-3)
+    assert torch.allclose(per_channel.std(1), torch.ones(4), atol=1e-3)
+
+
+def test_cli_trains_a_world_models_vae_then_its_trunk_and_pictures_it(world, tmp_path):
+    out, curve, picture = tmp_path / "wm", tmp_path / "curve.json", tmp_path / "frames.png"
+    code = train_main(["--model", "tiny-wan-acwm", "--out", str(out), "--steps", "2", "--batch", "2", "--episodes",
+                       "2", "--chunks", "4", "--eval-chunks", "1", "--vae-steps", "2", "--vae-episodes", "1",
+                       "--figure", str(picture), "--json", str(curve)])
+    assert code == 0
+    loaded, _ = model_config_of(str(out))
+    assert loaded.kind == "wan_acwm" and loaded.wan.vae == str((out / "vae").resolve()) and not loaded.wan.vae_config
+    stored = json.loads((out / "vae" / "config.json").read_text())
+    assert stored["latents_std"] != [1.0] * 4                     # the trained VAE's own statistics
+    data = json.loads(curve.read_text())
+    assert set(data["world_error"]) == {"trained", "random"}
+    assert {"latent_mse", "copy_latent_mse", "pixel_mse", "copy_pixel_mse"} <= set(data["world_error"]["trained"])
+    assert picture.stat().st_size > 1000
+    obs = {**TrackingScene(world.observation_shapes).observation("r", 0),
+           "actions": np.zeros((16, 7), np.float32)}
+    a = ReferenceRollout(build_model(loaded), 0).step("r", obs).output
+    assert a.shape == world.output_shape and torch.isfinite(a).all()
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--out", "x.safetensors", "--vae-steps", "3"], "no random VAE to train"),
+    (["--model", "tiny-wan-wam", "--out", "x", "--figure", "f.png"], "pictures are of a world model"),
+])
+def test_cli_refuses_what_it_cannot_do_in_one_line(args, text, capsys):
+    assert train_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and text in err[0]
