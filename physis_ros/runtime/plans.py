@@ -167,15 +167,12 @@ def check_clean(plan: Plan) -> None:
 def make_plan(name: str, steps: int, blocks: int, workers: int,
               stage_costs: dict[Stage, float] | None = None, clean: bool = False) -> Plan:
     """Build a named plan for ``workers`` workers (a plan may leave workers unused); ``clean``: the model reads
-    history by the clean rule (a row 0 of clean-pass stages; a block's stages on one worker)."""
+    history by the clean rule (a row 0 of clean-pass stages; a block's stages on one worker: ValueError for a
+    plan that splits one, as the step and stage plans do on two workers or more)."""
     if name not in PLAN_NAMES:
         raise ValueError(f"unknown plan '{name}'; choose one of: {', '.join(PLAN_NAMES)}")
     if workers < 1:
         raise ValueError("a plan needs at least one worker")
-    if clean and name in ("step", "stage"):
-        raise ValueError(f"the '{name}' plan splits a block's steps over workers; under the clean history rule "
-                         f"every step of a block reads the K/V its clean pass writes where it runs: use the "
-                         f"sequential or block plan")
     order = pipeline_order(steps, blocks, clean)
     if name == "sequential":
         assignment = {s: 0 for s in order}
@@ -187,6 +184,7 @@ def make_plan(name: str, steps: int, blocks: int, workers: int,
             for _ in range(size):
                 step_worker[k] = w
                 k -= 1
+        step_worker[0] = step_worker[1]         # the clean pass (clean rule) follows the last step
         assignment = {(k, b): step_worker[k] for k, b in order}
     elif name == "block":
         sizes = _split_evenly(blocks, workers)
@@ -200,4 +198,6 @@ def make_plan(name: str, steps: int, blocks: int, workers: int,
     else:
         costs = [1.0 if stage_costs is None else stage_costs[s] for s in order]
         assignment = segment_assignment(order, linear_partition(costs, workers))
-    return Plan(name, steps, blocks, assignment, clean)
+    plan = Plan(name, steps, blocks, assignment, clean)
+    check_clean(plan)       # the step and stage plans split a block's steps over two workers or more
+    return plan

@@ -29,7 +29,8 @@ def clean_model(name: str = "tiny-wam"):
 
 @pytest.mark.parametrize("rule", ["clean", "latest"])
 @pytest.mark.parametrize("name, plan, workers", [("tiny-wam", "sequential", 1), ("tiny-wam", "block", 2),
-                                                 ("tiny-acwm", "block", 3)])
+                                                 ("tiny-acwm", "block", 3), ("tiny-wam", "step", 1),
+                                                 ("tiny-wam", "stage", 1)])
 def test_served_bit_for_bit_as_the_reference(rule, name, plan, workers):
     """clean: a row 0 of clean-pass stages writes the one slot per block every step reads; latest (window 3):
     each step writes its own slot, the clean pass slot 0, and a stage reads chunk c-j from the slot of the step
@@ -55,11 +56,13 @@ def test_served_bit_for_bit_as_the_reference(rule, name, plan, workers):
 
 
 def test_plans_that_split_a_block_are_refused_naming_the_plan():
+    """On one worker the step and stage plans keep every block together (served above); on two they split one."""
     cfg = clean_model()
     for plan in ("step", "stage"):
         with pytest.raises(ConfigError) as exc:
             resolve_plan(cfg, EngineConfig(plan=plan, workers=2))
         assert exc.value.key == "engine.plan" and "clean history rule" in str(exc.value)
+        assert f"plan '{plan}' puts block 0 on workers [0, 1]" in str(exc.value)
 
 
 def test_the_planner_predicts_one_chunk_in_flight_over_every_stage_and_the_clean_row():
