@@ -13,8 +13,11 @@ held-out streams, run through the sequential reference) is compared with the ran
 
 A Wan world-action model (tiny-wan-wam) is written as a checkpoint directory (``--out DIR``: diffusers'
 ``transformer/`` and ``vae/``, the adapter, ``physis_model.yaml``; ``model: DIR`` serves it). It learns the
-expert's actions and, in the same chunk, the scene's video over the chunk as its VAE encodes it
-(physis_ros/train/frames.py); the loss is the mean of the two parts' velocity MSEs.
+expert's actions and, in the same chunk, the scene's video over the chunk's actions as its VAE encodes it
+(physis_ros/train/frames.py); the loss is the mean of the two parts' velocity MSEs. A Wan world model
+(tiny-wan-acwm) learns that video imagining the expert's chunk; ``--vae-steps N`` first trains its random VAE
+on the scene's video (physis_ros/train/vae.py) so that its frames decode to pictures, and its evaluation
+compares the predicted frames with the true video and with copying the last frame (``--figure`` draws them).
 
     physis-train --out config/checkpoints/tiny-wam-demo.safetensors [--steps 1000] [--seed 0]
                  [--batch 32] [--threads 1] [--json curve.json]
@@ -23,6 +26,12 @@ The shipped config/checkpoints/tiny-wan-wam-demo/ (served as wan_wam by config/s
 
     physis-train --model tiny-wan-wam --out config/checkpoints/tiny-wan-wam-demo --steps 800 --lr 2e-3 \
                  --episodes 64 --json config/checkpoints/tiny-wan-wam-demo.json
+
+and config/checkpoints/tiny-wan-acwm-demo/ (served as wan_wm) by
+
+    physis-train --model tiny-wan-acwm --out config/checkpoints/tiny-wan-acwm-demo --steps 800 --lr 2e-3 \
+                 --episodes 64 --vae-steps 300 --vae-episodes 16 --eval-chunks 8 \
+                 --figure bench/out/tiny_wan_acwm_frames.png --json config/checkpoints/tiny-wan-acwm-demo.json
 
 The shipped config/checkpoints/tiny-wam-demo.safetensors was made by
 

@@ -3,10 +3,11 @@ by the model's VAE.
 
 A Wan world-action model (:mod:`physis_ros.model.wan_wam`) denoises an action chunk and latent video frames
 ``[C, F, H, W]`` together. Its frames are the normalised latents of its VAE (``wan.vae`` or ``wan.vae_config``):
-the scene's camera rendered at the VAE's size (``H`` x the VAE's pixels per latent) over the chunk's span, from
-the chunk's own observation to the next one's (``1 + 4 (F - 1)`` video frames for Wan's causal VAE, evenly
-spaced), encoded as :func:`~physis_ros.model.wan_acwm.video_latent` does (the mode). A model whose output has
-no frames needs none.
+the scene's camera rendered at the VAE's size (``H`` x the VAE's pixels per latent) over the span of the chunk's
+actions (``horizon`` control steps at the expert's 50 Hz: 0.32 s for 16 rows), from the chunk's own observation
+on (``1 + 4 (F - 1)`` video frames for Wan's causal VAE, evenly spaced), encoded as
+:func:`~physis_ros.model.wan_acwm.video_latent` does (the mode). An action-conditioned world model's frames
+span the actions it imagines the same way. A model whose output has no frames needs none.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 from physis_ros.model.spec import ModelConfig
-from physis_ros.observations import SyntheticScene
+from physis_ros.observations import ScriptedExpert, SyntheticScene
 
 
 class FrameTargets:
@@ -37,14 +38,15 @@ class FrameTargets:
         io = config.wan
         vae = vae_config_of(io)
         self.frames = vae_frames(vae, io.frames)
+        self.span_s = config.control_horizon / ScriptedExpert().control_rate_hz    # the chunk's actions
         self.size = (io.height * vae_scale(vae), io.width * vae_scale(vae))
         self.vae = load_vae(config).requires_grad_(False)
         self.scale = LatentScale(self.vae)
 
     def video(self, scene: SyntheticScene, stream: str, chunk: int) -> np.ndarray:
         """The camera over chunk ``chunk``'s span: ``[3, T, S, S]`` in [0, 1]."""
-        start, span = chunk / scene.rate_hz, 1.0 / scene.rate_hz
-        times = [start + span * i / max(1, self.frames - 1) for i in range(self.frames)]
+        start = chunk / scene.rate_hz
+        times = [start + self.span_s * i / max(1, self.frames - 1) for i in range(self.frames)]
         phase = scene.phase(stream)
         return np.stack([scene.image((3, *self.size), t, phase) for t in times], axis=1)
 

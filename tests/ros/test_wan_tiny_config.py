@@ -15,9 +15,9 @@ import yaml
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from physis_ros.config import repo_config_dir
-from physis_ros.model import load_model_config
 from physis_ros.model.families import load_family
 from physis_ros.launcher import Child, serve_command, synthetic_command
+from physis_ros.serving.catalog import model_config_of
 
 from rosprobe import NODE_ARGS, TAG, Probe, child_env, write_config
 
@@ -41,6 +41,7 @@ def test_the_wan_config_serves_a_wan_wam_and_a_wan_world_model_beside_tiny_wam(t
 
     streams, engine = shipped_streams()
     assert set(streams) == {"robot0", "wan_wam", "wan_wm"} and streams["wan_wam"]["model"] == "tiny-wan-wam-demo"
+    assert streams["wan_wm"]["model"] == "tiny-wan-acwm-demo"
     assert streams["wan_wm"]["topics"]["actions"] == "/wan_wam/action_chunk"
     streams["wan_wm"]["topics"]["actions"] = f"/{streams['wan_wam']['namespace']}/action_chunk"
     streams["wan_wm"]["preview_hz"] = 4.0
@@ -89,7 +90,7 @@ def test_the_wan_config_serves_a_wan_wam_and_a_wan_world_model_beside_tiny_wam(t
     wm = [m.chunk_index for m in imagined]
     assert wm == list(range(wm[0], wm[0] + len(wm))), wm
     by_stamp = {(m.header.stamp.sec, m.header.stamp.nanosec): m for m in imagined}
-    decode = load_family("wan_acwm").previewer(load_model_config("tiny-wan-acwm"))
+    decode = load_family("wan_acwm").previewer(model_config_of(streams["wan_wm"]["model"])[0])
     shown = [p for p in pictures if (p.header.stamp.sec, p.header.stamp.nanosec) in by_stamp]
     assert shown, "no picture carries the stamp of a chunk received"
     for p in shown:
