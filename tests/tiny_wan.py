@@ -4,6 +4,7 @@ attention processor with a mask and per-chunk conditioning, for whole-sequence r
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
@@ -58,6 +59,22 @@ class PerChunkCross:
         return torch.cat([self.inner(attn, part, ctx) for part, ctx in zip(parts, self.contexts)], dim=1)
 
 
+@contextmanager
+def recompute_processors(blocks, mask, contexts: list, per_chunk: int):
+    """``blocks`` with diffusers' own processors for a whole-sequence recompute (self-attention under ``mask``,
+    each chunk's cross-attention to its own conditioning) while in the block; their own processors after."""
+    saved = [(blk.attn1.processor, blk.attn2.processor) for blk in blocks]
+    for blk in blocks:
+        blk.attn1.set_processor(MaskedProcessor(mask))
+        blk.attn2.set_processor(PerChunkCross(contexts, per_chunk))
+    try:
+        yield
+    finally:
+        for blk, (a, b) in zip(blocks, saved):
+            blk.attn1.set_processor(a)
+            blk.attn2.set_processor(b)
+
+
 class StagedStreams:
     """Streams of ``model`` run stage by stage through ``run_stage`` (the workers' code) over K/V tables of
     their own, the tasks of the streams given to :meth:`run` batched in each call (time-sharing): chunk ``c`` of
@@ -88,3 +105,17 @@ class StagedStreams:
         for s in streams:
             self.outputs[s].append(states[s]["x"][0])
             self.chunk[s] += 1
+
+    def check_staggered(self, expected: dict[str, list]) -> None:
+        """Streams "b" alone for one chunk, then "a" and "b" batched twice (a batch of chunks 0 and 1, then 1 and
+        2): b's chunk 0 equals ``expected["b"][0]`` bit for bit, every batched chunk ``expected`` within 1e-5."""
+        import torch
+
+        self.run(["b"])
+        assert torch.equal(self.outputs["b"][0], expected["b"][0])
+        for _ in range(2):
+            self.run(["a", "b"])
+        for s, offset in (("a", 0), ("b", 1)):
+            for c in range(2):
+                got, want = self.outputs[s][c + offset], expected[s][c + offset]
+                assert torch.allclose(got, want, rtol=0, atol=1e-5), (s, c, float((got - want).abs().max()))

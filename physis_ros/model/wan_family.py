@@ -340,12 +340,13 @@ def vae_scale(vae: dict[str, Any]) -> int:
     return 2 ** (len(vae.get("dim_mult", [1, 2, 4, 4])) - 1)
 
 
-def camera_tokens(config: ModelConfig) -> int:
-    """A world model's camera tokens: its VAE latent frame of the image, patched as the trunk patches video."""
-    trunk, world = trunk_of(config.wan), config.wan.world
+def camera_tokens(config: ModelConfig, trunk: dict[str, Any] | None = None,
+                  vae: dict[str, Any] | None = None) -> int:
+    """A world model's camera tokens: its VAE latent frame of the image, patched as the trunk patches video
+    (``trunk``, ``vae``: their configs where the caller has read them already)."""
+    trunk, vae, size = trunk or trunk_of(config.wan), vae or vae_config_of(config.wan), config.wan.world.image_size
     _, p_h, p_w = (int(n) for n in trunk["patch_size"])
-    scale = vae_scale(vae_config_of(config.wan))
-    return (world.image_size // scale // p_h) * (world.image_size // scale // p_w)
+    return (size // vae_scale(vae) // p_h) * (size // vae_scale(vae) // p_w)
 
 
 def wan_acwm_spec(config: ModelConfig) -> ModelSpec:
@@ -368,7 +369,7 @@ def wan_acwm_spec(config: ModelConfig) -> ModelSpec:
         raise ConfigError("wan.world.image_size", f"{world.image_size} is not a multiple of the VAE's {scale} "
                                                    f"pixels per latent times the trunk's patch {p_h}x{p_w}")
     check_adapter(config)
-    camera = camera_tokens(config)
+    camera = camera_tokens(config, trunk, vae)
     inputs = {"image": (world.image_channels, world.image_size, world.image_size), "state": (world.state_dim,),
               "actions": (world.action_horizon, world.action_dim)}
     if io.text_tokens:

@@ -64,19 +64,19 @@ def world_error(model: ServableModel, *, streams=EVAL_STREAMS, chunks: int = 8, 
     samples = []
     with torch.no_grad():
         for stream in streams:
-            truth = video.latents(scene, stream, chunks)
+            clips = torch.from_numpy(np.stack([video.video(scene, stream, c) for c in range(chunks)]))
+            held = clips[:, :, :1].expand_as(clips)                     # [chunks, 3, T, S, S]: the camera held
+            truth, copied = video.encode(clips), video.encode(held)
             for c in range(chunks):
                 obs = {**scene.observation(stream, c), "actions": scene.expert(stream, c, expert)}
                 predicted = ref.step(stream, obs).output[None].float()
-                clip = torch.from_numpy(video.video(scene, stream, c))[None]          # [1, 3, T, S, S]
-                held = clip[:, :, :1].expand_as(clip)
                 decoded = video.decode(predicted)
                 sums["latent_mse"] += float((predicted - truth[c:c + 1]).square().mean())
-                sums["copy_latent_mse"] += float((video.encode(held) - truth[c:c + 1]).square().mean())
-                sums["pixel_mse"] += float((decoded - clip).square().mean())
-                sums["copy_pixel_mse"] += float((held - clip).square().mean())
+                sums["copy_latent_mse"] += float((copied[c:c + 1] - truth[c:c + 1]).square().mean())
+                sums["pixel_mse"] += float((decoded - clips[c:c + 1]).square().mean())
+                sums["copy_pixel_mse"] += float((held[c:c + 1] - clips[c:c + 1]).square().mean())
                 if stream == streams[0]:
-                    samples.append((stream, c, clip[0].numpy(), decoded[0].numpy()))
+                    samples.append((stream, c, clips[c].numpy(), decoded[0].numpy()))
     n = len(streams) * chunks
     return {**{k: v / n for k, v in sums.items()}, "chunks": n, "samples": samples}
 

@@ -20,7 +20,7 @@ from physis_ros.model.wan import head
 from physis_ros.model.wan_history import chunk_mask
 from physis_ros.reference import ReferenceRollout
 
-from tiny_wan import MaskedProcessor, PerChunkCross, save_tiny_wan
+from tiny_wan import recompute_processors, save_tiny_wan
 
 WAN = {"frames": 2, "height": 4, "width": 6, "text_tokens": 0}
 WORLD = {"image_size": 32, "image_channels": 3, "state_dim": 4, "action_horizon": 5, "action_dim": 3}
@@ -93,11 +93,7 @@ def recompute(model, chunks: int, seed: int) -> list[torch.Tensor]:
     contexts = [model.encode(model.observation_tensors(observation(c))) for c in range(chunks)]
     rope = trunk.rope(torch.zeros(1, 4, chunks * frames, height, width))
     blocks = [model.blocks[str(b)] for b in range(cfg.blocks)]
-    saved = [(blk.attn1.processor, blk.attn2.processor) for blk in blocks]
-    for blk in blocks:
-        blk.attn1.set_processor(MaskedProcessor(mask))
-        blk.attn2.set_processor(PerChunkCross(contexts, video))
-    try:
+    with recompute_processors(blocks, mask, contexts, video):
         xs = [model.noise(seed, "w", c) for c in range(chunks)]
         ts = model.timesteps.t
         for k in range(cfg.steps, 0, -1):
@@ -107,10 +103,6 @@ def recompute(model, chunks: int, seed: int) -> list[torch.Tensor]:
                 hidden = blk(hidden, None, proj.unflatten(1, (6, -1)), rope)
             xs = [x + (ts[k - 1] - ts[k]) * head(trunk, part, temb, (frames, height // 2, width // 2))
                   for x, part in zip(xs, hidden.split(video, dim=1))]
-    finally:
-        for blk, (a, b) in zip(blocks, saved):
-            blk.attn1.set_processor(a)
-            blk.attn2.set_processor(b)
     return [x[0] for x in xs]
 
 

@@ -21,7 +21,7 @@ from physis_ros.model.wan import head
 from physis_ros.model.wan_history import chunk_mask
 from physis_ros.reference import ReferenceRollout
 
-from tiny_wan import MaskedProcessor, PerChunkCross, StagedStreams, save_tiny_wan
+from tiny_wan import StagedStreams, recompute_processors, save_tiny_wan
 
 WAN = {"frames": 2, "height": 4, "width": 6, "text_tokens": 0}
 ACTIONS = {"horizon": 5, "dof": 3, "state_dim": 4, "image_size": 16, "image_channels": 3, "image_patch": 8}
@@ -80,11 +80,7 @@ def recompute(model, stream: str, chunks: int, seed: int) -> list[torch.Tensor]:
         table[:, c * video:(c + 1) * video], table[:, c * video + last:c * video + last + 1].repeat(1, h_rows, 1, 1))],
         dim=1) for table in (cos, sin))
     blocks = [model.blocks[str(b)] for b in range(cfg.blocks)]
-    saved = [(blk.attn1.processor, blk.attn2.processor) for blk in blocks]
-    for blk in blocks:
-        blk.attn1.set_processor(MaskedProcessor(mask))
-        blk.attn2.set_processor(PerChunkCross(contexts, per_chunk))
-    try:
+    with recompute_processors(blocks, mask, contexts, per_chunk):
         xs = [model.noise(seed, stream, c)[0] for c in range(chunks)]
         ts = model.timesteps.t
         for k in range(cfg.steps, 0, -1):
@@ -108,10 +104,6 @@ def recompute(model, stream: str, chunks: int, seed: int) -> list[torch.Tensor]:
                 v = torch.cat([adapter["action_out"](rows).flatten(), v_video.flatten()])
                 out.append(xs[c] + (ts[k - 1] - ts[k]) * v)
             xs = out
-    finally:
-        for blk, (a, b) in zip(blocks, saved):
-            blk.attn1.set_processor(a)
-            blk.attn2.set_processor(b)
     return xs
 
 
@@ -136,15 +128,7 @@ def test_stages_one_at_a_time_and_time_shared_batches_equal_the_reference(saved)
     ref = ReferenceRollout(model, seed=2)
     expected = {s: [ref.step(s, observation(s, c)).output for c in range(3)] for s in ("a", "b")}
     staged = StagedStreams(model, ["a", "b"], observation, seed=2)
-    run, outputs = staged.run, staged.outputs
-    run(["b"])
-    assert torch.equal(outputs["b"][0], expected["b"][0])
-    for _ in range(2):
-        run(["a", "b"])
-    for s, offset in (("a", 0), ("b", 1)):
-        for c in range(2):
-            got, want = outputs[s][c + offset], expected[s][c + offset]
-            assert torch.allclose(got, want, rtol=0, atol=1e-5), (s, c, float((got - want).abs().max()))
+    staged.check_staggered(expected)
 
 
 def test_the_hand_off_freezes_the_action_rows_and_leaves_the_frames_to_the_sampler(saved):
