@@ -22,5 +22,6 @@ $B/physis-bench streams --json "$OUT/streams_tiny-wam_w2.json" || true  # exit 1
 $B/physis-bench ros --json "$OUT/ros.json"
 $B/physis-sim --scenario report24 --json "$OUT/sim_report24.json"
 $B/physis-bench hop --json "$OUT/hop.json" --plot "$OUT/hop.png"   # about 25 s
+$B/physis-bench history-quality --json "$OUT/history_quality.json" --plot "$OUT/history_quality.png"   # about 70 s
 [ "${SOAK_MINUTES:-10}" = 0 ] && exit 0
 $B/physis-bench soak --minutes "${SOAK_MINUTES:-10}" --json "$OUT/soak.json" --plot "$OUT/soak.png"

@@ -11,6 +11,10 @@ message is logged a few milliseconds after its stamp, as a recorder would.
 Output is deterministic: the same arguments give the same messages, stamps and
 log times, so the bundled bag can be regenerated and compared.
 
+With ``tracking`` the arms follow the scripted expert in closed loop instead: the joint state at each
+tick is :class:`~physis_ros.observations.TrackingScene`'s (where the expert's chunk for the previous
+tick's observation took the arm), what a robot executing a good policy reports.
+
 A robot served by an action-conditioned world model (ACWM) also needs the actions to
 imagine: with an :class:`ActionsSpec` for its namespace, each tick also carries a
 ``physis_ros/ActionChunk`` (or a ``trajectory_msgs/JointTrajectory``) on its actions
@@ -43,7 +47,7 @@ import numpy as np
 from physis_ros.bags.bagio import BagWriter, new_message, typestore
 from physis_ros.bags.serveconf import DEFAULT_NAMESPACES, default_joint_names
 from physis_ros.model.interface import derived_seed
-from physis_ros.observations import SyntheticScene
+from physis_ros.observations import SyntheticScene, TrackingScene
 
 START_NS = 1_700_000_000_000_000_000   # a fixed epoch, so regeneration is byte-for-byte stable
 JOINT_LOG_DELAY_NS = 2_000_000          # joint states reach the recorder 2 ms after their stamp
@@ -118,6 +122,7 @@ class SceneSpec:
     start_ns: int = START_NS
     faults: tuple[Fault, ...] = ()
     actions: tuple[ActionsSpec, ...] = ()      # robots that also get actions to imagine
+    tracking: bool = False                     # joint states follow the scripted expert (TrackingScene)
 
     def actions_of(self, namespace: str) -> ActionsSpec | None:
         return next((a for a in self.actions if a.namespace == namespace), None)
@@ -208,14 +213,19 @@ def scene_messages(spec: SceneSpec):
         acts = spec.actions_of(ns)
         phase = scene_phase(ns)
         offset_ns = (period_ns * 37 * r // 100) % period_ns    # robots tick out of step
+        dof = len(spec.joint_names)
+        arm = TrackingScene({"state": (dof,)}, spec.rate_hz) if spec.tracking else None
         for tick in range(spec.ticks):
             stamp = spec.start_ns + offset_ns + tick * period_ns
             t = (stamp - spec.start_ns) / 1e9
-            dof = len(spec.joint_names)
             faults = {f.kind for f in spec.faults if f.applies(ns, tick)}
             names = list(spec.joint_names)
-            position = SyntheticScene.joints(dof, t, phase).astype(np.float64)
-            velocity = joint_velocities(dof, t, phase)
+            if arm is not None:
+                position = arm.observation_state(ns, tick, dof).astype(np.float64)
+                velocity = (arm.observation_state(ns, tick + 1, dof) - position) * spec.rate_hz
+            else:
+                position = SyntheticScene.joints(dof, t, phase).astype(np.float64)
+                velocity = joint_velocities(dof, t, phase)
             if "nonfinite" in faults:
                 position[min(2, dof - 1)] = np.nan
             if "missing_joints" in faults:

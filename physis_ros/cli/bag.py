@@ -3,7 +3,7 @@
   physis-bag replay BAG [--rate R] [--loop] [--start-offset S] [--remap FROM:=TO] [--clock [HZ]]
   physis-bag record OUT [--config serve.yaml] [--topics T ...] [--all] [--storage mcap|sqlite3] [--duration S]
   physis-bag check BAG [--config serve.yaml] [--out DIR] [--report] [--server-cmd CMD]
-  physis-bag generate OUT [--config serve.yaml] [--duration S] [--rate HZ] [--size WxH] [--encoding rgb8]
+  physis-bag generate OUT [--config serve.yaml] [--duration S] [--rate HZ] [--size WxH] [--encoding rgb8] [--tracking]
                           [--fault KIND@TICK[:NS]]
   physis-bag info BAG
 
@@ -184,7 +184,8 @@ def cmd_generate(args) -> int:
     joints = serve.streams[0].joint_names if serve.streams else None
     spec = SceneSpec(namespaces=namespaces, duration_s=args.duration, rate_hz=args.rate, width=width,
                      height=height, encoding=args.encoding, faults=tuple(args.fault or ()),
-                     actions=scene_actions(serve, namespaces), **({"joint_names": joints} if joints else {}))
+                     actions=scene_actions(serve, namespaces), tracking=args.tracking,
+                     **({"joint_names": joints} if joints else {}))
     try:
         spec.validate()
     except ValueError as exc:
@@ -297,6 +298,8 @@ def build_parser() -> ArgumentParser:
                         "actions_malformed, actions_missing_joints, actions_short (a world model's actions); "
                         "NS: one robot (default all)")
     p.add_argument("--storage", choices=("mcap", "sqlite3"), default="mcap")
+    p.add_argument("--tracking", action="store_true",
+                   help="the arms follow the scripted expert in closed loop (default: they move on their own)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.set_defaults(func=cmd_generate)
 

@@ -1,7 +1,7 @@
 """``physis-bench SUBCOMMAND``: benchmarks that write JSON (and plots).
 
     physis-bench pipeline | timeshare | soak | streams | ros | admission | handoff | hop | goals | churn | wan
-                 | admission-accuracy | openpi | block-overhead  [options]
+                 | admission-accuracy | openpi | block-overhead | history-quality  [options]
     (physis-bench SUB --help)
 
 Each subcommand lives in ``physis_ros.bench.<name>`` (or the module ``MODULES`` names) and provides
@@ -47,6 +47,8 @@ SUBCOMMANDS = {
                           "Server.join with admission on: admitted / feasible, admitted meeting the SLO",
     "block-overhead": "our stage path over one real-shape Wan block vs diffusers' own WanTransformerBlock forward "
                       "(CPU, fp32 and bf16, interleaved pairs, median ratio and spread)",
+    "history-quality": "one trained Wan WAM served under the clean, latest and same_step history rules on the same "
+                       "bag and seeds: tracking error, hand-off seam p99, chunk interval (bench/out/history_quality)",
     "wan": "the Wan streams beside tiny-wam in one run: pipeline (stage vs sequential, cost model's prediction) and "
            "time-sharing (batching on vs off) per model, rounds interleaved",
 }
@@ -54,7 +56,7 @@ SUBCOMMANDS = {
 # subcommand -> its module in physis_ros.bench where the two names differ (a module is not named like another
 # layer's module of another concept: scheduling/admission.py, runtime/streams.py)
 MODULES = {"admission": "admission_goals", "streams": "streams_live", "block-overhead": "block_overhead",
-           "wan": "wan_streams"}
+           "wan": "wan_streams", "history-quality": "history_quality"}
 
 # flag (argparse dest) -> (lowest value, whether the bound is excluded)
 BOUNDS = {
@@ -70,7 +72,7 @@ BOUNDS = {
     "cycles": (1, False), "heartbeat_timeout": (0, True), "baseline": (1, False), "tolerance": (0, False), "sample": (1, False),
     "reply_timeout": (0, True), "settle_s": (0, False), "window_s": (0, True), "measure_s": (0, True),
     "max_robots": (1, False), "closed_rate_hz": (0, True), "peer_threads": (0, False), "frames": (0, False),
-    "threads": (1, False),
+    "threads": (1, False), "seeds": (1, False), "interval_chunks": (1, False),
 }
 
 

@@ -20,13 +20,16 @@ on the scene's video (physis_ros/train/vae.py) so that its frames decode to pict
 compares the predicted frames with the true video and with copying the last frame (``--figure`` draws them).
 
     physis-train --out config/checkpoints/tiny-wam-demo.safetensors [--steps 1000] [--seed 0]
-                 [--batch 32] [--threads 1] [--json curve.json]
+                 [--batch 32] [--threads 1] [--history same_step|clean] [--json curve.json]
 
 The shipped config/checkpoints/tiny-wan-wam-demo/ (served as wan_wam by config/serve_wan_tiny.yaml) was made by
 
     physis-train --model tiny-wan-wam --out config/checkpoints/tiny-wan-wam-demo --steps 800 --lr 2e-3 \
                  --episodes 64 --json config/checkpoints/tiny-wan-wam-demo.json
 
+config/checkpoints/tiny-wan-wam-clean/ (the same model trained under the clean history rule, for
+``physis-bench history-quality``) by the same command with ``--history clean --out
+config/checkpoints/tiny-wan-wam-clean --json config/checkpoints/tiny-wan-wam-clean.json``,
 and config/checkpoints/tiny-wan-acwm-demo/ (served as wan_wm) by
 
     physis-train --model tiny-wan-acwm --out config/checkpoints/tiny-wan-acwm-demo --steps 800 --lr 2e-3 \
@@ -52,6 +55,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from physis_ros.console import (EXIT_FAILED, ArgumentParser, check_writable, cli_main, fail, model_arg,
@@ -85,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vae-episodes", type=positive_int, default=16, help="episodes of video the VAE trains on")
     p.add_argument("--vae-lr", type=positive_float, default=2e-3, help="the VAE's Adam learning rate")
     p.add_argument("--figure", help="a world model: write true vs predicted frames of held-out chunks here (.png)")
+    p.add_argument("--history", choices=("same_step", "clean"),
+                   help="the history rule to train under (docs/history.md; default: the model's own): same_step "
+                        "reads earlier chunks' K/V of the same noise level, clean the K/V of a t = 0 pass over the "
+                        "expert's earlier chunks; the checkpoint is served under it unless a config says otherwise")
     args = p.parse_args(argv)
     out = Path(args.out)
     check_writable(args.json)
@@ -103,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     set_threads(args.threads)
     try:
         config = load_model_config(args.model)
+        if args.history:
+            config = replace(config, history=args.history)
         check_trainable(config)
     except (ConfigError, ValueError) as exc:
         fail(str(exc))
@@ -124,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = TrainSettings(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                              episodes=args.episodes, chunks=args.chunks)
     print(f"{PROG}: {config.name}, {settings.steps} steps x {settings.batch} sequences of {config.window + 1} "
-          f"chunks, seed {settings.seed}, {args.threads} threads", file=sys.stderr, flush=True)
+          f"chunks under the {config.history} history rule, seed {settings.seed}, {args.threads} threads",
+          file=sys.stderr, flush=True)
     what = "demonstrations" + (" (each chunk's video through the VAE)" if config.spec.has_frames else "")
     started = time.perf_counter()
     with tqdm(total=settings.episodes, desc=what, unit="episode", file=sys.stderr, mininterval=1.0) as bar:
@@ -158,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{result.seconds:.1f} s of training; loss {result.losses[0]:.4f} (first) -> "
           f"{sum(result.losses[-50:]) / len(result.losses[-50:]):.4f} (mean of the last 50 steps)")
     summary = {"command": " ".join([PROG, *(sys.argv[1:] if argv is None else argv)]), "model": config.name,
-               "threads": args.threads, "torch": torch.__version__, "checkpoint": str(out), "bytes": size,
+               "history": config.history, "threads": args.threads, "torch": torch.__version__, "checkpoint": str(out),
+               "bytes": size,
                "data_seconds": round(data_seconds, 2),
                **result.summary()}
     if args.eval_chunks and config.produces == "frames":

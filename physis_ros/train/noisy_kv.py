@@ -1,11 +1,17 @@
 """The server's noisy-KV computation (DESIGN.md section 2), differentiable, for training.
 
 At serving time chunk ``c`` at denoising step ``k`` attends, in every block, to its own tokens and to
-the K/V that the previous ``window`` chunks of its stream wrote at the same step ``k`` (plus the
-stream's first chunk when the model keeps a sink). Training runs exactly that on sequences of
-consecutive chunks that are all at one step ``k`` (one noise level), chunk by chunk, through the
-model's own pieces (``encode``, ``embed``, ``block``, ``head``). Two details make it trainable,
-and neither changes the arithmetic:
+the K/V that the previous ``window`` chunks of its stream wrote (plus the stream's first chunk when the
+model keeps a sink), by the model's history rule (docs/history.md):
+
+- ``same_step``: the K/V they wrote at the same step ``k``. Training runs exactly that on sequences of
+  consecutive chunks that are all at one step ``k`` (one noise level), chunk by chunk.
+- ``clean``: the K/V a pass at t = 0 over each earlier chunk's finished output wrote. Training feeds that
+  pass the expert's chunk (teacher forcing: the clean K/V a perfect policy's outputs would write), chunk by
+  chunk, and gradients flow through it as through the noisy pass.
+
+Both run through the model's own pieces (``encode``, ``embed``, ``block``, ``head``). Two details make it
+trainable, and neither changes the arithmetic:
 
 - :class:`ListKV` stands in for :class:`~physis_ros.model.kv.KVBatch`: the previous chunks' K/V
   are kept in a Python list (the window and sink rule of :class:`~physis_ros.model.kv.KVTable`)
@@ -59,6 +65,7 @@ class ListKV:
         self.slots = list(range(batch))
         self.table = self          # what a block asks the table for (its conditioning K/V: :meth:`context`)
         self.chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.writes = True         # False: calls read the cached chunks and keep nothing (a clean-rule noisy pass)
 
     def history_tokens(self, i: int) -> int:
         """Tokens of K/V every sample reads before its own."""
@@ -81,6 +88,8 @@ class ListKV:
         return project(tokens)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not self.writes:
+            return
         self.chunks.append((k, v))
         if len(self.chunks) > self.window + int(self.sink):
             del self.chunks[1 if self.sink else 0]
@@ -103,21 +112,48 @@ def chunk_velocity(model: ServableModel, cond: torch.Tensor, x: torch.Tensor, t:
     return model.head(h, t)
 
 
+def writing(kvs: Sequence[ListKV], writes: bool) -> Sequence[ListKV]:
+    """``kvs`` set to keep what the next calls write (``writes``) or only read."""
+    for kv in kvs:
+        kv.writes = writes
+    return kvs
+
+
+def clean_pass(model: ServableModel, cond: torch.Tensor, x0: torch.Tensor, kvs: Sequence[ListKV]) -> None:
+    """The clean rule's pass over finished chunks ``x0`` (per sample) at t = 0: every block reads the clean K/V
+    of the chunks before and appends this chunk's (what the server's clean row of stages does)."""
+    t0 = model.timesteps.timestep(torch.zeros(x0.shape[0], dtype=torch.long, device=x0.device)).to(x0.dtype)
+    h = model.embed(cond, x0, t0)
+    for b, kv in enumerate(writing(kvs, True)):
+        h = model.block(b, h, t0, kv)
+
+
 def sequence_velocities(model: ServableModel, obs: Sequence[dict[str, torch.Tensor]], x: torch.Tensor,
-                        k: torch.Tensor) -> torch.Tensor:
+                        k: torch.Tensor, x0: torch.Tensor | None = None) -> torch.Tensor:
     """Velocities of a batch of chunk sequences, each sequence at one denoising step.
 
     ``obs[s]``: the batched observation tensors of position ``s`` ([B, ...] each); ``x``: the noisy
     chunks [B, S, *output_shape] (at the noise level of step ``k``); ``k``: step index per sequence,
-    [B] integers in 1..K. Chunk ``s`` attends to the K/V chunks ``s - window .. s - 1`` wrote at the
-    same step. Returns [B, S, *output_shape].
+    [B] integers in 1..K. Under ``same_step`` chunk ``s`` attends to the K/V chunks ``s - window .. s - 1``
+    wrote at the same step; under ``clean`` to the K/V a t = 0 pass over their clean chunks ``x0`` (same shape
+    as ``x``; required) wrote. Returns [B, S, *output_shape].
     """
+    rule = model.config.history
+    if rule not in ("same_step", "clean"):
+        raise ValueError(f"history '{rule}' is not trained here; train under same_step or clean and serve the "
+                         f"checkpoint under '{rule}'")
+    clean = rule == "clean"
+    if clean and x0 is None:
+        raise ValueError("the clean history rule trains on the clean chunks x0 (teacher-forced K/V); pass x0")
     model.clear_timestep_caches()   # the weights may have changed since the last call
     t = model.timesteps.timestep(k).to(dtype=x.dtype)
     kvs = new_kvs(model, x.shape[0])
     out = []
     for s, o in enumerate(obs):
-        out.append(chunk_velocity(model, model.encode(o), x[:, s], t, kvs))
+        cond = model.encode(o)
+        out.append(chunk_velocity(model, cond, x[:, s], t, writing(kvs, not clean)))
+        if clean and s + 1 < len(obs):
+            clean_pass(model, cond, x0[:, s], kvs)
     model.clear_timestep_caches()   # hold no graph, and no values of these weights, past the call
     return torch.stack(out, dim=1)
 
@@ -127,10 +163,13 @@ def rollout(model: ServableModel, observations: Sequence[dict[str, torch.Tensor]
             ) -> list[torch.Tensor]:
     """The sequential reference loop of one stream written with :class:`ListKV` and
     :func:`chunk_velocity` (the training computation): chunk outputs [*output_shape], one per
-    observation (batched tensors, B = 1). Equal to :class:`~physis_ros.reference.ReferenceRollout`."""
+    observation (batched tensors, B = 1), under the ``same_step`` or ``clean`` rule. Equal to
+    :class:`~physis_ros.reference.ReferenceRollout`."""
     model.clear_timestep_caches()
     cfg = model.config
-    kvs = {k: new_kvs(model) for k in range(1, cfg.steps + 1)}
+    clean = cfg.history == "clean"
+    shared = new_kvs(model)
+    kvs = {k: shared if clean else new_kvs(model) for k in range(1, cfg.steps + 1)}
     outputs = []
     for c, obs in enumerate(observations):
         x = model.noise(seed, stream, c)
@@ -138,6 +177,8 @@ def rollout(model: ServableModel, observations: Sequence[dict[str, torch.Tensor]
         for k in range(cfg.steps, 0, -1):
             ks = torch.tensor([k], dtype=torch.long, device=x.device)
             t = model.timesteps.timestep(ks)
-            x = model.timesteps.update(x, chunk_velocity(model, cond, x, t, kvs[k]), ks)
+            x = model.timesteps.update(x, chunk_velocity(model, cond, x, t, writing(kvs[k], not clean)), ks)
+        if clean:
+            clean_pass(model, cond, x, shared)
         outputs.append(x[0].float().cpu())
     return outputs

@@ -4,7 +4,8 @@ Each batch holds sequences of ``window + 1`` consecutive chunks of one demonstra
 sequence at one denoising step ``k`` (per-sample timesteps across the batch). The expert chunks are
 noised to that step's level, ``x_t = t_k eps + (1 - t_k) x0``, and the model, run chunk by chunk as
 the server runs it (each chunk attends to the K/V its predecessors in the window wrote at the same
-step: :mod:`physis_ros.train.noisy_kv`), predicts the velocity ``v = eps - x0`` that the server's
+step, or under the ``clean`` rule to the K/V a t = 0 pass over their expert chunks wrote:
+:mod:`physis_ros.train.noisy_kv`), predicts the velocity ``v = eps - x0`` that the server's
 Euler update ``x <- x + (t_{k-1} - t_k) v`` integrates. Loss: MSE of ``v`` over every chunk of every
 sequence. Adam with a short warm-up and a cosine decay; gradient norm clipped to 1.
 
@@ -68,7 +69,7 @@ def flow_matching_loss(model: ServableModel, batch) -> torch.Tensor:
     size."""
     t = model.timesteps.timestep(batch.k).view(-1, *[1] * (batch.x0.dim() - 1))
     x_t = t * batch.eps + (1.0 - t) * batch.x0
-    v = sequence_velocities(model, batch.obs, x_t, batch.k)
+    v = sequence_velocities(model, batch.obs, x_t, batch.k, batch.x0)
     spec = model.config.spec
     if not spec.has_frames or spec.actions_shape is None:      # one part: the actions, or a world model's frames
         return torch.nn.functional.mse_loss(v, batch.eps - batch.x0)

@@ -5,6 +5,7 @@ expert."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -69,6 +70,63 @@ def test_sequence_velocities_equal_the_servers_kv_tables_and_carry_gradients(con
     assert trainable.blocks["0"].attn1.to_k.weight.grad.abs().sum() > 0      # history K/V is learned through
 
 
+def test_clean_rule_training_rollout_equals_the_served_reference_bit_for_bit(config):
+    """Under ``clean`` the training pieces (a read-only noisy pass, then the t = 0 pass that writes) give the
+    server's chunks, past a full window."""
+    cfg = dataclasses.replace(config, history="clean")
+    served, trainable = build_model(cfg), trainable_model(cfg)
+    scene = TrackingScene(cfg.observation_shapes)
+    obs = [scene.observation("r0", c) for c in range(cfg.window + 3)]
+    ref = ReferenceRollout(served, seed=5)
+    expected = [ref.step("r0", o).output for o in obs]
+    got = rollout(trainable, [served.observation_tensors(o) for o in obs], seed=5, stream="r0")
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    same = rollout(trainable_model(config), [served.observation_tensors(o) for o in obs], seed=5, stream="r0")
+    assert torch.equal(same[0], got[0]) and not torch.equal(same[-1], got[-1])   # the rules differ past chunk 0
+
+
+def test_clean_rule_sequence_velocities_read_the_teacher_forced_clean_kv(config):
+    """Each noisy chunk reads what a t = 0 pass over the earlier chunks' expert targets wrote in the server's
+    K/V tables; the clean targets change every chunk but the first, and gradients reach the clean pass."""
+    cfg = dataclasses.replace(config, history="clean")
+    served, trainable = build_model(cfg), trainable_model(cfg)
+    data = training_episodes(cfg, 2, 5)
+    batch = sample_batch(data, 2, cfg.window + 2, cfg.steps, torch.Generator().manual_seed(6))
+    t = served.timesteps.timestep(batch.k).view(-1, 1, 1)
+    x = t * batch.eps + (1 - t) * batch.x0
+    together = sequence_velocities(trainable, batch.obs, x, batch.k, batch.x0)
+    with torch.no_grad():
+        for i in range(2):
+            tables = [served.new_kv_table(b, 1) for b in range(cfg.blocks)]
+            ti = served.timesteps.timestep(batch.k[i:i + 1])
+            t0 = served.timesteps.timestep(torch.zeros(1, dtype=torch.long))
+            for s, o in enumerate(batch.obs):
+                cond = served.encode({n: o[n][i:i + 1] for n in o})
+                h = served.embed(cond, x[i:i + 1, s], ti)
+                for b in range(cfg.blocks):
+                    h = served.block(b, h, ti, KVBatch(tables[b], [0], [False]))
+                assert torch.allclose(served.head(h, ti), together[i:i + 1, s], atol=1e-5)
+                h = served.embed(cond, batch.x0[i:i + 1, s], t0)
+                for b in range(cfg.blocks):
+                    h = served.block(b, h, t0, KVBatch(tables[b], [0]))
+        other = sequence_velocities(trainable, batch.obs, x, batch.k, batch.x0.flip(0))
+    assert torch.equal(other[:, 0], together[:, 0].detach()) and not torch.allclose(other[:, 1:], together[:, 1:])
+    x0 = batch.x0.clone().requires_grad_(True)
+    sequence_velocities(trainable, batch.obs, x, batch.k, x0).square().sum().backward()
+    assert x0.grad[:, :-1].abs().sum() > 0 and x0.grad[:, -1].abs().sum() == 0   # the last chunk writes nothing read
+
+
+def test_sequence_velocities_refuse_what_they_do_not_train(config):
+    data = training_episodes(config, 1, 3)
+    batch = sample_batch(data, 1, 2, config.steps, torch.Generator().manual_seed(0))
+    clean = trainable_model(dataclasses.replace(config, history="clean"))
+    with pytest.raises(ValueError, match="x0"):
+        sequence_velocities(clean, batch.obs, batch.x0, batch.k)
+    latest = trainable_model(dataclasses.replace(config, history="latest"))
+    with pytest.raises(ValueError, match="train under same_step or clean"):
+        sequence_velocities(latest, batch.obs, batch.x0, batch.k, batch.x0)
+
+
 def test_frame_targets_are_the_vaes_encoding_of_the_chunks_video(config):
     """The first latent frame is the chunk's own camera (Wan's causal VAE encodes it alone); the video spans the
     chunk's actions (16 rows at 50 Hz); different chunks differ."""
@@ -123,6 +181,19 @@ def test_cli_writes_a_directory_served_as_the_model_it_trained(config, tmp_path)
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_cli_trains_under_the_clean_rule_and_the_directory_is_served_under_it(tmp_path):
+    out, curve = tmp_path / "wan-clean", tmp_path / "curve.json"
+    assert train_main(["--model", "tiny-wan-wam", "--history", "clean", "--out", str(out), "--steps", "2", "--batch",
+                       "2", "--episodes", "2", "--chunks", "4", "--eval-chunks", "0", "--json", str(curve)]) == 0
+    loaded, _ = model_config_of(str(out))
+    assert loaded.history == "clean" and json.loads(curve.read_text())["history"] == "clean"
+
+
+def test_cli_refuses_a_rule_it_does_not_train(tmp_path, capsys):
+    assert train_main(["--model", "tiny-wan-wam", "--history", "latest", "--out", str(tmp_path / "x")]) == 2
+    assert "--history" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, text", [
     (["--model", "tiny-wan-wam", "--out", "x.safetensors"], "checkpoint directory"),
     (["--model", "wan2.1-1.3b", "--out", "x"], "from no actions"),
@@ -133,11 +204,14 @@ def test_cli_errors_are_one_line(args, text, capsys):
     assert len(err) == 1 and err[0].startswith("physis-train: error:") and text in err[0]
 
 
-def test_shipped_wan_wam_is_bundled_and_tracks_the_expert(config):
-    assert (SHIPPED / "physis_model.yaml").is_file(), "ship it: see physis_ros/cli/train.py for the command"
-    assert sum(f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file()) < 10 * 2**20
-    trained_config, _ = model_config_of("tiny-wan-wam-demo")        # the bundled name
+@pytest.mark.parametrize("name, rule", [("tiny-wan-wam-demo", "same_step"), ("tiny-wan-wam-clean", "clean")])
+def test_shipped_wan_wam_is_bundled_and_tracks_the_expert(config, name, rule):
+    shipped = SHIPPED.parent / name
+    assert (shipped / "physis_model.yaml").is_file(), "ship it: see physis_ros/cli/train.py for the command"
+    assert sum(f.stat().st_size for f in shipped.rglob("*") if f.is_file()) < 10 * 2**20
+    trained_config, _ = model_config_of(name)        # the bundled name
     assert trained_config.kind == "wan_wam" and trained_config.output_shape == config.output_shape
+    assert trained_config.history == rule
     trained = build_model(trained_config)
     for kind in ("tracking", "free"):
         ours = tracking_error(trained, kind=kind, streams=("eval-0", "eval-1"), chunks=4)
