@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train", metavar="DIR",
                    help="first train both checkpoints into DIR/clean and DIR/same_step with the shipped ones' "
                         "settings (about 8 min each on one thread) and study those")
+    p.add_argument("--train-seed", type=int, default=0, help="with --train: the training seed (data order, steps, "
+                                                             "noise; the shipped checkpoints are seed 0)")
     p.add_argument("--bag", help="rosbag2 recording whose --stream observations are fed (default: the scene bag "
                                  "of --chunks ticks, written to a temporary directory)")
     p.add_argument("--config", default=str(ROOT / "config" / "serve_wan_tiny.yaml"),
@@ -217,15 +219,15 @@ def summarise(rows: list[dict], intervals: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
-def train_checkpoints(out: Path) -> dict[str, str]:
+def train_checkpoints(out: Path, seed: int = 0) -> dict[str, str]:
     """Both checkpoints trained as the shipped ones were (``physis-train --model tiny-wan-wam --steps 800 --lr 2e-3
-    --episodes 64 --history RULE``); their directories."""
+    --episodes 64 --history RULE --seed SEED``); their directories."""
     from physis_ros.model import load_model_config
     from physis_ros.model.wan_adapter import save_directory
     from physis_ros.train.trainer import TrainSettings, train
 
     dirs = {"clean": str(out / "clean"), "same_step": str(out / "same_step")}
-    settings = TrainSettings(**TRAIN_SETTINGS)
+    settings = TrainSettings(**TRAIN_SETTINGS, seed=seed)
     for rule, directory in dirs.items():
         config = replace(load_model_config(TRAIN_MODEL), history=rule)
 
@@ -235,7 +237,8 @@ def train_checkpoints(out: Path) -> dict[str, str]:
 
         result = train(config, settings, progress=progress, progress_every=100)
         save_directory(result.model, directory, f"{TRAIN_MODEL}-{rule}",
-                       f"{TRAIN_MODEL} trained under the {rule} history rule (physis-bench history-quality --train)")
+                       f"{TRAIN_MODEL} trained under the {rule} history rule, seed {seed} (physis-bench "
+                       f"history-quality --train)")
     return dirs
 
 
@@ -289,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     dirs = {"clean": args.clean, "same_step": args.same_step}
     if args.train:
-        dirs = train_checkpoints(Path(args.train))
+        dirs = train_checkpoints(Path(args.train), args.train_seed)
     for trained, directory in dirs.items():
         if not (Path(directory) / "physis_model.yaml").is_file():
             print(f"physis-bench: error: --{trained.replace('_', '-')} {directory} is not a checkpoint directory "
@@ -319,7 +322,8 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         row["interval_ms"] = intervals[row["rule"]]["interval_ms"]
     result = {"command": " ".join(["physis-bench", "history-quality", *sys.argv[2:]]),
-              "checkpoints": dirs, "bag": args.bag or "scene bag (physis_ros.bags.scene)", "stream": args.stream,
+              "checkpoints": dirs, "train_seed": args.train_seed if args.train else 0,
+              "bag": args.bag or "scene bag (physis_ros.bags.scene)", "stream": args.stream,
               "chunks": args.chunks, "seeds": args.seeds, "workers": args.workers, "observation_rate_hz": rate_hz,
               "control_stride": stride,
               "rows": rows, "summary": summarise(rows, intervals), "intervals": intervals, "expert": expert,

@@ -73,6 +73,7 @@ BOUNDS = {
     "reply_timeout": (0, True), "settle_s": (0, False), "window_s": (0, True), "measure_s": (0, True),
     "max_robots": (1, False), "closed_rate_hz": (0, True), "peer_threads": (0, False), "frames": (0, False),
     "threads": (1, False), "seeds": (1, False), "interval_chunks": (1, False),
+    "train_seed": (0, False),
 }
 
 
