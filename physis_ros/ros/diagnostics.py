@@ -81,8 +81,9 @@ def statuses(node: PhysisServer) -> list[health.Status]:
         if node.state == "serving" and idle is not None and idle > cfg.diagnostics_starved_s:
             st.warn("idle", f"stream {name}: no fresh observation for {idle:.1f} s ({health.inputs_summary(inputs)} "
                             f"so far)")
-        inputs.update(**_health_counts(stats), late_points=st.late_points, late_chunks=st.late_chunks,
-                      blended_chunks=st.blended_chunks, **st.subscriber_counts())
+        d = st.delivery
+        inputs.update(**_health_counts(stats), late_points=d.late_points, late_chunks=d.late_chunks,
+                      blended_chunks=d.blended_chunks, **st.subscriber_counts())
         hw = _hardware_id(node, snap, worker_hw, name)
         # admission's spread calibration (the server feeds it): what it charges the stream
         stats["admission_spread_ms"] = admission.spread_ms(name) if admission is not None else None

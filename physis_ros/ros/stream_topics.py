@@ -7,7 +7,7 @@ acceptance rule (:mod:`physis_ros.ros.acceptance`) on the executor thread and pa
 image by stamp (:class:`~physis_ros.serving.intake.StreamInput`). Outputs by what the model produces:
 a world-action model's chunk goes out as ``action_chunk`` and, for the rows still ahead of the robot
 on its control timeline, ``joint_trajectory`` (pre-serialized, :mod:`physis_ros.ros.raw`; what is
-late and how the chunk meets the previous one is measured here, :mod:`physis_ros.timeline`); predicted
+late and how the chunk meets the previous one: :mod:`physis_ros.serving.delivery`); predicted
 frames (a world model's chunk, or what a Wan WAM predicts beside its actions) as ``predicted_frames``, and,
 where the model's family decodes them, a picture at most ``preview_hz`` times a second as ``predicted_image``
 (:mod:`physis_ros.serving.preview`); all only while the node is armed (lifecycle active).
@@ -33,11 +33,11 @@ from physis_ros.ros import conversions as conv
 from physis_ros.serving.config import stream_namespace, stream_topic
 from physis_ros.model.families import load_family
 from physis_ros.serving.fit import model_label
+from physis_ros.serving.delivery import Delivery
 from physis_ros.serving.preview import Previews
 from physis_ros.serving.intake import INPUT_KINDS, Sample
 from physis_ros.ros.raw import ActionChunkRaw, TrajectoryRaw
 from physis_ros.telemetry import percentile
-from physis_ros.timeline import kinematics, rms
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
@@ -62,8 +62,7 @@ class RosStream:
         # node-side timings (ms): engine emit -> on_chunk (handover), on_chunk -> first output published
         self.handover_ms: deque = deque(maxlen=200)
         self.publish_ms: deque = deque(maxlen=200)
-        self.experts: dict[int, Any] = {}   # observation stamp (ns) -> the expert's actions for it
-        self.late_points = self.late_chunks = self.blended_chunks = 0
+        self.delivery = Delivery(session.timeline)   # a world-action model's chunks onto the robot's timeline
         self._publishers = []
         self._subscriptions = []
         self._make_outputs()
@@ -221,11 +220,7 @@ class RosStream:
         except conv.InputRejected as exc:
             self._reject(exc, "expert actions")
             return
-        with self.stats_lock:   # the engine thread takes them out
-            experts = self.experts
-            experts[conv.stamp_ns(msg.header.stamp)] = rows
-            while len(experts) > 64:   # oldest first (dicts keep insertion order)
-                experts.pop(next(iter(experts)))
+        self.delivery.expert(conv.stamp_ns(msg.header.stamp), rows)
 
     # ---- engine side (engine loop thread) -------------------------------------------------------------
     def on_chunk(self, chunk: Chunk) -> None:
@@ -272,41 +267,24 @@ class RosStream:
 
     def _publish_actions(self, out: Chunk, now: float, start: float) -> float:
         """A world-action model's chunk: the ActionChunk, then the rows still ahead of the robot as a
-        JointTrajectory (none if all are due: a late chunk); fills the record's timeline fields. While
-        disarmed (lifecycle inactive) chunks keep computing and nothing reaches the robot."""
-        s, rec, stamp, timeline = self.config, out.telemetry, out.tag, self.session.timeline
-        placement = timeline.land(rec.first_step, rec.step0, rec.delay_steps, conv.stamp_to_sec(stamp), now,
-                                  s.trajectory_start, s.trajectory_start_offset_s, s.trajectory_min_lead_s)
-        k = placement.first_row
-        rec.late_points, rec.late = k, placement.late
-        self.late_points += k
-        self.late_chunks += placement.late
-        positions = out.actions
-        with self.stats_lock:
-            expert = self.experts.pop(conv.stamp_ns(stamp), None)
-        if expert is not None and not placement.late:
-            rec.tracking_error = rms(positions[k:], expert[k:])
+        JointTrajectory (none if all are due: a late chunk), as :class:`~physis_ros.serving.delivery.Delivery`
+        lands them. While disarmed (lifecycle inactive) chunks keep computing and nothing reaches the robot."""
+        rec, stamp, delivery = out.telemetry, out.tag, self.delivery
+        placement = delivery.land(rec, out.actions, conv.stamp_to_sec(stamp), conv.stamp_ns(stamp), now, self.config)
         if not self.node.armed:
             return math.nan
         # ActionChunk first: the smallest message, on the shortest path. It is the chunk as computed (a replay
         # compares it with the reference bit for bit), like the seam and tracking error in the telemetry.
-        self.pub_chunk.publish(self.raw_chunk.render(out.index, positions, stamp, placement))
+        self.pub_chunk.publish(self.raw_chunk.render(out.index, out.actions, stamp, placement))
         publish_ms = (time.perf_counter() - start) * 1e3
         if not placement.late:
-            vel, acc = kinematics(positions, timeline.period)
-            seam = timeline.seams.seam(rec.first_step, k, positions, vel)
-            rec.seam_position_jump, rec.seam_velocity_jump = seam.position_jump, seam.velocity_jump
-            # Where the seam is a jump, the robot is sent rows that ease onto the chunk from where it is.
-            sent, rec.seam_blended_rows = timeline.seams.blend(rec.first_step, k, positions, s.seam_blend_steps,
-                                                               timeline.keep_from(rec.shift))
-            if rec.seam_blended_rows:
-                self.blended_chunks += 1
-                vel, acc = kinematics(sent, timeline.period)
-            self.pub_traj.publish(self.raw_traj.render(sent[k:], vel[k:], acc[k:], conv.time_msg(placement.start)))
-            timeline.seams.executed(rec.first_step, sent, vel)
+            rows = delivery.trajectory(rec, out.actions, placement, self.config.seam_blend_steps)
+            self.pub_traj.publish(self.raw_traj.render(rows.positions, rows.velocities, rows.accelerations,
+                                                       conv.time_msg(placement.start)))
+            delivery.executed(rows)
         else:
             self.warn("late", f"stream {self.name}: chunk {out.index} arrived after its last step was due "
-                              f"({self.late_chunks} so far); not sent as a trajectory")
+                              f"({delivery.late_chunks} so far); not sent as a trajectory")
         self.published += 1
         return publish_ms
 

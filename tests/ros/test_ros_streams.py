@@ -81,7 +81,7 @@ def test_a_takeover_past_its_frozen_rows_reaches_the_controller_eased_from_where
     assert t.chunk_index == 1 and t.late_points == 3 and t.inference_delay_steps == 2
     assert t.seam_position_jump == pytest.approx(0.2)        # the seam as computed: what the easing absorbed
     assert t.seam_blended_rows == 3 and telemetry[0].seam_blended_rows == 0
-    assert st.blended_chunks == 1
+    assert st.delivery.blended_chunks == 1
     # the ActionChunk is the chunk as computed (a replay compares it with the reference bit for bit)
     assert np.frombuffer(bytes(chunks[1].actions), np.float32).tolist() == [np.float32(0.2)] * (16 * 7)
 
@@ -91,4 +91,4 @@ def test_with_seam_blend_steps_zero_the_chunk_goes_out_as_computed():
     assert len(trajectories) == len(telemetry) == 2
     np.testing.assert_allclose([p.positions[0] for p in trajectories[1].points], np.float32(0.2))
     assert telemetry[1].seam_position_jump == pytest.approx(0.2) and telemetry[1].seam_blended_rows == 0
-    assert st.blended_chunks == 0
+    assert st.delivery.blended_chunks == 0
