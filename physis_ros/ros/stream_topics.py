@@ -304,15 +304,13 @@ class RosStream:
                 log.warning(line)
 
     # ---- reports (executor thread) ----------------------------------------------------------------------
-    def figures(self, engine_resets: Mapping[str, int] | None = None) -> dict[str, Any]:
-        """The session's figures (:meth:`Session.figures`, over ``diagnostics_window_s`` on the node clock) and
-        the node's own: handover (engine emit -> on_chunk) and publish (on_chunk -> first output) p50/p99."""
-        out = self.session.figures(self.node.now(), self.node.config.diagnostics_window_s, engine_resets)
+    def node_figures(self) -> dict[str, float]:
+        """The node's own figures: handover (engine emit -> on_chunk) and publish (on_chunk -> first output)
+        p50/p99 over the last chunks (ms)."""
         with self.stats_lock:
             handover, publish = list(self.handover_ms), list(self.publish_ms)
-        out.update(handover_ms_p50=percentile(handover, 50), handover_ms_p99=percentile(handover, 99),
-                   publish_ms_p50=percentile(publish, 50), publish_ms_p99=percentile(publish, 99))
-        return out
+        return dict(handover_ms_p50=percentile(handover, 50), handover_ms_p99=percentile(handover, 99),
+                    publish_ms_p50=percentile(publish, 50), publish_ms_p99=percentile(publish, 99))
 
     def report(self, engine_resets: Mapping[str, int]) -> dict[str, Any]:
         """Totals for the exit summary (``engine_resets``: the engine's own reset counts)."""

@@ -424,7 +424,8 @@ class Server:
         """What /diagnostics shows, as plain data: ``engine`` (state, failure, the server's RSS),
         ``workers`` (per worker: pid, state, host, device, its counters, memory included, and admission's
         load factor) and ``streams`` (per stream: rate, intervals, latency and deadline misses over
-        ``diagnostics_window_s``, inputs received and rejected, resets, chunks lost)."""
+        ``diagnostics_window_s``, inputs received and rejected, resets, chunks lost, its SLO interval, cadence and
+        seconds since it was admitted)."""
         engine = self.engine
         snap = engine.snapshot() if engine is not None else {"workers": {}, "streams": {}, "resets": {}}
         failure = engine.failure if engine is not None else None
@@ -436,8 +437,11 @@ class Server:
         now = self.clock()
         with self._lock:
             sessions = list(self._sessions.values())
+        mono = time.monotonic()
         streams = {s.name: {**s.figures(now, self.config.diagnostics_window_s, snap["resets"].get(s.name)),
-                            "admission_spread_ms": self.admission.spread_ms(s.name)} for s in sessions}
+                            "admission_spread_ms": self.admission.spread_ms(s.name),
+                            "slo_interval_ms": s.slo_interval_ms, "cadence": s.config.cadence,
+                            "serving_s": mono - s.admitted_mono} for s in sessions}
         return {"engine": {"state": self.state, "failure": None if failure is None else str(failure),
                            "model": self.model.name, "rss_mb": heap.rss_mb(os.getpid()),
                            "utilisation": self.admission.utilisation()},
