@@ -34,16 +34,22 @@ def config():
     return load_model_config("tiny-wan-wam")
 
 
-def test_training_rollout_equals_the_served_reference_bit_for_bit(config):
+@pytest.mark.parametrize("rule", ["same_step", "clean"])
+def test_training_rollout_equals_the_served_reference_bit_for_bit(config, rule):
     """Diffusers' blocks through ListKV (keys placed at their RoPE positions, the prompt-free cross-attention
-    projected per call) give the server's chunks, past a full window."""
-    served, trainable = build_model(config), trainable_model(config)
-    scene = TrackingScene(config.observation_shapes)
-    obs = [scene.observation("r0", c) for c in range(config.window + 3)]
+    projected per call) give the server's chunks, past a full window; under ``clean`` through a read-only noisy
+    pass, then the t = 0 pass that writes."""
+    cfg = dataclasses.replace(config, history=rule)
+    served, trainable = build_model(cfg), trainable_model(cfg)
+    scene = TrackingScene(cfg.observation_shapes)
+    obs = [scene.observation("r0", c) for c in range(cfg.window + 3)]
     ref = ReferenceRollout(served, seed=3)
     expected = [ref.step("r0", o).output for o in obs]
     got = rollout(trainable, [served.observation_tensors(o) for o in obs], seed=3, stream="r0")
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    if rule == "clean":
+        same = rollout(trainable_model(config), [served.observation_tensors(o) for o in obs], seed=3, stream="r0")
+        assert torch.equal(same[0], got[0]) and not torch.equal(same[-1], got[-1])   # the rules differ past chunk 0
 
 
 def test_sequence_velocities_equal_the_servers_kv_tables_and_carry_gradients(config):
@@ -68,21 +74,6 @@ def test_sequence_velocities_equal_the_servers_kv_tables_and_carry_gradients(con
     adapter = dict(trainable.adapter.named_parameters())
     assert adapter["action_out.weight"].grad is not None and adapter["action_out.weight"].grad.abs().sum() > 0
     assert trainable.blocks["0"].attn1.to_k.weight.grad.abs().sum() > 0      # history K/V is learned through
-
-
-def test_clean_rule_training_rollout_equals_the_served_reference_bit_for_bit(config):
-    """Under ``clean`` the training pieces (a read-only noisy pass, then the t = 0 pass that writes) give the
-    server's chunks, past a full window."""
-    cfg = dataclasses.replace(config, history="clean")
-    served, trainable = build_model(cfg), trainable_model(cfg)
-    scene = TrackingScene(cfg.observation_shapes)
-    obs = [scene.observation("r0", c) for c in range(cfg.window + 3)]
-    ref = ReferenceRollout(served, seed=5)
-    expected = [ref.step("r0", o).output for o in obs]
-    got = rollout(trainable, [served.observation_tensors(o) for o in obs], seed=5, stream="r0")
-    assert all(torch.equal(a, b) for a, b in zip(expected, got))
-    same = rollout(trainable_model(config), [served.observation_tensors(o) for o in obs], seed=5, stream="r0")
-    assert torch.equal(same[0], got[0]) and not torch.equal(same[-1], got[-1])   # the rules differ past chunk 0
 
 
 def test_clean_rule_sequence_velocities_read_the_teacher_forced_clean_kv(config):
