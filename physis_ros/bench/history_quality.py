@@ -19,7 +19,8 @@ Beside them a checkpoint trained and served under ``same_step``. Per (trained, s
   node's own measure), p99 over the chunks (rad);
 - ``interval_ms``: the chunk interval that rule allows, measured live (the engine and its workers,
   :func:`physis_ros.bench.pipeline.run_plan`) on the plan the planner predicts fastest among those the
-  rule permits on ``--workers`` workers, with the planner's prediction beside it.
+  rule permits on ``--workers`` workers, with the planner's prediction beside it (fed the scene's
+  observations: the compute does not depend on them).
 
 The chunks are computed by the sequential reference (:class:`~physis_ros.reference.ReferenceRollout`),
 which the server's chunks equal bit for bit under every rule (tests/runtime, tests/model), so a rule's
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import tempfile
 import time
@@ -181,7 +183,7 @@ def interval_rows(directory: str, workers: int, chunks: int, repeats: int) -> di
                 plan = make_plan(name, config.steps, config.blocks, workers, clean=config.clean_pass)
             except ValueError:
                 continue      # the rule refuses it (a block's steps split over workers)
-            plans[name] = predict(plan, args.profile).interval_ms
+            plans[name] = predict(plan, args.profile, host_cpus=os.cpu_count()).interval_ms   # as run_plan's
         chosen[rule] = (config, min(plans, key=plans.get), plans)
     runs: dict[str, list[dict]] = {rule: [] for rule in chosen}
     for r in range(repeats):
