@@ -166,6 +166,18 @@ def test_generate_cli(tmp_path, capsys):
     assert "exists" in capsys.readouterr().err
 
 
+def test_generate_cli_tracking_records_an_arm_that_follows_the_expert(tmp_path):
+    from physis_ros.bags.bagio import read_all, typestore
+    from physis_ros.observations import TrackingScene
+
+    out = tmp_path / "tracking"
+    assert bag_cli.main(["generate", str(out), "--duration", "0.5", "--namespaces", "arm", "--tracking"]) == 0
+    store, arm = typestore(), TrackingScene({"state": (7,)})
+    joints = [store.deserialize_cdr(raw, t).position for topic, t, _, raw in read_all(out) if "joint" in topic]
+    assert len(joints) == 5
+    assert all(np.allclose(q, arm.observation_state("arm", i, 7), atol=1e-6) for i, q in enumerate(joints))
+
+
 def test_predicted_frames_are_known_to_the_bag_io(tmp_path):
     """A world model's output, physis_ros/PredictedFrames, is typed by name like ActionChunk (so a recorder
     subscribes before its publisher exists), and round-trips through a bag with its definition."""
