@@ -57,8 +57,7 @@ class RosStream:
         self.namespace = stream_namespace(self.name, self.config)
         self.published = 0
         self.rejects_reported = 0
-        self.last_warn: dict[str, float] = {}
-        self.throttle = Throttle(node.config.warn_throttle_s)   # reset / re-admission lines, per cause
+        self.throttle = Throttle(node.config.warn_throttle_s)   # warnings, reset and re-admission lines, per cause
         # node-side timings (ms): engine emit -> on_chunk (handover), on_chunk -> first output published
         self.handover_ms: deque = deque(maxlen=200)
         self.publish_ms: deque = deque(maxlen=200)
@@ -177,12 +176,11 @@ class RosStream:
 
     # ---- inputs (executor thread) -------------------------------------------------------------------
     def warn(self, key: str, text: str) -> None:
-        """A warning throttled per (stream, key)."""
-        now = time.monotonic()
-        last = self.last_warn.get(key)
-        if last is None or now - last >= self.node.config.warn_throttle_s:
-            self.last_warn[key] = now
-            self.node.get_logger().warning(text)
+        """A warning throttled per (stream, key): at most one per ``warn_throttle_s``, saying how many were held."""
+        self.throttle.period_s = self.node.config.warn_throttle_s
+        line = self.throttle.line(key, text)
+        if line is not None:
+            self.node.get_logger().warning(line)
 
     def _reject(self, exc: conv.InputRejected, what: str) -> None:
         n = self.input.reject(exc.reason, INPUT_KINDS.get(what, ""))
