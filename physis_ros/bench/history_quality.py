@@ -250,7 +250,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     labels = [f"trained {t}\nserved {r}" for t, r in PAIRS]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     for ax, key, title in ((axes[0], "tracking_rms", "tracking error vs expert (rad, RMS)"),
                            (axes[1], "seam_p99", "hand-off seam (rad): p99 bars, p50 diamonds")):
         for i, (trained, rule) in enumerate(PAIRS):
@@ -283,7 +283,7 @@ def plot(result: dict, path: str) -> None:
     ax.legend(fontsize=8, loc="upper left")
     fig.suptitle(f"{result['chunks']} chunks of the '{result['stream']}' bag, seeds 0..{result['seeds'] - 1}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
