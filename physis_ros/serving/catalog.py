@@ -43,6 +43,11 @@ from physis_ros.runtime.costs import CostProfile, profile_from_json, stream_memo
 from physis_ros.scheduling.settings import GB
 
 
+# What a measuring child that ran out of its address-space limit says on stderr: Python's, C++'s and torch's
+# allocation failures, and a thread whose stack could not be mapped (torch's thread pool, c10's thread.cpp).
+OUT_OF_MEMORY = ("MemoryError", "std::bad_alloc", "DefaultCPUAllocator", "Resource temporarily unavailable (src/thread.cpp")
+
+
 def bundled_checkpoint(ref: str) -> Path | None:
     """A checkpoint shipped in ``config/checkpoints/``, named by its stem (``tiny-wam-demo``: a safetensors
     file) or its directory's name (``tiny-wan-wam-demo``: a checkpoint directory with its
@@ -257,7 +262,7 @@ def measure_in_child(config: ModelConfig, device: str, repeats: int, *, nice: in
         if child.returncode != 0 or not out.is_file():
             # (its progress line ends in a carriage return, not a newline, before the error)
             last = err.replace("\r", "\n").strip().splitlines()[-1:] or [f"exit status {child.returncode}"]
-            if any(word in err for word in ("MemoryError", "std::bad_alloc", "DefaultCPUAllocator")):
+            if any(word in err for word in OUT_OF_MEMORY):
                 raise Rejected("memory", f"measuring model '{config.name}' ran out of admission.profile_memory_gb="
                                          f"{(memory_bytes or 0) / GB:g} GB ({last[0][:200]})")
             raise Rejected("profile-failed", f"measuring model '{config.name}' failed: {last[0][:300]}")
