@@ -1,6 +1,6 @@
 """The server's acceptance rule for input messages, in one place.
 
-The node (``PhysisServer._on_image`` / ``_on_joints``) and the replay checker
+The node (``RosStream.on_image`` / ``on_joints``) and the replay checker
 (``physis-bag check``, :mod:`physis_ros.bags.analysis`) must agree on which
 camera frames and joint states the server uses: the checker predicts the chunks
 from the bag, so an input the node rejects must not be expected to produce a

@@ -70,10 +70,10 @@ def statuses(node: PhysisServer) -> list[health.Status]:
                                   rss_mb=figures["engine"].get("rss_mb", heap.rss_mb(os.getpid())))
     since = None if node.serving_since is None else mono - node.serving_since
     streams = [_stream_status(node, name, stats, worker_hw, since) for name, stats in figures["streams"].items()]
-    for name in node.departed:   # once each, then gone
+    for name in node.hub.departed:   # once each, then gone
         streams.append(health.removed_stream_status(name, prefix=node.diag_prefix, hardware_id=node.hostname))
-    node.departed.clear()
-    for name in node.configured:
+    node.hub.departed.clear()
+    for name in node.hub.configured:
         verdict = node.startup.get(name)
         if name not in node.streams and verdict != "admitted":    # admitted and then removed: gone
             streams.append(health.pending_stream_status(name, verdict, node.state, prefix=node.diag_prefix,

@@ -5,7 +5,8 @@ ROS adds to a request is checked here first (the stream's name, namespace and to
 only on topics of its own), then the server admits it (:meth:`physis_ros.serving.server.Server.admit`, on
 a loader thread: a first profile takes a second or two) and its ROS side is made
 (:class:`~physis_ros.ros.stream_topics.RosStream`). A stream that cannot come in is refused with a named reason
-and nothing running changes. Leaving frees its capacity; the other streams never move.
+and nothing running changes. Leaving frees its capacity; the other streams never move. The hub keeps who is
+served on the node's topics, who left (their totals) and which config streams the engine admits when it starts.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class StreamHub:
         # a few threads: a goal for a model resolved already is not held up by another model being measured
         self.loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="admission")
         self.joining: dict[str, StreamConfig] = {}   # streams being admitted now (they hold their names and topics)
+        self.streams: dict[str, RosStream] = {}      # the streams served on the node's topics
+        self.ended: dict[str, dict] = {}             # totals of streams that left (or were stopped)
+        self.configured: list[str] = list(node.config.streams)   # the streams the engine admits when it starts
+        self.departed: list[str] = []                # streams that left since the last /diagnostics (said there once)
 
     def close(self) -> None:
         self.loader.shutdown(wait=False, cancel_futures=True)
@@ -45,12 +50,12 @@ class StreamHub:
             stream.check_topics(name, f"streams.{name}")
         except ConfigError as exc:
             raise Rejected("invalid-request", str(exc)) from None
-        if name in self.node.streams or name in self.joining:
+        if name in self.streams or name in self.joining:
             raise Rejected("name-in-use", f"stream '{name}' is already served")
         ns = stream_namespace(name, stream)
         # Streams still being admitted hold their namespace too: two goals racing for one namespace
         # would otherwise both pass this check while the first resolves its model.
-        used = {**{st.namespace: other for other, st in self.node.streams.items()},
+        used = {**{st.namespace: other for other, st in self.streams.items()},
                 **{stream_namespace(other, cfg): other for other, cfg in self.joining.items()}}
         if ns in used:
             raise Rejected("namespace-in-use", f"namespace '{ns}' is used by stream '{used[ns]}'")
@@ -62,7 +67,7 @@ class StreamHub:
         node_ns = self.node.get_namespace()
         outputs, _ = stream_topics(name, stream, node_ns)
         owner = {t: "the server" for t in self.server_topics()}
-        for other, cfg in [*((n, st.config) for n, st in self.node.streams.items()), *self.joining.items()]:
+        for other, cfg in [*((n, st.config) for n, st in self.streams.items()), *self.joining.items()]:
             theirs_out, theirs_in = stream_topics(other, cfg, node_ns)
             owner.update({t: f"stream '{other}' ({k} input)" for k, t in theirs_in.items()})
             owner.update({t: f"stream '{other}' ({k} output)" for k, t in theirs_out.items()})
@@ -107,7 +112,7 @@ class StreamHub:
             except Exception as exc:
                 server.leave(name, timeout_s=None, reason="failed")
                 raise Rejected("not-serving", f"stream '{name}' could not be set up: {exc}") from None
-            node.streams[name] = made[0]
+            self.streams[name] = made[0]
             node.params.add_stream(name, stream)   # a joined stream's parameters, as a configured one has
         finally:
             self.joining.pop(name, None)
@@ -115,7 +120,7 @@ class StreamHub:
 
     def leave(self, name: str) -> None:
         """Stop serving a stream and free its capacity (the engine lets go of it in the background)."""
-        st = self.node.streams.get(name)
+        st = self.streams.get(name)
         if st is not None:
             st.health.gone = True
         if self.node.server is not None:
@@ -125,22 +130,22 @@ class StreamHub:
                 pass   # the server dropped it already (its engine failed)
         self._forget(name)
         self.node.params.remove_stream(name)   # its parameters leave with it (a configured one's too)
-        if name in self.node.configured:       # not waited for again (a restart of the engine reads the config)
-            self.node.configured.remove(name)
-        self.node.departed.append(name)        # /diagnostics says so once
+        if name in self.configured:       # not waited for again (a restart of the engine reads the config)
+            self.configured.remove(name)
+        self.departed.append(name)        # /diagnostics says so once
 
     def forget_all(self) -> None:
         """The engine stops: every stream is dropped; the configured ones keep their parameters (the engine
         admits them again when it restarts), those that joined through goals lose theirs."""
-        for name in list(self.node.streams):
-            joined = self.node.streams[name].origin != "config"
+        for name in list(self.streams):
+            joined = self.streams[name].origin != "config"
             self._forget(name)
             if joined:
                 self.node.params.remove_stream(name)
 
     def _forget(self, name: str) -> None:
-        st = self.node.streams.pop(name, None)
+        st = self.streams.pop(name, None)
         if st is not None:
             # its totals stay in the exit summary
-            self.node.ended[name] = st.report(diagnostics.engine_snapshot(self.node)["resets"].get(name, {}))
+            self.ended[name] = st.report(diagnostics.engine_snapshot(self.node)["resets"].get(name, {}))
             st.destroy()

@@ -82,11 +82,7 @@ class PhysisServer(LifecycleNode):
         self.hostname = socket.gethostname()
         # /diagnostics names: '<node>: <what>' with the node's own name (a __node remap), never its namespace
         self.diag_prefix = self.get_name()
-        self.streams: dict[str, RosStream] = {}
-        self.ended: dict[str, dict] = {}    # totals of streams that left (or were stopped)
         self.startup: dict[str, str] = {}   # config stream -> "admitted" or the rejection
-        self.configured: list[str] = list(self.config.streams)   # the streams the engine admits when it starts
-        self.departed: list[str] = []       # streams that left since the last /diagnostics (said there once)
         self.hub = StreamHub(self)
         self.pub_telemetry = self.create_publisher(ChunkTelemetry, self.config.telemetry_topic,
                                                    qos.profile(qos.TELEMETRY), qos_overriding_options=qos.OVERRIDES)
@@ -101,6 +97,11 @@ class PhysisServer(LifecycleNode):
         """The serve config now: start-up's, with the runtime parameter changes, the streams that joined
         through goals and without those that left (:class:`ServeParameters` keeps it with the parameters)."""
         return self.params.config
+
+    @property
+    def streams(self) -> dict[str, RosStream]:
+        """The streams served on the node's topics (:class:`StreamHub` keeps them: joins and leaves)."""
+        return self.hub.streams
 
     def now(self) -> float:
         """The node clock in seconds (ROS time: simulated under use_sim_time)."""
@@ -132,7 +133,7 @@ class PhysisServer(LifecycleNode):
         self.state = "starting"
         self.engine_started = time.monotonic()
         self.serving_since = None
-        self.configured = list(c.streams)
+        self.hub.configured = list(c.streams)
         self.server.launch()
         if c.openpi.port is not None:   # openpi clients beside the robots on topics: the same workers and admission
             from physis_ros.openpi import OpenpiFrontEnd
@@ -149,7 +150,7 @@ class PhysisServer(LifecycleNode):
             await ticker.sleep(0.05)
         if server is not self.server or server.state != "serving":
             return
-        for name in list(self.configured):
+        for name in list(self.hub.configured):
             try:
                 await self.hub.join(name, self.config.streams[name], "config", ticker)
                 self.startup[name] = "admitted"
@@ -258,7 +259,7 @@ class PhysisServer(LifecycleNode):
                 if st.health.gone:
                     self.actions.end(name, "failed", str(failure))
             return
-        startup_done = all(n in self.startup for n in self.configured)
+        startup_done = all(n in self.startup for n in self.hub.configured)
         if self.state == "starting" and engine.ready.is_set() and startup_done:
             self.state, self.serving_since = "serving", time.monotonic()
             admitted = [n for n, v in self.startup.items() if v == "admitted"]
@@ -268,7 +269,7 @@ class PhysisServer(LifecycleNode):
     def report(self) -> dict[str, Any]:
         """Totals per stream (for the exit summary and tests), and the config streams not admitted."""
         resets = diagnostics.engine_snapshot(self)["resets"]
-        out = {**self.ended, **{name: st.report(resets.get(name, {})) for name, st in self.streams.items()}}
+        out = {**self.hub.ended, **{name: st.report(resets.get(name, {})) for name, st in self.streams.items()}}
         for name, verdict in self.startup.items():
             if verdict != "admitted":
                 out.setdefault(name, {"chunks": 0, "rejected": {}, "received": {}, "failures": 0, "lost_chunks": 0,

@@ -320,14 +320,14 @@ def test_the_engines_dispatch_policy_decides_whose_chunks_count_as_delay():
 
 # ---- the hub's checks (what no placement can fix) -------------------------------------------------------
 def hub_with(streams: dict[str, str] | None = None, **engine):
-    """A StreamHub over a stand-in node whose ``streams`` are {name: namespace}."""
+    """A StreamHub over a stand-in node, serving ``streams`` ({name: namespace})."""
     from physis_ros.ros.hub import StreamHub
 
     config = ServeConfig(engine=dataclasses.replace(ServeConfig().engine, **engine))
-    node = SimpleNamespace(config=config, get_namespace=lambda: "/",
-                           streams={n: SimpleNamespace(namespace=ns, config=stream(namespace=ns))
-                                    for n, ns in (streams or {}).items()})
-    return StreamHub(node)
+    hub = StreamHub(SimpleNamespace(config=config, get_namespace=lambda: "/"))
+    hub.streams.update({n: SimpleNamespace(namespace=ns, config=stream(namespace=ns))
+                        for n, ns in (streams or {}).items()})
+    return hub
 
 
 def stream(**kw) -> StreamConfig:
