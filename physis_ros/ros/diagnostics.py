@@ -48,7 +48,8 @@ def statuses(node: PhysisServer) -> list[health.Status]:
     """The engine's, every stream's (the node's and other front ends') and every worker's status, from the
     server's figures (:meth:`Server.stats <physis_ros.serving.server.Server.stats>`) and the node's own."""
     ecfg = node.config.engine
-    figures = node.server.stats() if node.server is not None else {"engine": {}, "workers": {}, "streams": {}}
+    figures = node.server.stats() if node.server is not None else {
+        "engine": {"failure": None, "rss_mb": heap.rss_mb(os.getpid())}, "workers": {}, "streams": {}}
     mono = time.monotonic()
     worker_hw, down, out = {}, [], []
     for wname, w in figures["workers"].items():
@@ -63,11 +64,11 @@ def statuses(node: PhysisServer) -> list[health.Status]:
                                         w["alive"], hardware_id=worker_hw[wname], state=w["state"],
                                         prefix=node.diag_prefix))
     engine = health.engine_status(node.state, node.model.name, "admission", ecfg.workers,
-                                  figures["engine"].get("failure"),
+                                  figures["engine"]["failure"],
                                   telemetry_subscribers=node.pub_telemetry.get_subscription_count(),
                                   armed=node.armed, lifecycle=node.lifecycle, workers_down=sorted(down),
                                   hardware_id=node.hostname, prefix=node.diag_prefix,
-                                  rss_mb=figures["engine"].get("rss_mb", heap.rss_mb(os.getpid())))
+                                  rss_mb=figures["engine"]["rss_mb"])
     since = None if node.serving_since is None else mono - node.serving_since
     streams = [_stream_status(node, name, stats, worker_hw, since) for name, stats in figures["streams"].items()]
     for name in node.hub.departed:   # once each, then gone

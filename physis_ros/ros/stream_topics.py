@@ -277,8 +277,7 @@ class RosStream:
         publish_ms = (time.perf_counter() - start) * 1e3
         if not placement.late:
             rows = delivery.trajectory(rec, out.actions, placement, self.config.seam_blend_steps)
-            self.pub_traj.publish(self.raw_traj.render(rows.positions, rows.velocities, rows.accelerations,
-                                                       conv.time_msg(placement.start)))
+            self.pub_traj.publish(self.raw_traj.render(*rows.ahead(), conv.time_msg(placement.start)))
             delivery.executed(rows)
         else:
             self.warn("late", f"stream {self.name}: chunk {out.index} arrived after its last step was due "

@@ -25,14 +25,19 @@ EXPERTS_KEPT = 64   # experts' chunks waiting for their observation's chunk (old
 
 @dataclass
 class Rows:
-    """The rows a robot is sent from a chunk: positions, velocities and accelerations [rows, dof] from the
-    chunk's first executed row on, and the control step of the chunk's row 0."""
+    """A chunk's rows as sent (eased from the previous chunk where its seam jumped): positions, velocities and
+    accelerations [horizon, dof]; row 0 is control step ``first_step``, and the robot is sent the rows from
+    ``first_row`` on (:meth:`ahead`)."""
     positions: np.ndarray
     velocities: np.ndarray
     accelerations: np.ndarray
     first_step: int
-    whole: np.ndarray            # every row as sent (blended), for the next chunk's seam
-    whole_velocities: np.ndarray
+    first_row: int
+
+    def ahead(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Positions, velocities and accelerations of the rows the robot is sent."""
+        k = self.first_row
+        return self.positions[k:], self.velocities[k:], self.accelerations[k:]
 
 
 class Delivery:
@@ -83,8 +88,8 @@ class Delivery:
         if record.seam_blended_rows:
             self.blended_chunks += 1
             vel, acc = kinematics(sent, timeline.period)
-        return Rows(sent[k:], vel[k:], acc[k:], record.first_step, sent, vel)
+        return Rows(sent, vel, acc, record.first_step, k)
 
     def executed(self, rows: Rows) -> None:
         """The robot now runs these rows (they were sent)."""
-        self.timeline.seams.executed(rows.first_step, rows.whole, rows.whole_velocities)
+        self.timeline.seams.executed(rows.first_step, rows.positions, rows.velocities)
