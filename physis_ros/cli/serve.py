@@ -28,6 +28,7 @@ import time
 from physis_ros.console import (ArgumentParser, StopSignals, check_yaml_file, model_arg, nonneg_float, nonneg_int,
                                    positive_float, preflight_serve, run_main, set_threads, split_ros_args)
 from physis_ros import heap
+from physis_ros.cli.serve_openpi import print_totals, serve_without_ros
 from physis_ros.config import ConfigError
 
 
@@ -121,8 +122,6 @@ def _serve(argv: list[str] | None = None) -> int:
         own = split_ros_args("physis-serve", argv)
     args = build_parser().parse_args(own)   # bad flags: before the heavy imports
     if args.no_ros:
-        from physis_ros.cli.serve_openpi import serve_without_ros
-
         return serve_without_ros(args, overrides_from_args(args))
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
@@ -228,13 +227,7 @@ def _serve(argv: list[str] | None = None) -> int:
             if executor is not None:
                 _send_goal_results(executor, node)
             report = node.report()
-            for name, r in report.items():
-                if "not_admitted" in r:
-                    print(f"physis-serve: {name}: not admitted ({r['not_admitted']})", file=sys.stderr)
-                    continue
-                rejected = ", ".join(f"{k} {v}" for k, v in sorted(r["rejected"].items())) or "none"
-                print(f"physis-serve: {name}: {r['chunks']} chunks, interval p50 {r['interval_ms_p50']:.1f} ms, "
-                      f"latency p50 {r['latency_ms_p50']:.1f} ms, rejected inputs: {rejected}", file=sys.stderr)
+            print_totals(report)
             if args.summary_json:
                 with open(args.summary_json, "w") as f:
                     json.dump({"exit": code, "streams": report}, f, indent=2, default=str)

@@ -75,12 +75,21 @@ def serve_without_ros(args: argparse.Namespace, overrides: dict) -> int:
         if not server.close():
             print("physis-serve: warning: engine thread did not stop in time", file=sys.stderr)
             code = code or 1
-    for name, r in server.ended.items():
-        rejected = ", ".join(f"{k} {v}" for k, v in sorted(r["rejected"].items())) or "none"
-        print(f"physis-serve: {name}: {r['chunks']} chunks, rejected inputs: {rejected}, ended {r['ended']}",
-              file=sys.stderr)
+    report = server.report()
+    print_totals(report)
     if args.summary_json:
         with open(args.summary_json, "w") as f:
-            json.dump({"exit": code, "streams": server.ended,
-                       "openpi": front.stats()}, f, indent=2, default=str)
+            json.dump({"exit": code, "streams": report, "openpi": front.stats()}, f, indent=2, default=str)
     return code
+
+
+def print_totals(report: dict[str, dict]) -> None:
+    """Each stream's totals (:meth:`Server.report <physis_ros.serving.server.Server.report>`) on stderr."""
+    for name, r in report.items():
+        if "not_admitted" in r:
+            print(f"physis-serve: {name}: not admitted ({r['not_admitted']})", file=sys.stderr)
+            continue
+        rejected = ", ".join(f"{k} {v}" for k, v in sorted(r["rejected"].items())) or "none"
+        print(f"physis-serve: {name}: {r['chunks']} chunks, interval p50 {r['interval_ms_p50']:.1f} ms, latency p50 "
+              f"{r['latency_ms_p50']:.1f} ms, rejected inputs: {rejected}, ended {r['ended'] or 'serving'}",
+              file=sys.stderr)

@@ -1,5 +1,5 @@
-"""``/diagnostics`` for ``physis_server``: the node's streams, the engine's workers (through
-:func:`engine_snapshot`, the one place that reads the engine: its own health snapshot) and the lifecycle state,
+"""``/diagnostics`` for ``physis_server``: the node's streams, the engine's workers (from
+:meth:`Server.stats <physis_ros.serving.server.Server.stats>`) and the lifecycle state,
 gathered on the executor thread and judged by the serving core's pure verdicts (:mod:`physis_ros.serving.health`,
 the same concept one layer down), then published as ``diagnostic_msgs`` messages."""
 
@@ -37,11 +37,6 @@ def diagnostic_array(stamp, statuses: list[health.Status]) -> DiagnosticArray:
     msg.header.stamp = stamp
     msg.status = [to_msg(s) for s in statuses]
     return msg
-
-
-def engine_snapshot(node: PhysisServer) -> dict[str, Any]:
-    """The engine's workers and each stream's workers and resets (:meth:`EngineThread.snapshot`)."""
-    return node.engine.snapshot() if node.engine is not None else {"workers": {}, "streams": {}, "resets": {}}
 
 
 def statuses(node: PhysisServer) -> list[health.Status]:

@@ -6,7 +6,7 @@ only on topics of its own), then the server admits it (:meth:`physis_ros.serving
 a loader thread: a first profile takes a second or two) and its ROS side is made
 (:class:`~physis_ros.ros.stream_topics.RosStream`). A stream that cannot come in is refused with a named reason
 and nothing running changes. Leaving frees its capacity; the other streams never move. The hub keeps who is
-served on the node's topics, who left (their totals) and which config streams the engine admits when it starts.
+served on the node's topics, who left and which config streams the engine admits when it starts.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from physis_ros.config import ConfigError
-from physis_ros.ros import diagnostics
 from physis_ros.ros.stream_topics import RosStream
 from physis_ros.ros.ticker import Ticker
 from physis_ros.serving.capacity import Rejected
@@ -34,7 +33,6 @@ class StreamHub:
         self.loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="admission")
         self.joining: dict[str, StreamConfig] = {}   # streams being admitted now (they hold their names and topics)
         self.streams: dict[str, RosStream] = {}      # the streams served on the node's topics
-        self.ended: dict[str, dict] = {}             # totals of streams that left (or were stopped)
         self.configured: list[str] = list(node.config.streams)   # the streams the engine admits when it starts
         self.departed: list[str] = []                # streams that left since the last /diagnostics (said there once)
 
@@ -146,6 +144,4 @@ class StreamHub:
     def _forget(self, name: str) -> None:
         st = self.streams.pop(name, None)
         if st is not None:
-            # its totals stay in the exit summary
-            self.ended[name] = st.report(diagnostics.engine_snapshot(self.node)["resets"].get(name, {}))
             st.destroy()

@@ -82,7 +82,7 @@ class PhysisServer(LifecycleNode):
         self.hostname = socket.gethostname()
         # /diagnostics names: '<node>: <what>' with the node's own name (a __node remap), never its namespace
         self.diag_prefix = self.get_name()
-        self.startup: dict[str, str] = {}   # config stream -> "admitted" or the rejection
+        self.summary: dict[str, dict] = {}   # totals of the streams of the servers stopped (Server.report)
         self.hub = StreamHub(self)
         self.pub_telemetry = self.create_publisher(ChunkTelemetry, self.config.telemetry_topic,
                                                    qos.profile(qos.TELEMETRY), qos_overriding_options=qos.OVERRIDES)
@@ -102,6 +102,11 @@ class PhysisServer(LifecycleNode):
     def streams(self) -> dict[str, RosStream]:
         """The streams served on the node's topics (:class:`StreamHub` keeps them: joins and leaves)."""
         return self.hub.streams
+
+    @property
+    def startup(self) -> dict[str, str]:
+        """Config stream -> ``admitted`` or its rejection, as the server records them (empty while unconfigured)."""
+        return self.server.startup if self.server is not None else {}
 
     def now(self) -> float:
         """The node clock in seconds (ROS time: simulated under use_sim_time)."""
@@ -153,9 +158,9 @@ class PhysisServer(LifecycleNode):
         for name in list(self.hub.configured):
             try:
                 await self.hub.join(name, self.config.streams[name], "config", ticker)
-                self.startup[name] = "admitted"
+                server.startup[name] = "admitted"
             except Rejected as exc:
-                self.startup[name] = f"{exc.reason}: {exc.detail}"
+                server.startup[name] = f"{exc.reason}: {exc.detail}"
                 if name not in self.streams:      # (not a goal's stream that took the name first)
                     self.params.remove_stream(name)   # no longer a stream of this server; its verdict is reported
                 self.get_logger().error(f"config stream {name} NOT admitted ({exc.reason}): {exc.detail}")
@@ -172,6 +177,8 @@ class PhysisServer(LifecycleNode):
             self.openpi.close()
             self.openpi = None
         done = self.server.close(timeout) if self.server is not None else True
+        if self.server is not None:
+            self.summary.update(self.server.report())
         self.server = None
         self.state = "stopped"
         return done
@@ -267,11 +274,6 @@ class PhysisServer(LifecycleNode):
                                                                 "through ~/serve_stream"))
 
     def report(self) -> dict[str, Any]:
-        """Totals per stream (for the exit summary and tests), and the config streams not admitted."""
-        resets = diagnostics.engine_snapshot(self)["resets"]
-        out = {**self.hub.ended, **{name: st.report(resets.get(name, {})) for name, st in self.streams.items()}}
-        for name, verdict in self.startup.items():
-            if verdict != "admitted":
-                out.setdefault(name, {"chunks": 0, "rejected": {}, "received": {}, "failures": 0, "lost_chunks": 0,
-                                      "not_admitted": verdict})
-        return out
+        """Totals per stream for the exit summary and tests (:meth:`Server.report`), the servers stopped before
+        (a cleanup, a configure again) included."""
+        return {**self.summary, **(self.server.report() if self.server is not None else {})}

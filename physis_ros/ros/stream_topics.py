@@ -19,8 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rclpy.serialization import deserialize_message
 from sensor_msgs.msg import CompressedImage, Image, JointState
@@ -55,7 +54,6 @@ class RosStream:
         self.name = session.name
         self.model_label = model_label(self.config.model or node.config.model, self.model)   # as configured
         self.namespace = stream_namespace(self.name, self.config)
-        self.published = 0
         self.rejects_reported = 0
         self.throttle = Throttle(node.config.warn_throttle_s)   # warnings, reset and re-admission lines, per cause
         # node-side timings (ms): engine emit -> on_chunk (handover), on_chunk -> first output published
@@ -254,7 +252,6 @@ class RosStream:
                 self.previews.offer(out.index, out.frames, stamp)
             if self.pub_chunk is None:
                 publish_ms = (time.perf_counter() - start) * 1e3
-                self.published += 1
         telemetry = outputs.telemetry_msg(rec, stamp, handover)
         node.pub_telemetry.publish(telemetry)
         if self.pub_telemetry is not None:
@@ -282,7 +279,6 @@ class RosStream:
         else:
             self.warn("late", f"stream {self.name}: chunk {out.index} arrived after its last step was due "
                               f"({delivery.late_chunks} so far); not sent as a trajectory")
-        self.published += 1
         return publish_ms
 
     def log_event(self, event: ServerEvent) -> None:
@@ -308,14 +304,3 @@ class RosStream:
             handover, publish = list(self.handover_ms), list(self.publish_ms)
         return dict(handover_ms_p50=percentile(handover, 50), handover_ms_p99=percentile(handover, 99),
                     publish_ms_p50=percentile(publish, 50), publish_ms_p99=percentile(publish, 99))
-
-    def report(self, engine_resets: Mapping[str, int]) -> dict[str, Any]:
-        """Totals for the exit summary (``engine_resets``: the engine's own reset counts)."""
-        snap = self.input.snapshot()
-        summary = self.stats.summary() if self.stats.records else {}
-        return {"chunks": self.published, "model": self.model.name, "origin": self.origin, "workers": self.workers,
-                "rejected": snap["rejected"], "received": snap["received"], "failures": self.health.failures,
-                "lost_chunks": self.health.lost_chunks, "unpublished": dict(self.health.undelivered),
-                "resets": self.session.resets(engine_resets),
-                "interval_ms_p50": summary.get("interval_ms_p50", math.nan),
-                "latency_ms_p50": summary.get("latency_ms_p50", math.nan)}

@@ -297,6 +297,7 @@ class Server:
                 return False
             self.admission.remove(name)
         session.end(reason)
+        resets = self.engine.snapshot()["resets"].get(name) if self.engine is not None else None   # before it goes
         if self.engine is not None:
             future = self.engine.remove_stream(name)
             if timeout_s is not None:
@@ -304,7 +305,7 @@ class Server:
                     future.result(timeout=timeout_s)
                 except (Exception, FutureTimeout):
                     pass   # the engine is gone or failed: nothing of the stream runs any more
-        self.ended[name] = self._report(session)
+        self.ended[name] = session.totals(resets)
         self.log.info(f"stream {name} removed ({reason}); worker utilisation {self.admission.utilisation()}")
         self._emit(ServerEvent(name, "ended", reason, detail, self.clock()))
         return True
@@ -447,9 +448,16 @@ class Server:
                            "utilisation": self.admission.utilisation()},
                 "workers": workers, "streams": streams}
 
-    def _report(self, s: Session) -> dict[str, Any]:
-        snap = s.input.snapshot()
-        return {"chunks": s.delivered, "model": s.model.name, "origin": s.origin, "workers": s.workers,
-                "received": snap["received"], "rejected": snap["rejected"], "failures": s.health.failures,
-                "lost_chunks": s.health.lost_chunks, "resets": s.resets(), "ended": s.ended}
-
+    def report(self) -> dict[str, dict[str, Any]]:
+        """Totals per stream for an exit summary (:meth:`Session.totals`): every stream served now or before,
+        and each config stream not admitted (``not_admitted``: its rejection)."""
+        engine = self.engine
+        resets = engine.snapshot()["resets"] if engine is not None else {}
+        with self._lock:
+            sessions = list(self._sessions.values())
+        out = {**self.ended, **{s.name: s.totals(resets.get(s.name)) for s in sessions}}
+        for name, verdict in self.startup.items():
+            if verdict != "admitted":
+                out.setdefault(name, {"chunks": 0, "rejected": {}, "received": {}, "failures": 0, "lost_chunks": 0,
+                                      "not_admitted": verdict})
+        return out

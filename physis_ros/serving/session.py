@@ -321,6 +321,21 @@ class Session:
             counts[cause] = max(counts[cause], n)
         return dict(sorted(counts.items()))
 
+    def totals(self, engine_resets: Mapping[str, int] | None = None) -> dict[str, Any]:
+        """The stream's totals for an exit summary: ``chunks`` its reader took (delivered, less those it could
+        not take), inputs received and rejected, failures, chunks lost and why they were not delivered, resets
+        by cause, the interval and latency p50 (ms) over its last chunks, and how it ended (None: served)."""
+        snap = self.input.snapshot()
+        with self.stats_lock:
+            summary = self.stats.summary() if self.stats.records else {}
+        h = self.health
+        return {"chunks": self.delivered - sum(h.undelivered.values()), "model": self.model.name,
+                "origin": self.origin, "workers": list(self.workers), "received": snap["received"],
+                "rejected": snap["rejected"], "failures": h.failures, "lost_chunks": h.lost_chunks,
+                "unpublished": dict(h.undelivered), "resets": self.resets(engine_resets),
+                "interval_ms_p50": summary.get("interval_ms_p50", math.nan),
+                "latency_ms_p50": summary.get("latency_ms_p50", math.nan), "ended": self.ended}
+
     def figures(self, now: float, window_s: float, engine_resets: Mapping[str, int] | None = None) -> dict[str, Any]:
         """The stream's figures at ``now`` (server clock): rate, intervals, latency and deadline misses over
         the last ``window_s`` (:func:`~physis_ros.telemetry.window_stats`), its ``inputs`` (received, rejected,

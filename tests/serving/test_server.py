@@ -150,6 +150,10 @@ def test_the_configs_streams_are_admitted_at_start_and_a_refused_one_is_recorded
             robot.close()
     assert [(e.stream, e.kind) for e in events] == [("r0", "joined"), ("r1", "rejected"), ("r0", "ended")]
     assert events[-1].reason == "shutdown"
+    report = server.report()   # the exit summary: the stream served, and the config stream refused
+    assert report["r0"]["ended"] == "shutdown" and report["r0"]["chunks"] >= 1, report
+    assert report["r0"]["latency_ms_p50"] > 0 and report["r0"]["origin"] == "config", report
+    assert report["r1"]["not_admitted"] == server.startup["r1"] and report["r1"]["chunks"] == 0, report
 
 
 def test_a_run_time_update_may_change_only_the_keys_that_change_at_run_time():
