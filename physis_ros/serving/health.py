@@ -1,7 +1,8 @@
 """Health verdicts (what ROS publishes on ``/diagnostics``: :mod:`physis_ros.ros.diagnostics`, the same concept
 one layer up): one :class:`Status` per stream, one per worker and one for the engine, named ``<prefix>: <what>``
 (``physis_server: robot0``, ``physis_server: worker w0``, ``physis_server: engine``). Pure functions of
-snapshots; a front end gathers the numbers and publishes the statuses in its own messages.
+snapshots: :func:`statuses` judges all of them from :meth:`Server.stats <physis_ros.serving.server.Server.stats>`
+and what the front end adds of its own (:class:`Outputs`); it publishes them in its own messages.
 
 Verdicts are over a time window (``diagnostics_window_s``), so they decay: a stream that stops
 publishing falls to 0 chunks/s and turns ERROR ("no chunk for X s") once it has published nothing
@@ -25,10 +26,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 OK, WARN, ERROR = 0, 1, 2       # the levels of diagnostic_msgs' status message
 PREFIX = "physis_server"
@@ -258,3 +259,79 @@ def engine_status(state: str, model: str, plan: str, workers: int, failure: str 
         return _status("engine", hw, WARN, "unconfigured: waiting for the lifecycle configure transition",
                        values, prefix)
     return _status("engine", hw, ERROR if state == "failed" else WARN, state, values, prefix)
+
+
+# ---- every status at once, from the server's figures --------------------------------------------------
+@dataclass(frozen=True)
+class Reporter:
+    """The front end that publishes the statuses, as it says of itself: ``prefix`` of the statuses' names,
+    ``host`` (the engine's hardware id), ``state`` the engine's in its words (unconfigured, starting, serving,
+    failed, stopping, stopped), ``armed`` and ``lifecycle`` its outputs', ``telemetry_subscribers``, and
+    ``serving_s`` seconds since the engine began serving (None: not yet)."""
+
+    prefix: str = PREFIX
+    host: str = ""
+    state: str = "serving"
+    armed: bool = True
+    lifecycle: str = ""
+    telemetry_subscribers: int = 0
+    serving_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """What a front end adds to a stream it publishes itself: ``figures`` beside the server's (its handover and
+    publish times, ms), ``counters`` among the inputs' (late rows, subscribers), ``new_rejects`` (inputs
+    rejected since its last report) and ``idle_s`` (seconds the stream has waited for an observation; None:
+    not waiting). A stream without them (another front end's, an openpi client's) is judged on the server's
+    figures alone, its outputs armed."""
+
+    figures: Mapping[str, Any] = field(default_factory=dict)
+    counters: Mapping[str, Any] = field(default_factory=dict)
+    new_rejects: int = 0
+    idle_s: float | None = None
+
+
+def statuses(figures: Mapping[str, Any], config: Any, reporter: Reporter, outputs: Mapping[str, Outputs],
+             pending: Mapping[str, str | None] = {}, departed: Iterable[str] = ()) -> list[Status]:
+    """The engine's, every stream's and every worker's status from the server's figures
+    (:meth:`Server.stats <physis_ros.serving.server.Server.stats>`; ``config`` its ServeConfig), the front end's
+    ``outputs`` of its own streams, the config streams not served (``pending``: stream -> its rejection, None
+    while it waits) and the streams that left since the last report (``departed``, said once)."""
+    ecfg, prefix, host = config.engine, reporter.prefix, reporter.host
+    mono = time.monotonic()
+    worker_hw, down, workers = {}, [], []
+    for wname, w in figures["workers"].items():
+        stats = dict(w["stats"])
+        if w.get("admission_load_factor") is not None:    # admission's load calibration (the server feeds it)
+            stats["admission_load_factor"] = w["admission_load_factor"]
+        worker_hw[wname] = hardware_id(w["host"] or host, str(w["device"]))
+        stale = w["state"] == "up" and w["last_seen"] and mono - w["last_seen"] > ecfg.heartbeat_timeout_s
+        if not w["alive"] or stale:
+            down.append(wname)
+        workers.append(worker_status(wname, w["pid"], w["last_seen"], stats, ecfg.heartbeat_timeout_s, w["alive"],
+                                     hardware_id=worker_hw[wname], state=w["state"], prefix=prefix))
+    engine = engine_status(reporter.state, figures["engine"].get("model", ""), "admission", ecfg.workers,
+                           figures["engine"]["failure"], telemetry_subscribers=reporter.telemetry_subscribers,
+                           armed=reporter.armed, lifecycle=reporter.lifecycle, workers_down=sorted(down),
+                           hardware_id=host, prefix=prefix, rss_mb=figures["engine"]["rss_mb"])
+    streams = []
+    for name, stats in figures["streams"].items():
+        stats, out = dict(stats), outputs.get(name)
+        inputs = {**stats.pop("inputs"), "failed": stats["failed"], "recovering": stats["recovering"],
+                  "failures": stats["failures"], "lost_chunks": stats["lost_chunks"],
+                  "unpublished": stats["undelivered"], "resets": stats["resets"], **(out.counters if out else {})}
+        stats.update(out.figures if out else {})
+        since = reporter.serving_s
+        streams.append(stream_status(
+            name, stats, inputs, slo_interval_ms=stats["slo_interval_ms"], new_rejects=out.new_rejects if out else 0,
+            engine_state=reporter.state, idle_s=out.idle_s if out else None, armed=reporter.armed if out else True,
+            hardware_id=stream_hardware_id(host, [worker_hw[w] for w in stats["workers"] if w in worker_hw]),
+            miss_rate_warn=config.diagnostics_miss_rate_warn, starved_s=config.diagnostics_starved_s,
+            stale_intervals=config.diagnostics_stale_intervals, prefix=prefix,
+            since_s=None if since is None else min(since, stats["serving_s"]),
+            requests=out is None and stats["cadence"] == "request"))
+    streams += [removed_stream_status(name, prefix=prefix, hardware_id=host) for name in departed]
+    streams += [pending_stream_status(name, verdict, reporter.state, prefix=prefix, hardware_id=host)
+                for name, verdict in pending.items()]
+    return [engine, *streams, *workers]

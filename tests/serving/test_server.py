@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from physis_ros.serving import REASONS, Rejected, Server
+from physis_ros.serving import REASONS, Rejected, Server, health
 from waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -146,8 +146,15 @@ def test_the_configs_streams_are_admitted_at_start_and_a_refused_one_is_recorded
         robot = Robot(server.session("r0"))
         try:
             assert server.session("r0").next_chunk(timeout_s=30.0).index == 0
+            # the health verdicts /diagnostics publishes, without ROS: from the server's figures alone
+            verdicts = {s.name: s for s in health.statuses(server.stats(), server.config, health.Reporter(), {},
+                                                           pending={"r1": server.startup["r1"]})}
         finally:
             robot.close()
+    assert verdicts["physis_server: engine"].level == health.OK, verdicts
+    assert verdicts["physis_server: r0"].values["chunks_total"] >= 1, verdicts["physis_server: r0"]
+    assert verdicts["physis_server: r1"].level == health.ERROR and "not admitted" in verdicts["physis_server: r1"].message
+    assert any(name.startswith("physis_server: worker") for name in verdicts), verdicts
     assert [(e.stream, e.kind) for e in events] == [("r0", "joined"), ("r1", "rejected"), ("r0", "ended")]
     assert events[-1].reason == "shutdown"
     report = server.report()   # the exit summary: the stream served, and the config stream refused
