@@ -33,11 +33,11 @@ from typing import Any
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, SetParametersResult
 from rclpy.parameter import Parameter
 
-from physis_ros.config import ConfigError, to_mapping
+from physis_ros.config import ConfigError
 from physis_ros.serving.config import ServeConfig, StreamConfig, deep_merge, serve_config, unflatten
-from physis_ros.serving.config_keys import (ConfigLeaf, apply_trajectory_topic, check_runtime_change, config_field,
-                                            is_config_key, is_runtime, is_stream_key, leaves, stream_leaves,
-                                            unset_value)
+from physis_ros.serving.config_keys import (ConfigLeaf, apply_trajectory_topic, check_runtime_change, given_value,
+                                            is_config_key, key_rules, leaves, stream_leaves, unset_value,
+                                            with_changes)
 
 # Parameters rclpy declares for every node; not serve-config keys handled here.
 NODE_PARAMETERS = frozenset({"use_sim_time", "start_type_description_service"})
@@ -64,53 +64,17 @@ def ros_type(leaf: ConfigLeaf) -> Parameter.Type:
     return _param_type(leaf.type, leaf.name)
 
 
-def from_parameter(name: str, value: Any) -> tuple[bool, Any]:
-    """(given, value) of a parameter as the serve config takes it: an optional key's unset value is None; a
-    key of an optional section given its unset value is not given (the section stays unset)."""
-    found = config_field(name)
-    if found is None or isinstance(value, bool):
-        return True, value
-    tp, optional, meta, in_optional = found
-    if not optional and not in_optional:
-        return True, value
-    unset = unset_value(tp, meta)
-    if unset is None or value != unset:
-        return True, value
-    return optional, None
-
-
 def descriptor(leaf: ConfigLeaf) -> ParameterDescriptor:
-    meta = leaf.meta
-    doc = meta.get("doc", "")
-    if leaf.section_doc:
-        doc = f"{doc} ({leaf.section_doc})" if doc else leaf.section_doc
-    fixed = not is_runtime(leaf.name)
-    # a stream's parameters leave with it, and ROS 2 cannot undeclare a read-only one: refused by our check
-    d = ParameterDescriptor(description=doc, read_only=fixed and not is_stream_key(leaf.name))
-    constraints = ["fixed while the stream is served (a set is refused)"] if fixed and not d.read_only else []
-    ge, le, gt = meta.get("ge"), meta.get("le"), meta.get("gt")
-    lo = ge if ge is not None else gt
-    unset = unset_value(leaf.type, meta) if leaf.optional else None
-    ptype = ros_type(leaf)
-    if unset is not None and lo is not None:
-        lo = min(lo, unset)
-    if lo is not None or le is not None:
-        if ptype == Parameter.Type.DOUBLE:
-            d.floating_point_range = [FloatingPointRange(
-                from_value=float(lo) if lo is not None else -math.inf,
-                to_value=float(le) if le is not None else math.inf, step=0.0)]
-        elif ptype == Parameter.Type.INTEGER:
-            d.integer_range = [IntegerRange(from_value=int(lo) if lo is not None else _INT64[0],
-                                            to_value=int(le) if le is not None else _INT64[1], step=1)]
-    if gt is not None:
-        constraints.append(f"must be > {gt}")
-    if meta.get("choices"):
-        constraints.append("one of: " + ", ".join(map(str, meta["choices"])))
-    if unset is not None:
-        constraints.append(f"optional: {unset!r} means unset (none)")
-    elif leaf.optional:
-        constraints.append("optional")
-    d.additional_constraints = "; ".join(constraints)
+    rules = key_rules(leaf)
+    d = ParameterDescriptor(description=rules.description, read_only=rules.read_only,
+                            additional_constraints=rules.constraints)
+    low, high, ptype = rules.low, rules.high, ros_type(leaf)
+    if (low is not None or high is not None) and ptype == Parameter.Type.DOUBLE:
+        d.floating_point_range = [FloatingPointRange(from_value=float(low) if low is not None else -math.inf,
+                                                     to_value=float(high) if high is not None else math.inf, step=0.0)]
+    elif (low is not None or high is not None) and ptype == Parameter.Type.INTEGER:
+        d.integer_range = [IntegerRange(from_value=int(low) if low is not None else _INT64[0],
+                                        to_value=int(high) if high is not None else _INT64[1], step=1)]
     return d
 
 
@@ -125,7 +89,7 @@ def split_overrides(overrides: dict[str, Parameter]) -> tuple[dict[str, Any], li
         if name in NODE_PARAMETERS or name.startswith(NODE_PREFIXES) or param.type_ == Parameter.Type.NOT_SET:
             continue
         if is_config_key(name):
-            given, value = from_parameter(name, _plain(param.value))
+            given, value = given_value(name, _plain(param.value))
             if given:
                 known[name] = value
         else:
@@ -220,10 +184,10 @@ class ServeParameters:
         changes = {}
         for p in params:
             if p.name in self.types:
-                given, value = from_parameter(p.name, _plain(p.value))
+                given, value = given_value(p.name, _plain(p.value))
                 if given:
                     changes[p.name] = value
-        return serve_config(deep_merge(to_mapping(self.config), unflatten(changes)))
+        return with_changes(self.config, changes)
 
     def _validate(self, params: list[Parameter]) -> SetParametersResult:
         ours = [p for p in params if p.name in self.types]

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from physis_ros.config import ConfigError
-from physis_ros.serving.config import ServeConfig, StreamConfig, deep_merge
+from physis_ros.config import ConfigError, to_mapping
+from physis_ros.serving.config import ServeConfig, StreamConfig, deep_merge, serve_config, unflatten
 
 # Per stream (``streams.<name>.<key>``) and node-wide keys that take effect while the server runs.
 RUNTIME_STREAM_KEYS = frozenset({"slo_interval_ms", "trajectory_start", "trajectory_start_offset_s",
@@ -122,6 +122,65 @@ def unset_value(tp: Any, meta: dict[str, Any]) -> Any:
     if typing.get_origin(tp) in (list, tuple):
         return []
     return None   # a flag, or a number without a lower bound: none (the config resolves these to a value)
+
+
+def given_value(name: str, value: Any) -> tuple[bool, Any]:
+    """(given, value) of a key set by its name, as the serve config takes it: an optional key's unset value
+    (:func:`unset_value`) is None; a key of an optional section given its unset value is not given (the
+    section stays unset)."""
+    found = config_field(name)
+    if found is None or isinstance(value, bool):
+        return True, value
+    tp, optional, meta, in_optional = found
+    if not optional and not in_optional:
+        return True, value
+    unset = unset_value(tp, meta)
+    if unset is None or value != unset:
+        return True, value
+    return optional, None
+
+
+@dataclass(frozen=True)
+class KeyRules:
+    """How a front end shows and guards one key: ``description``; ``low`` and ``high`` the range of its values
+    (inclusive, the unset value included; None: open); ``read_only`` while the server runs (a stream's fixed
+    keys are not: they leave with the stream, and a change is refused by :func:`check_runtime_change`);
+    ``constraints`` what else holds, in words (strict bounds, choices, the unset value)."""
+
+    description: str
+    low: float | None
+    high: float | None
+    read_only: bool
+    constraints: str
+
+
+def key_rules(leaf: ConfigLeaf) -> KeyRules:
+    meta = leaf.meta
+    doc = meta.get("doc", "")
+    if leaf.section_doc:
+        doc = f"{doc} ({leaf.section_doc})" if doc else leaf.section_doc
+    fixed = not is_runtime(leaf.name)
+    read_only = fixed and not is_stream_key(leaf.name)
+    constraints = ["fixed while the stream is served (a set is refused)"] if fixed and not read_only else []
+    ge, le, gt = meta.get("ge"), meta.get("le"), meta.get("gt")
+    low = ge if ge is not None else gt
+    unset = unset_value(leaf.type, meta) if leaf.optional else None
+    if unset is not None and low is not None:
+        low = min(low, unset)
+    if gt is not None:
+        constraints.append(f"must be > {gt}")
+    if meta.get("choices"):
+        constraints.append("one of: " + ", ".join(map(str, meta["choices"])))
+    if unset is not None:
+        constraints.append(f"optional: {unset!r} means unset (none)")
+    elif leaf.optional:
+        constraints.append("optional")
+    return KeyRules(doc, low, le, read_only, "; ".join(constraints))
+
+
+def with_changes(config: ServeConfig, changes: dict[str, Any]) -> ServeConfig:
+    """``config`` with the values of some dotted keys changed, validated as a config file is (ConfigError)."""
+    return serve_config(deep_merge(to_mapping(config), unflatten(changes)))
 
 
 def is_stream_key(name: str) -> bool:
