@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "physis_ros"
 LAYERS = {
     # shared by every layer: typed configs, logging, heap, telemetry records, control-timeline arithmetic
     "config": 0, "logs": 0, "heap": 0, "telemetry": 0, "timeline": 0,
+    "cdr": 0,                                     # plain CDR bytes (ROS 2's wire format), no ROS
     "model": 1,                                   # the model contract and the reference models
     "observations": 1.5, "reference": 1.5,        # the bundled scene, the sequential reference (on the models)
     "recompute": 1.5,                             # the full-recompute reference of the history rules

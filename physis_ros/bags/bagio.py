@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import re
-import struct
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -367,10 +366,7 @@ class BagWriter:
         self.close()
 
 
-# ----------------------------------------------------------------------------- raw CDR headers
-
-_ENCAPSULATION = 4  # CDR encapsulation header; a leading std_msgs/Header starts right after it
-
+# ----------------------------------------------------------------------------- message types with a header
 
 def has_header(msgtype: str) -> bool:
     """Whether the message starts with a ``std_msgs/Header`` (so its stamp sits at a fixed offset)."""
@@ -383,21 +379,3 @@ def has_header(msgtype: str) -> bool:
         return False
     name, (_, ftype) = fields[1][0]
     return name == "header" and ftype == "std_msgs/msg/Header"
-
-
-def _endian(raw: bytes | memoryview) -> str:
-    return "<" if raw[1] & 1 else ">"
-
-
-def header_stamp_ns(raw: bytes | memoryview) -> int:
-    """The header stamp (ns) of a raw CDR message that starts with a std_msgs/Header."""
-    sec, nsec = struct.unpack_from(_endian(raw) + "iI", raw, _ENCAPSULATION)
-    return sec * 1_000_000_000 + nsec
-
-
-def with_header_stamp(raw: bytes | memoryview, stamp_ns: int) -> bytes:
-    """A copy of ``raw`` whose header stamp is ``stamp_ns`` (no deserialization)."""
-    out = bytearray(raw)
-    sec, nsec = divmod(int(stamp_ns), 1_000_000_000)
-    struct.pack_into(_endian(raw) + "iI", out, _ENCAPSULATION, sec, nsec)
-    return bytes(out)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from physis_ros.bags.bagio import header_stamp_ns, read_all
+from physis_ros.bags.bagio import read_all
+from physis_ros.cdr import header_stamp_ns
 from physis_ros.bags.serveconf import OBSERVATION_TOPIC, ServeInfo, StreamInfo
 
 # What a role's message is called in reports (the node's wording).

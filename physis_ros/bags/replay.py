@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from physis_ros.bags.bagio import (BagError, UnknownTypeError, bag_info, has_header, header_stamp_ns,
-                                   iter_messages, open_bag, rclpy_class, with_header_stamp)
+from physis_ros.bags.bagio import (BagError, UnknownTypeError, bag_info, has_header, iter_messages, open_bag,
+                                   rclpy_class)
+from physis_ros.cdr import header_stamp_ns, with_header_stamp
 from physis_ros.bags.rosnode import qos_for
 
 CLOCK_TOPIC = "/clock"

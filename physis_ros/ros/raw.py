@@ -9,11 +9,12 @@ positions / velocities / accelerations) at their known offsets and publishes the
 converting them field by field to C, the larger part of the node's per-chunk
 cost on a cold CPU.
 
-The template is written here, not taken from ``rclpy.serialization.serialize_message``:
+The template is written by :class:`physis_ros.cdr.CdrWriter`, not taken from
+``rclpy.serialization.serialize_message``:
 with rmw_fastrtps that returns the rmw's *estimated* size (JointTrajectory: 8 bytes
 more per point) with leftover heap memory in the tail and in the alignment padding,
 and strict decoders (rosbags: "CDR message size mismatch") reject the message. The
-writer below emits exactly the message's CDR with zeroed padding; the constructor
+writer emits exactly the message's CDR with zeroed padding; the constructor
 checks all its non-padding bytes against ``serialize_message``. tests/ros/test_raw.py
 compares the bytes with rosbags' serializer.
 """
@@ -26,78 +27,14 @@ import numpy as np
 from builtin_interfaces.msg import Time
 from rclpy.serialization import serialize_message
 
+from physis_ros.cdr import BODY, STAMP, CdrWriter, f_view
 from physis_ros.ros import outputs
 from physis_ros.serving.config import StreamConfig
 from physis_ros.ros.conversions import time_msg
 from physis_ros.timeline import ChunkLanding
 
-_ENCAPSULATION = b"\x00\x01\x00\x00"   # CDR little endian, no options: what rmw_fastrtps sends
-_BODY = len(_ENCAPSULATION)            # CDR alignment counts from here
-_STAMP = struct.Struct("<iI")           # builtin_interfaces/Time
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
-
-
-class CdrWriter:
-    """Plain little-endian CDR (XCDR1, as ROS 2 rmws use) with zeroed padding; remembers where named
-    fields start (byte offsets in :attr:`buf`) and which bytes are alignment padding."""
-
-    def __init__(self):
-        self.buf = bytearray(_ENCAPSULATION)
-        self.at: dict[str, int] = {}
-        self.padding: list[int] = []
-
-    def _align(self, size: int) -> None:
-        pad = -(len(self.buf) - _BODY) % size
-        self.padding += range(len(self.buf), len(self.buf) + pad)
-        self.buf += bytes(pad)
-
-    def put(self, fmt: str, *values, name: str | None = None) -> None:
-        """Primitives of one size (``"Q"``, ``"iI"``), aligned to it."""
-        self._align(struct.calcsize(fmt[-1]))
-        if name:
-            self.at[name] = len(self.buf)
-        self.buf += struct.pack("<" + fmt, *values)
-
-    def string(self, s: str) -> None:
-        data = s.encode() + b"\0"
-        self.put("I", len(data))
-        self.buf += data
-
-    def strings(self, items) -> None:
-        self.put("I", len(items))
-        for s in items:
-            self.string(s)
-
-    def array(self, dtype: str, values, name: str | None = None) -> None:
-        """A sequence of numbers; an empty one has no alignment after its length (Fast CDR, rosbags)."""
-        data = np.asarray(values, dtype=dtype)
-        self.put("I", len(data))
-        if len(data):
-            self._align(data.itemsize)
-            if name:
-                self.at[name] = len(self.buf)
-            self.buf += data.tobytes()
-
-    def header(self, h) -> None:
-        self.put("iI", h.stamp.sec, h.stamp.nanosec, name="stamp")
-        self.string(h.frame_id)
-
-    def check_against_rmw(self, msg) -> None:
-        """Every byte but the padding equals the rmw's own serialization (whose length is only an upper bound)."""
-        rmw = np.frombuffer(serialize_message(msg), np.uint8)
-        ours = np.frombuffer(self.buf, np.uint8)
-        keep = np.ones(len(ours), bool)
-        keep[self.padding] = False
-        keep[2:4] = False   # encapsulation options: rmws may note end padding there (ours needs none)
-        if len(rmw) < len(ours) or not np.array_equal(rmw[:len(ours)][keep], ours[keep]):
-            raise RuntimeError(f"CDR template of {type(msg).__name__} ({len(ours)} bytes) disagrees with the "
-                               f"rmw's serialization ({len(rmw)} bytes, encapsulation {rmw[:4].tobytes()!r})")
-
-
-def _f_view(buf: bytearray, at: int, n: int, dtype: str) -> np.ndarray:
-    """A writable numpy view of ``n`` numbers at byte offset ``at`` of ``buf`` (pins its size)."""
-    return np.frombuffer(buf, dtype=dtype, count=n, offset=at)
 
 
 class ActionChunkRaw:
@@ -119,20 +56,20 @@ class ActionChunkRaw:
         w.put("I", msg.inference_delay_steps, name="delay")
         w.put("?", msg.late, name="late")
         w.put("I", msg.late_points, name="late_points")
-        w.check_against_rmw(msg)
+        w.check_against(serialize_message(msg), type(msg).__name__)
         self.buf, self.at = w.buf, w.at
-        self.actions = _f_view(self.buf, w.at["actions"], horizon * dof, "<f4").reshape(self.shape)
+        self.actions = f_view(self.buf, w.at["actions"], horizon * dof, "<f4").reshape(self.shape)
 
     def render(self, chunk: int, actions: np.ndarray, obs_stamp: Time, placement: ChunkLanding) -> bytes:
         if actions.shape != self.shape:
             raise ValueError(f"actions of shape {actions.shape}, template made for {self.shape}")
         buf, at = self.buf, self.at
-        _STAMP.pack_into(buf, at["stamp"], obs_stamp.sec, obs_stamp.nanosec)
+        STAMP.pack_into(buf, at["stamp"], obs_stamp.sec, obs_stamp.nanosec)
         _U64.pack_into(buf, at["chunk"], chunk)
         self.actions[...] = actions
         _U64.pack_into(buf, at["first_step"], placement.first_step)
         step0 = time_msg(placement.row0_due)
-        _STAMP.pack_into(buf, at["step0"], step0.sec, step0.nanosec)
+        STAMP.pack_into(buf, at["step0"], step0.sec, step0.nanosec)
         _U32.pack_into(buf, at["delay"], placement.delay_steps)
         _U32.pack_into(buf, at["late_points"], placement.first_row)
         buf[at["late"]] = placement.late
@@ -176,19 +113,19 @@ class _TrajectoryTemplate:
             w.array("<f8", p.accelerations, name=f"a{i}")
             w.array("<f8", p.effort)
             w.put("iI", p.time_from_start.sec, p.time_from_start.nanosec)
-        w.check_against_rmw(msg)
+        w.check_against(serialize_message(msg), type(msg).__name__)
         self.buf, self.stamp_at = w.buf, w.at["stamp"]
         # Each point's arrays sit at their own offsets (the padding between points alternates), but all
         # float64 data is 8-aligned after the encapsulation: one float64 view, indexed per element.
-        self.f8 = _f_view(self.buf, _BODY, (len(self.buf) - _BODY) // 8, "<f8")
+        self.f8 = f_view(self.buf, BODY, (len(self.buf) - BODY) // 8, "<f8")
         cols = np.arange(dof)
-        self.index = {k: np.array([(w.at[f"{k}{i}"] - _BODY) // 8 + cols for i in range(points)]) for k in "pva"}
+        self.index = {k: np.array([(w.at[f"{k}{i}"] - BODY) // 8 + cols for i in range(points)]) for k in "pva"}
 
     def render(self, positions: np.ndarray, velocities: np.ndarray, accelerations: np.ndarray, start: Time) -> bytes:
         for name, rows in (("positions", positions), ("velocities", velocities), ("accelerations", accelerations)):
             if rows.shape != self.shape:
                 raise ValueError(f"{name} of shape {rows.shape}, template made for {self.shape}")
-        _STAMP.pack_into(self.buf, self.stamp_at, start.sec, start.nanosec)
+        STAMP.pack_into(self.buf, self.stamp_at, start.sec, start.nanosec)
         self.f8[self.index["p"]] = positions
         self.f8[self.index["v"]] = velocities
         self.f8[self.index["a"]] = accelerations

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from rclpy.serialization import deserialize_message, serialize_message
 
-from physis_ros.bags.bagio import (BagError, BagWriter, bag_info, ensure_type, header_stamp_ns, read_all,
-                                   read_with_mcap, typestore, with_header_stamp)
+from physis_ros.bags.bagio import (BagError, BagWriter, bag_info, ensure_type, read_all, read_with_mcap,
+                                   typestore)
+from physis_ros.cdr import header_stamp_ns, with_header_stamp
 from physis_ros.bags.replay import parse_remaps, remap_topic
 from physis_ros.bags.scene import SceneSpec, scene_messages
 from physis_ros.bags.serveconf import load_serve_info

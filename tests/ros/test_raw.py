@@ -135,17 +135,19 @@ def test_raw_bytes_equal_an_independent_serializer(store, horizon, dof, frame_id
 
 def test_template_is_checked_against_the_rmw():
     """A layout that disagrees with the rmw's serialization (here: a field left out) fails at construction."""
-    from physis_ros.ros.raw import CdrWriter
+    from rclpy.serialization import serialize_message
+
+    from physis_ros.cdr import CdrWriter
 
     msg = outputs.action_chunk_msg("arm", _stream("base_link", 7), 3, np.ones((2, 7), np.float32), Time(sec=4))
     w = CdrWriter()
     w.header(msg.header)
     w.string(msg.stream)
     w.put("Q", msg.chunk_index)
-    w.check_against_rmw(msg)                 # a prefix that agrees so far
+    w.check_against(serialize_message(msg), "ActionChunk")   # a prefix that agrees so far
     w.strings(msg.joint_names)               # control_period skipped
     with pytest.raises(RuntimeError, match="disagrees with the rmw"):
-        w.check_against_rmw(msg)
+        w.check_against(serialize_message(msg), "ActionChunk")
 
 
 def test_render_returns_a_snapshot():
