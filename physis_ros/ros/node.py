@@ -35,7 +35,7 @@ from physis_ros.serving.config import ServeConfig
 from physis_ros.serving.fit import model_label
 from physis_ros.serving.engine_thread import EngineThread
 from physis_ros.serving.catalog import check_config_models
-from physis_ros.serving.server import Server, ServerEvent
+from physis_ros.serving.server import Server
 from physis_ros.ros.hub import StreamHub
 from physis_ros.ros.parameters import ServeParameters
 from physis_ros.ros.serve_action import ServeStreamServer
@@ -134,7 +134,6 @@ class PhysisServer(LifecycleNode):
                                f"{'deterministic' if c.deterministic else 'latest'} observations")
         self.closing = False
         self.server = Server(c, clock=self.now, log=logging.getLogger("physis.serving"))
-        self.server.subscribe(self.on_server_event)
         self.state = "starting"
         self.engine_started = time.monotonic()
         self.serving_since = None
@@ -237,12 +236,6 @@ class PhysisServer(LifecycleNode):
         self.stop_engine()
         self.state, self.lifecycle, self.closing = "unconfigured", "unconfigured", False
         return SUCCESS
-
-    # ---- the server's events (engine loop thread, or the thread that admitted or removed the stream) -------
-    def on_server_event(self, event: ServerEvent) -> None:
-        st = self.streams.get(event.stream)
-        if st is not None and event.kind in ("reset", "readmitted"):
-            st.log_event(event)
 
     # ---- health (executor thread) -----------------------------------------------------------------
     def publish_diagnostics(self) -> None:

@@ -16,6 +16,7 @@ Telemetry always flows.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -25,7 +26,6 @@ from rclpy.serialization import deserialize_message
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from trajectory_msgs.msg import JointTrajectory
 
-from physis_ros.logs import Throttle
 from physis_ros.msg import ActionChunk, ChunkTelemetry, PredictedFrames
 from physis_ros.ros import acceptance, outputs, qos
 from physis_ros.ros import conversions as conv
@@ -40,7 +40,6 @@ from physis_ros.telemetry import percentile
 
 if TYPE_CHECKING:
     from physis_ros.ros.node import PhysisServer
-    from physis_ros.serving.server import ServerEvent
     from physis_ros.serving.session import Chunk, Session
 
 
@@ -55,7 +54,6 @@ class RosStream:
         self.model_label = model_label(self.config.model or node.config.model, self.model)   # as configured
         self.namespace = stream_namespace(self.name, self.config)
         self.rejects_reported = 0
-        self.throttle = Throttle(node.config.warn_throttle_s)   # warnings, reset and re-admission lines, per cause
         # node-side timings (ms): engine emit -> on_chunk (handover), on_chunk -> first output published
         self.handover_ms: deque = deque(maxlen=200)
         self.publish_ms: deque = deque(maxlen=200)
@@ -115,7 +113,8 @@ class RosStream:
     def _subscribe(self, kind, topic: str, callback, profile, what: str) -> None:
         """Messages are taken as raw CDR and decoded here: a malformed one is counted
         (``rejected.undecodable_<what>`` on /diagnostics) and warned about at most once per throttle
-        period, where rmw printed a Fast CDR exception for each one on stderr and counted nothing."""
+        period, where rmw printed a Fast CDR exception for each one on stderr and counted nothing. One the
+        acceptance rule refuses (``callback`` raises InputRejected) is counted and warned about the same way."""
         def take(data: bytes) -> None:
             try:
                 msg = deserialize_message(data, kind)
@@ -124,7 +123,11 @@ class RosStream:
                 self.warn(f"undecodable_{what}", f"stream {self.name}: a message on {topic} could not be decoded "
                                                  f"as {kind.__name__} ({str(exc)[:160]}; {n} so far)")
                 return
-            callback(msg)
+            try:
+                callback(msg)
+            except conv.InputRejected as exc:
+                n = self.input.reject(exc.reason, INPUT_KINDS.get(what, ""))
+                self.warn(exc.reason, f"stream {self.name}: rejected {what} [{exc.reason}]: {exc.detail} ({n} so far)")
 
         self._subscriptions.append(self.node.create_subscription(kind, topic, take, profile, raw=True))
 
@@ -172,69 +175,34 @@ class RosStream:
                 "predicted_image": self.pub_image}
         return {f"{k}_subscribers": p.get_subscription_count() for k, p in pubs.items() if p is not None}
 
-    # ---- inputs (executor thread) -------------------------------------------------------------------
+    # ---- inputs (executor thread; one the acceptance rule refuses raises InputRejected to _subscribe) ------
     def warn(self, key: str, text: str) -> None:
-        """A warning throttled per (stream, key): at most one per ``warn_throttle_s``, saying how many were held."""
-        self.throttle.period_s = self.node.config.warn_throttle_s
-        line = self.throttle.line(key, text)
-        if line is not None:
-            self.node.get_logger().warning(line)
-
-    def _reject(self, exc: conv.InputRejected, what: str) -> None:
-        n = self.input.reject(exc.reason, INPUT_KINDS.get(what, ""))
-        self.warn(exc.reason, f"stream {self.name}: rejected {what} [{exc.reason}]: {exc.detail} ({n} so far)")
+        """A warning about the stream, at most one per key per ``warn_throttle_s`` (:meth:`Session.note`)."""
+        self.session.note(logging.WARNING, key, text)
 
     def on_image(self, msg: Image | CompressedImage) -> None:
         self.node.heap.note(len(msg.data))   # after a burst of large frames: malloc_trim once (see HeapTrimmer)
-        try:
-            data = acceptance.accept_image(msg, self.config, self.model, now=self.node.now())
-        except conv.InputRejected as exc:
-            self._reject(exc, "image")
-            return
+        data = acceptance.accept_image(msg, self.config, self.model, now=self.node.now())
         self.input.put_image(Sample(data, msg.header.stamp, conv.stamp_ns(msg.header.stamp)))
 
     def on_joints(self, msg: JointState) -> None:
-        try:
-            data = acceptance.accept_joints(msg, self.config, now=self.node.now(), model=self.model)
-        except conv.InputRejected as exc:
-            self._reject(exc, "joint_states")
-            return
+        data = acceptance.accept_joints(msg, self.config, now=self.node.now(), model=self.model)
         self.input.put("state", Sample(data, msg.header.stamp, conv.stamp_ns(msg.header.stamp)))
 
     def on_actions(self, msg: ActionChunk | JointTrajectory) -> None:
-        try:
-            data = acceptance.accept_actions(msg, self.config, self.model)
-        except conv.InputRejected as exc:
-            self._reject(exc, "actions")
-            return
+        data = acceptance.accept_actions(msg, self.config, self.model)
         self.input.put("actions", Sample(data, msg.header.stamp, conv.stamp_ns(msg.header.stamp)))
 
     def on_expert(self, msg: ActionChunk) -> None:
         """An expert's chunk for the observation of the same stamp: kept (briefly) for the tracking error."""
-        try:
-            rows = conv.actions_from_chunk(msg, list(self.config.joint_names), self.horizon)
-        except conv.InputRejected as exc:
-            self._reject(exc, "expert actions")
-            return
+        rows = conv.actions_from_chunk(msg, list(self.config.joint_names), self.horizon)
         self.delivery.expert(conv.stamp_ns(msg.header.stamp), rows)
 
     # ---- engine side (engine loop thread) -------------------------------------------------------------
-    def on_chunk(self, chunk: Chunk) -> None:
-        """Publish a chunk; one that cannot be published (any error on the way) is counted as lost, with the
-        reason, in /diagnostics and the goal's chunks_lost: never a silent gap."""
-        try:
-            self._output(chunk)
-        except Exception as exc:   # (ROS, a message field out of range, a bug): the robot must hear of it
-            reason = type(exc).__name__
-            h = self.health
-            h.lost_chunks += 1
-            h.undelivered[reason] += 1
-            line = self.throttle.line(f"unpublished:{reason}", f"stream {self.name}: chunk {chunk.index} not "
-                                      f"published ({reason}: {str(exc)[:200]}); counted as lost")
-            if line is not None:
-                self.node.get_logger().error(line)
-
-    def _output(self, out: Chunk) -> None:
+    def on_chunk(self, out: Chunk) -> None:
+        """Publish a chunk. One that cannot be published (any error on the way: ROS, a message field out of
+        range, a bug) raises to :meth:`Session.deliver`, which counts it as lost with the reason (/diagnostics,
+        the goal's chunks_lost) and says so: never a silent gap."""
         node = self.node
         start = time.perf_counter()
         # (the node clock is the system clock unless simulated; time.time() is the cheaper read)
@@ -280,21 +248,6 @@ class RosStream:
             self.warn("late", f"stream {self.name}: chunk {out.index} arrived after its last step was due "
                               f"({delivery.late_chunks} so far); not sent as a trajectory")
         return publish_ms
-
-    def log_event(self, event: ServerEvent) -> None:
-        """A reset or re-admission of the stream, logged at most once per cause per throttle period."""
-        log = self.node.get_logger()
-        self.throttle.period_s = self.node.config.warn_throttle_s   # a flood of resets: one line per cause per period
-        if event.kind == "reset":
-            line = self.throttle.line(f"reset:{event.reason}", f"stream {self.name} reset ({event.reason}): "
-                                      f"{event.detail}; {event.lost_chunks} chunk(s) in flight lost")
-            if line is not None:
-                log.error(line)
-        elif event.kind == "readmitted":
-            line = self.throttle.line("readmitted", f"stream {self.name} re-admitted: {event.detail} (chunk indices "
-                                      f"skip the lost ones; ERROR on /diagnostics until its first chunk)")
-            if line is not None:
-                log.warning(line)
 
     # ---- reports (executor thread) ----------------------------------------------------------------------
     def node_figures(self) -> dict[str, float]:

@@ -253,7 +253,8 @@ class Server:
                               StreamInput(cfg.deterministic, cfg.deterministic_queue, cfg.pair_timeout_s,
                                           stream.max_age_s, self.clock, paired),
                               self.clock, on_chunk, cfg.stats_window, source, timeline,
-                              wake=lambda: engine.observed(name), fixed=fixed)
+                              wake=lambda: engine.observed(name), fixed=fixed, log=self.log,
+                              warn_period_s=cfg.warn_throttle_s)
             future = engine.add_stream(name, session.take, session.deliver, model=served, plan=admitted.plan,
                                        slo_interval_ms=slo, release_interval_ms=pace if paced else None,
                                        timeline=timeline,
@@ -343,6 +344,8 @@ class Server:
         old, self.config = self.config, config
         with self._lock:
             sessions = dict(self._sessions)
+        for session in sessions.values():
+            session.throttle.period_s = config.warn_throttle_s
         for name, s in config.streams.items():
             session = sessions.get(name)
             if session is None or s == old.streams.get(name):

@@ -13,6 +13,7 @@ and ``next_chunk`` from any thread; the engine's thread calls :meth:`take`, :met
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from physis_ros.logs import Throttle
 from physis_ros.model.spec import ModelConfig
 from physis_ros.runtime.streams import ChunkOutput, Observation, ServedModel, StreamEvent
 from physis_ros.serving.config import StreamConfig
@@ -96,7 +98,8 @@ class Session:
                  slo_interval_ms: float, input: StreamInput, clock: Callable[[], float],
                  on_chunk: Callable[[Chunk], None] | None = None, stats_window: int = 200,
                  source: Source | None = None, timeline: ControlTimeline | None = None,
-                 wake: Callable[[], None] | None = None, fixed: Mapping[str, np.ndarray] | None = None):
+                 wake: Callable[[], None] | None = None, fixed: Mapping[str, np.ndarray] | None = None,
+                 log: logging.Logger | None = None, warn_period_s: float = 5.0):
         self.name = name
         self.config = config
         self.served = served
@@ -115,6 +118,8 @@ class Session:
         self.timeline = timeline
         self.admitted_mono = time.monotonic()
         self.health = SessionHealth()
+        self.log = log or logging.getLogger("physis.serving")
+        self.throttle = Throttle(warn_period_s)   # its warnings, resets and re-admissions: one line per cause per period
         self.stats = RollingStats(stats_window)
         self.stats_lock = threading.Lock()
         self.delivered = 0
@@ -286,8 +291,11 @@ class Session:
             try:
                 self.on_chunk(chunk)
             except Exception as exc:   # the reader's own error: counted as lost, never the engine's problem
+                reason = type(exc).__name__
                 self.health.lost_chunks += 1
-                self.health.undelivered[type(exc).__name__] += 1
+                self.health.undelivered[reason] += 1
+                self.note(logging.ERROR, f"undelivered:{reason}", f"stream {self.name}: chunk {out.chunk} not "
+                          f"delivered ({reason}: {str(exc)[:200]}); counted as lost")
             return
         with self._ready:
             if len(self._chunks) >= QUEUED_CHUNKS:
@@ -297,7 +305,20 @@ class Session:
             self._ready.notify_all()
 
     def on_event(self, event: StreamEvent) -> None:
+        """A reset or re-admission of the stream in the engine: its health, and a line (one per cause per period)."""
         self.health.on_event(event)
+        if event.kind == "failed":
+            cause = event.cause or "unknown"
+            self.note(logging.ERROR, f"reset:{cause}", f"stream {self.name} reset ({cause}): "
+                      f"{event.reason}; {event.lost_chunks} chunk(s) in flight lost")
+        elif event.kind == "readmitted":
+            self.note(logging.WARNING, "readmitted", f"stream {self.name} re-admitted: {event.reason} (chunk indices "
+                      f"skip the lost ones; its health is ERROR until its first chunk)")
+
+    def note(self, level: int, key: str, text: str) -> None:
+        """A line about the stream (a warning, a reset), written at most once per ``key`` per period (then saying
+        how many were held back), so that a flood costs a counter increment each, not a line each."""
+        self.throttle.log(self.log, level, key, text)
 
     def end(self, reason: str) -> None:
         """The stream is no longer served: readers waiting in next_chunk hear so."""

@@ -160,7 +160,6 @@ def admitted_stream(node, name: str, cfg):
 
     if node.server is None:
         node.server = Server(node.config, clock=node.now)
-        node.server.subscribe(node.on_server_event)
     c = node.config
     paired = [k for k in node.model.observation_shapes if k != "image"]
     slo = slo_interval_ms(cfg, node.model)

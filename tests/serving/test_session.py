@@ -133,18 +133,21 @@ def test_a_reset_starts_a_new_epoch_and_an_ended_stream_says_why():
         s.observe(state=np.zeros(7))
 
 
-def test_a_reader_callback_that_fails_costs_its_chunk_only():
+def test_a_reader_callback_that_fails_costs_its_chunk_only_and_is_said_once_per_period(caplog):
     got = []
 
     def reader(chunk):
-        if chunk.index == 1:
+        if chunk.index % 2:
             raise ValueError("the reader's own bug")
         got.append(chunk.index)
 
     s = session(on_chunk=reader)
-    for c in range(3):
-        s.deliver(output(s, c))
-    assert got == [0, 2] and s.health.lost_chunks == 1 and dict(s.health.undelivered) == {"ValueError": 1}
+    with caplog.at_level("ERROR", logger="physis.serving"):
+        for c in range(6):
+            s.deliver(output(s, c))
+    assert got == [0, 2, 4] and s.health.lost_chunks == 3 and dict(s.health.undelivered) == {"ValueError": 3}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "chunk 1 not delivered (ValueError: the reader's own bug)" in lines[0], lines
 
 
 def test_the_resampling_agrees_with_opencvs_area_resize():
