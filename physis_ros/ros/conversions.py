@@ -60,20 +60,11 @@ def check_stamp(stamp: Time, now: float, max_future_s: float, max_age_s: float) 
 # ---- images -------------------------------------------------------------------------------------
 def check_image_bytes(msg: Image | CompressedImage, max_bytes: int) -> None:
     """InputRejected("too_large") if the message carries more than ``max_bytes`` of image data (the length
-    only); a CompressedImage's decoded size is checked by :func:`compressed_pixels`, from its header."""
+    only); a CompressedImage's decoded size is checked from its header when it is decoded
+    (:func:`~physis_ros.serving.decode.decode_compressed`)."""
     what = ("compressed image" if isinstance(msg, CompressedImage)
             else f"{msg.width}x{msg.height} {msg.encoding} image")
     check_image_size(len(msg.data), max_bytes, what)
-
-
-def image_pixels(msg: Image, max_bytes: int | None = None) -> np.ndarray:
-    """A raw Image as uint8 [h, w, channels], a view of the message's buffer (:func:`raw_pixels`)."""
-    return raw_pixels(msg.data, msg.encoding, msg.height, msg.width, msg.step, max_bytes)
-
-
-def compressed_pixels(msg: CompressedImage, max_bytes: int | None = None) -> tuple[np.ndarray, str]:
-    """A jpeg/png CompressedImage decoded (:func:`decode_compressed`)."""
-    return decode_compressed(msg.data, max_bytes)
 
 
 def image_from_msg(msg: Image | CompressedImage, stream: StreamConfig, model: ModelConfig) -> np.ndarray:
@@ -83,9 +74,10 @@ def image_from_msg(msg: Image | CompressedImage, stream: StreamConfig, model: Mo
     channels, size, _ = model.observation_shapes["image"]
     max_bytes = stream.image.max_bytes
     if isinstance(msg, CompressedImage):
-        pixels, encoding = compressed_pixels(msg, max_bytes)
-    else:
-        pixels, encoding = image_pixels(msg, max_bytes), msg.encoding.lower()
+        pixels, encoding = decode_compressed(msg.data, max_bytes)
+    else:   # a view of the message's buffer
+        pixels = raw_pixels(msg.data, msg.encoding, msg.height, msg.width, msg.step, max_bytes)
+        encoding = msg.encoding.lower()
     return preprocess(pixels, encoding, size, channels, stream.image.preprocess, stream.image.pad_value)
 
 

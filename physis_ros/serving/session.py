@@ -305,13 +305,10 @@ class Session:
             self._ready.notify_all()
 
     def on_event(self, event: StreamEvent) -> None:
-        """A reset or re-admission of the stream in the engine: its health, and a line (one per cause per period)."""
+        """A reset or re-admission of the stream in the engine: its health, and for a re-admission a line (at
+        most one per period; the engine says each reset itself, :mod:`physis_ros.runtime.recovery`)."""
         self.health.on_event(event)
-        if event.kind == "failed":
-            cause = event.cause or "unknown"
-            self.note(logging.ERROR, f"reset:{cause}", f"stream {self.name} reset ({cause}): "
-                      f"{event.reason}; {event.lost_chunks} chunk(s) in flight lost")
-        elif event.kind == "readmitted":
+        if event.kind == "readmitted":
             self.note(logging.WARNING, "readmitted", f"stream {self.name} re-admitted: {event.reason} (chunk indices "
                       f"skip the lost ones; its health is ERROR until its first chunk)")
 
