@@ -90,6 +90,6 @@ def print_totals(report: dict[str, dict]) -> None:
             print(f"physis-serve: {name}: not admitted ({r['not_admitted']})", file=sys.stderr)
             continue
         rejected = ", ".join(f"{k} {v}" for k, v in sorted(r["rejected"].items())) or "none"
-        print(f"physis-serve: {name}: {r['chunks']} chunks, interval p50 {r['interval_ms_p50']:.1f} ms, latency p50 "
-              f"{r['latency_ms_p50']:.1f} ms, rejected inputs: {rejected}, ended {r['ended'] or 'serving'}",
-              file=sys.stderr)
+        ms = {k: "n/a" if r[k] is None else f"{r[k]:.1f} ms" for k in ("interval_ms_p50", "latency_ms_p50")}
+        print(f"physis-serve: {name}: {r['chunks']} chunks, interval p50 {ms['interval_ms_p50']}, latency p50 "
+              f"{ms['latency_ms_p50']}, rejected inputs: {rejected}, ended {r['ended'] or 'serving'}", file=sys.stderr)

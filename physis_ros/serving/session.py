@@ -85,6 +85,10 @@ class SessionHealth:
             self.recovering = None
 
 
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
 def _kind(images: Any, state: Any) -> str:
     """The input counter an observation's rejection is counted under."""
     return "images" if images is not None else ("joints" if state is not None else "actions")
@@ -342,7 +346,8 @@ class Session:
     def totals(self, engine_resets: Mapping[str, int] | None = None) -> dict[str, Any]:
         """The stream's totals for an exit summary: ``chunks`` its reader took (delivered, less those it could
         not take), inputs received and rejected, failures, chunks lost and why they were not delivered, resets
-        by cause, the interval and latency p50 (ms) over its last chunks, and how it ended (None: served)."""
+        by cause, the interval and latency p50 (ms) over its last chunks (None before two chunks: JSON's null, never
+        NaN), and how it ended (None: served)."""
         snap = self.input.snapshot()
         with self.stats_lock:
             summary = self.stats.summary() if self.stats.records else {}
@@ -351,8 +356,7 @@ class Session:
                 "origin": self.origin, "workers": list(self.workers), "received": snap["received"],
                 "rejected": snap["rejected"], "failures": h.failures, "lost_chunks": h.lost_chunks,
                 "unpublished": dict(h.undelivered), "resets": self.resets(engine_resets),
-                "interval_ms_p50": summary.get("interval_ms_p50", math.nan),
-                "latency_ms_p50": summary.get("latency_ms_p50", math.nan), "ended": self.ended}
+                **{k: _finite(summary.get(k)) for k in ("interval_ms_p50", "latency_ms_p50")}, "ended": self.ended}
 
     def figures(self, now: float, window_s: float, engine_resets: Mapping[str, int] | None = None) -> dict[str, Any]:
         """The stream's figures at ``now`` (server clock): rate, intervals, latency and deadline misses over

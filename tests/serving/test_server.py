@@ -160,6 +160,7 @@ def test_the_configs_streams_are_admitted_at_start_and_a_refused_one_is_recorded
     report = server.report()   # the exit summary: the stream served, and the config stream refused
     assert report["r0"]["ended"] == "shutdown" and report["r0"]["chunks"] >= 1, report
     assert report["r0"]["latency_ms_p50"] > 0 and report["r0"]["origin"] == "config", report
+    json.loads(json.dumps(report), parse_constant=lambda c: pytest.fail(f"{c} in the exit totals: not JSON"))
     assert report["r1"]["not_admitted"] == server.startup["r1"] and report["r1"]["chunks"] == 0, report
 
 
