@@ -14,8 +14,8 @@ every second); when the lease lapses the stream is removed and the goal ends ``c
 graph would tell too, but only after the client's DDS participant lease (about 19 s measured with Fast
 DDS's defaults) and without saying which client sent which goal; the lease is the client's own bound.
 
-``~/list_streams`` (ListStreams) names every stream served, config or action; ``~/remove_stream``
-(RemoveStream) removes any of them. Goals run as coroutines on the node's executor (no thread
+``~/list_streams`` (ListStreams) names every stream the server serves, config or action, and those of its other
+front ends (openpi clients); ``~/remove_stream`` (RemoveStream) removes any of them. Goals run as coroutines on the node's executor (no thread
 waits on a robot).
 """
 
@@ -185,22 +185,32 @@ class ServeStreamServer:
 
     # ---- services ---------------------------------------------------------------------------------------
     def _list(self, request, response: ListStreams.Response) -> ListStreams.Response:
-        streams = list(self.node.streams.values())
-        response.streams = [s.name for s in streams]
-        response.models = [s.model.name for s in streams]
-        response.namespaces = [s.namespace for s in streams]
-        response.origins = [s.origin for s in streams]
-        response.slo_interval_ms = [float(s.slo_interval_ms) for s in streams]
-        response.workers = [",".join(s.workers) for s in streams]
+        """Every stream the server serves: the node's (config, action) and other front ends' (an openpi client's,
+        with no namespace: it has no topics)."""
+        node = self.node
+        streams = node.server.streams() if node.server is not None else {}
+        response.streams = list(streams)
+        response.models = [s["model"] for s in streams.values()]
+        response.namespaces = [node.streams[n].namespace if n in node.streams else "" for n in streams]
+        response.origins = [s["origin"] for s in streams.values()]
+        response.slo_interval_ms = [float(s["slo_interval_ms"]) for s in streams.values()]
+        response.workers = [",".join(s["workers"]) for s in streams.values()]
         return response
 
     def _remove(self, request, response: RemoveStream.Response) -> RemoveStream.Response:
-        name = request.stream
-        if name not in self.node.streams:
-            response.ok, response.message = False, f"no stream '{name}' is served"
-            return response
-        self.end(name, "removed", "removed through remove_stream")
-        self.node.hub.leave(name)
+        """Remove any stream the server serves; another front end's hears it ended (``removed``)."""
+        name, node = request.stream, self.node
+        if name in node.streams:
+            self.end(name, "removed", "removed through remove_stream")
+            node.hub.leave(name)
+        else:
+            try:
+                if node.server is None:
+                    raise KeyError(name)
+                node.server.leave(name, timeout_s=None, reason="removed")
+            except KeyError:
+                response.ok, response.message = False, f"no stream '{name}' is served"
+                return response
         response.ok, response.message = True, f"stream '{name}' removed"
         return response
 

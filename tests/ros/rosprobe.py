@@ -152,6 +152,16 @@ def admitted_stream(node, name: str, cfg):
     """Stream ``name``'s ROS side as the node makes it once the server admitted it on w0, with no engine: its
     session registered with a server that is not started."""
     from physis_ros.ros.stream_topics import RosStream
+
+    session = registered_session(node, name, cfg, "config")
+    st = RosStream(node, session)
+    session.on_chunk = st.on_chunk
+    return st
+
+
+def registered_session(node, name: str, cfg, origin: str):
+    """A session of stream ``name`` as the node's server holds one it admitted on w0 (``origin``: config, action,
+    or another front end's, openpi), with no engine and no ROS side."""
     from physis_ros.runtime.streams import ServedModel
     from physis_ros.serving.fit import slo_interval_ms, stream_timeline
     from physis_ros.serving.intake import StreamInput
@@ -163,14 +173,12 @@ def admitted_stream(node, name: str, cfg):
     c = node.config
     paired = [k for k in node.model.observation_shapes if k != "image"]
     slo = slo_interval_ms(cfg, node.model)
-    session = Session(name, cfg, ServedModel(node.model), "config", ["w0"], slo,
+    session = Session(name, cfg, ServedModel(node.model), origin, ["w0"], slo,
                       StreamInput(c.deterministic, c.deterministic_queue, c.pair_timeout_s, cfg.max_age_s, node.now,
                                   paired), node.now,
                       timeline=stream_timeline(cfg, node.model, c.deterministic, slo, c.admission.pace_margin))
     node.server._sessions[name] = session   # (what Server.admit does once the engine runs the stream)
-    st = RosStream(node, session)
-    session.on_chunk = st.on_chunk
-    return st
+    return session
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from physis_ros.ros.diagnostics import to_msg
 from physis_ros.serving import health
 from physis_ros.telemetry import ChunkRecord, RollingStats, window_stats
 
-from rosprobe import served_stream
+from rosprobe import registered_session, served_stream
 
 
 
@@ -276,6 +276,31 @@ def test_a_storm_of_resets_logs_one_line_per_cause_per_period(caplog):
         st.session.throttle.clock = lambda: 1e12   # a period later: the next line says how many were held back
         node.server.on_engine_event(StreamEvent(name, "readmitted", "placed again on w0"))
         assert "49 similar line(s) held back" in caplog.records[-1].getMessage(), caplog.records[-1].getMessage()
+
+
+@pytest.mark.slow
+def test_another_front_ends_stream_is_on_diagnostics_listed_and_removable_through_the_node():
+    """The node serves beside other front ends on one server (an openpi client is a stream of its own): its
+    /diagnostics judges that stream from the server's figures, ~/list_streams names it (no namespace: it has no
+    topics) and ~/remove_stream removes it, its front end hearing it ended ``removed``."""
+    from physis_ros.ros import diagnostics
+    from physis_ros.srv import ListStreams, RemoveStream
+
+    with served_stream() as (node, name, st):
+        cfg = node.config.streams[name]
+        registered_session(node, "client0", cfg, "openpi")
+        events = []
+        node.server.subscribe(events.append)
+        names = [s.name for s in diagnostics.statuses(node)]
+        assert f"{node.diag_prefix}: client0" in names and f"{node.diag_prefix}: {name}" in names, names
+        listed = node.actions._list(ListStreams.Request(), ListStreams.Response())
+        rows = dict(zip(listed.streams, zip(listed.origins, listed.namespaces)))
+        assert rows == {name: ("config", st.namespace), "client0": ("openpi", "")}, rows
+        done = node.actions._remove(RemoveStream.Request(stream="client0"), RemoveStream.Response())
+        assert done.ok and "client0" not in node.server.streams() and name in node.server.streams(), done
+        assert [(e.stream, e.kind, e.reason) for e in events] == [("client0", "ended", "removed")], events
+        nobody = node.actions._remove(RemoveStream.Request(stream="client0"), RemoveStream.Response())
+        assert not nobody.ok and "no stream 'client0' is served" in nobody.message
 
 
 def test_a_streams_status_carries_what_admission_charges_it_beyond_its_bound():
