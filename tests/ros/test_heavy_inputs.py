@@ -19,7 +19,7 @@ Large samples and DDS: ``a``'s inputs are RELIABLE (a best-effort reader loses m
 which travel as many UDP fragments), and small frames pause during a burst (a KEEP_LAST 5 reader drops
 a large sample still in reassembly when five newer small ones overtake it).
 
-Memory: physis-serve makes two process settings (physis_ros/ros/dds.py, config/fastdds.xml) and the
+Memory: physis-serve makes two process settings (physis_ros/cli/serve.py, config/fastdds.xml) and the
 node itself calls ``malloc_trim(0)`` once after a burst of large frames
 (:class:`physis_ros.heap.HeapTrimmer`). Measured after 50 1080p + 4 4K frames (baseline
 ~287 MB; server RSS once settled, above baseline):
@@ -114,7 +114,7 @@ class Heavy:
         self.small_images.set()
         self.good_joints.set()
         self.stop_threads = threading.Event()
-        env = child_env(self.marker)  # physis-serve makes its own memory settings (physis_ros/ros/dds.py)
+        env = child_env(self.marker)  # physis-serve makes its own memory settings (physis_ros/cli/serve.py)
         self.synthetic = Child("synthetic", synthetic_command(self.config, "--rate", "20", "--width", "40",
                                                               "--height", "30", "--streams", NS["b"]),
                                env=env, log=tmp / "synthetic.log")
