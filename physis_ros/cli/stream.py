@@ -141,8 +141,9 @@ def _list(node, args) -> int:
         time.sleep(0.2)
     rows = [{"stream": s, "model": m, "namespace": n, "origin": o, "slo_interval_ms": slo, "workers": w.split(",")}
             for s, m, n, o, slo, w in zip(r.streams, r.models, r.namespaces, r.origins, r.slo_interval_ms, r.workers)]
-    for row in rows:
-        print(f"{row['stream']:<16} {row['model']:<12} /{row['namespace']:<16} {row['origin']:<7} "
+    for row in rows:   # (a stream of another front end, an openpi client, has no topics: no namespace)
+        ns = f"/{row['namespace']}" if row["namespace"] else "-"
+        print(f"{row['stream']:<16} {row['model']:<12} {ns:<17} {row['origin']:<7} "
               f"SLO {row['slo_interval_ms']:.1f} ms  on {','.join(row['workers'])}")
     if not rows:
         print("(no stream is served)")
