@@ -69,10 +69,12 @@ def descriptor(leaf: ConfigLeaf) -> ParameterDescriptor:
     d = ParameterDescriptor(description=rules.description, read_only=rules.read_only,
                             additional_constraints=rules.constraints)
     low, high, ptype = rules.low, rules.high, ros_type(leaf)
-    if (low is not None or high is not None) and ptype == Parameter.Type.DOUBLE:
+    if low is None and high is None:
+        return d
+    if ptype == Parameter.Type.DOUBLE:
         d.floating_point_range = [FloatingPointRange(from_value=float(low) if low is not None else -math.inf,
                                                      to_value=float(high) if high is not None else math.inf, step=0.0)]
-    elif (low is not None or high is not None) and ptype == Parameter.Type.INTEGER:
+    elif ptype == Parameter.Type.INTEGER:
         d.integer_range = [IntegerRange(from_value=int(low) if low is not None else _INT64[0],
                                         to_value=int(high) if high is not None else _INT64[1], step=1)]
     return d

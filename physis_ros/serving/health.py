@@ -27,9 +27,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dataclasses import dataclass, field
+
+if TYPE_CHECKING:
+    from physis_ros.serving.config import ServeConfig
 
 OK, WARN, ERROR = 0, 1, 2       # the levels of diagnostic_msgs' status message
 PREFIX = "physis_server"
@@ -292,8 +295,8 @@ class Outputs:
     idle_s: float | None = None
 
 
-def statuses(figures: Mapping[str, Any], config: Any, reporter: Reporter, outputs: Mapping[str, Outputs],
-             pending: Mapping[str, str | None] = {}, departed: Iterable[str] = ()) -> list[Status]:
+def statuses(figures: Mapping[str, Any], config: ServeConfig, reporter: Reporter, outputs: Mapping[str, Outputs],
+             pending: Mapping[str, str | None] | None = None, departed: Iterable[str] = ()) -> list[Status]:
     """The engine's, every stream's and every worker's status from the server's figures
     (:meth:`Server.stats <physis_ros.serving.server.Server.stats>`; ``config`` its ServeConfig), the front end's
     ``outputs`` of its own streams, the config streams not served (``pending``: stream -> its rejection, None
@@ -333,5 +336,5 @@ def statuses(figures: Mapping[str, Any], config: Any, reporter: Reporter, output
             requests=out is None and stats["cadence"] == "request"))
     streams += [removed_stream_status(name, prefix=prefix, hardware_id=host) for name in departed]
     streams += [pending_stream_status(name, verdict, reporter.state, prefix=prefix, hardware_id=host)
-                for name, verdict in pending.items()]
+                for name, verdict in (pending or {}).items()]
     return [engine, *streams, *workers]

@@ -123,7 +123,7 @@ class Session:
         self.admitted_mono = time.monotonic()
         self.health = SessionHealth()
         self.log = log or logging.getLogger("physis.serving")
-        self.throttle = Throttle(warn_period_s)   # its warnings, resets and re-admissions: one line per cause per period
+        self.throttle = Throttle(warn_period_s)   # its warnings and re-admissions: one line per cause per period
         self.stats = RollingStats(stats_window)
         self.stats_lock = threading.Lock()
         self.delivered = 0
@@ -317,7 +317,7 @@ class Session:
                       f"skip the lost ones; its health is ERROR until its first chunk)")
 
     def note(self, level: int, key: str, text: str) -> None:
-        """A line about the stream (a warning, a reset), written at most once per ``key`` per period (then saying
+        """A line about the stream (a warning, a re-admission), written at most once per ``key`` per period (then saying
         how many were held back), so that a flood costs a counter increment each, not a line each."""
         self.throttle.log(self.log, level, key, text)
 
